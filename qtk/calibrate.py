@@ -1,0 +1,184 @@
+"""The one sequential driver every method goes through.
+
+    capture the inputs of block 0 (embeddings, rotary, masks) for the calibration batches
+    for each decoder block:
+        move it to the calibration device                      (only this block is there)
+        smoothing (awq / smoothquant): rescale float weights, fold into the previous op
+        observe static activation / KV ranges as the method needs
+        weights (rtn / gptq): replace each Linear by a QuantLinear
+        recompute the block's outputs with the quantized weights -> next block's inputs
+        move it back to CPU
+
+Methods see a `Block`: the layer, its targeted linears, and helpers to run it on the captured
+inputs with hooks. Peak device memory is one block plus one batch of activations.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .models import Arch, arch_for, get_module, set_module
+from .recipe import Recipe
+from .runtime.layers import QuantLinear
+from .schemes import check_group_divides
+
+log = logging.getLogger(__name__)
+
+
+class _Stop(Exception):
+    pass
+
+
+@dataclass
+class BlockInputs:
+    """Calibration activations entering a block: one hidden-state tensor and kwargs per batch."""
+
+    hidden: list[torch.Tensor]  # each [batch, seq, hidden], kept on CPU between blocks
+    kwargs: list[dict]  # position embeddings, masks, ... (on the calibration device)
+
+    def __len__(self):
+        return len(self.hidden)
+
+
+@dataclass
+class Block:
+    index: int
+    name: str  # e.g. "model.layers.3"
+    layer: nn.Module
+    arch: Arch
+    inputs: BlockInputs | None
+    device: torch.device
+    targets: tuple[str, ...]  # relative names of the Linear layers to quantize
+    errors: dict[str, float] = field(default_factory=dict)
+
+    def linear(self, name: str) -> nn.Module:
+        return get_module(self.layer, name)
+
+    def run(self, module: nn.Module | None = None) -> list[torch.Tensor]:
+        """Outputs of the layer on every input batch (moved back to CPU)."""
+        outs = []
+        with torch.no_grad():
+            for h, kw in zip(self.inputs.hidden, self.inputs.kwargs):
+                y = self.layer(h.to(self.device), **kw)
+                outs.append((y[0] if isinstance(y, tuple) else y).to("cpu"))
+        return outs
+
+    @contextlib.contextmanager
+    def hooks(self, names, fn):
+        """Call fn(name, x) with the input of each named submodule on every forward."""
+        handles = [get_module(self.layer, n).register_forward_pre_hook(
+            lambda m, args, n=n: fn(n, args[0])) for n in names]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def replace(self, name: str, module: nn.Module) -> None:
+        set_module(self.layer, name, module)
+
+
+def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torch.device,
+                   batch_size: int) -> BlockInputs:
+    """Run the model up to block 0 and keep what it receives, one entry per batch."""
+    layers = get_module(model, arch.layers)
+    pre = [get_module(model, arch.embed), get_module(model, arch.rotary)]
+    for m in pre:
+        m.to(device)
+    hidden, kwargs = [], []
+
+    def grab(_, args, kw):
+        hidden.append((args[0] if args else kw.pop("hidden_states")).to("cpu"))
+        kwargs.append({k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "past_key_value")})
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for i in range(0, len(ids), batch_size):
+                try:
+                    model(input_ids=ids[i:i + batch_size].to(device), use_cache=False)
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
+        for m in pre:
+            m.to("cpu")
+    for kw in kwargs:
+        kw["use_cache"] = False
+    return BlockInputs(hidden, kwargs)
+
+
+def targeted_linears(model: nn.Module, recipe: Recipe) -> dict[str, nn.Linear]:
+    """Full names of the block Linears the recipe quantizes (ignore patterns applied)."""
+    from .checkpoint import target_matches
+
+    arch = arch_for(model.config)
+    out = {}
+    for i, layer in enumerate(get_module(model, arch.layers)):
+        for rel in arch.linears:
+            name = f"{arch.layers}.{i}.{rel}"
+            mod = get_module(layer, rel)
+            if not any(target_matches(name, mod, t) for t in recipe.ignore):
+                out[name] = mod
+    return out
+
+
+def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | None = None,
+                   progress: bool = True) -> dict:
+    """Quantize `model` in place, block by block; returns a report (per-layer errors, timings)."""
+    from .methods import SMOOTHING, WEIGHTS
+    from .methods.kv_cache import finish_observing, start_observing
+
+    arch = arch_for(model.config)
+    device = torch.device(recipe.device)
+    targets = targeted_linears(model, recipe)
+    check_group_divides(recipe.scheme, {n: m.in_features for n, m in targets.items()})
+    if recipe.needs_data and calib_ids is None:
+        raise ValueError(f"method {recipe.method!r} with this scheme needs calibration data")
+    t0 = time.perf_counter()
+    model.config.use_cache = False
+    inputs = capture_inputs(model, arch, calib_ids, device, recipe.calibration.batch_size) if recipe.needs_data else None
+    layers = get_module(model, arch.layers)
+    report = {"layers": {}, "blocks": len(layers)}
+    bar = tqdm(range(len(layers)), desc=f"qtk {recipe.method}", unit="block", disable=not progress)
+    for i in bar:
+        layer = layers[i].to(device)
+        prefix = f"{arch.layers}.{i}"
+        rel = tuple(n[len(prefix) + 1:] for n in targets if n.startswith(prefix + "."))
+        block = Block(i, prefix, layer, arch, inputs, device, rel)
+        if recipe.smoothing is not None:
+            SMOOTHING[recipe.smoothing](block, recipe)
+        WEIGHTS[recipe.weights](block, recipe)
+        if inputs is not None:
+            attn = start_observing(model, layer, arch, recipe.kv_cache) if recipe.kv_cache else None
+            inputs = BlockInputs(block.run(), inputs.kwargs)
+            block.inputs = inputs
+            if attn is not None:
+                finish_observing(model, attn, recipe.kv_cache, dtype=next(layer.parameters()).dtype)
+        layers[i] = layer.to("cpu")
+        for name, err in block.errors.items():
+            report["layers"][f"{prefix}.{name}"] = err
+        if block.errors:
+            bar.set_postfix(err=f"{max(block.errors.values()):.3g}", worst=max(block.errors, key=block.errors.get))
+        log.debug("block %d errors %s", i, block.errors)
+    if recipe.kv_cache is not None:
+        from .methods.kv_cache import enable_kv_quant
+
+        for layer in layers:
+            get_module(layer, arch.attention).kv_scheme = recipe.kv_cache
+        enable_kv_quant(model)
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def checkpoint_groups(model: nn.Module, recipe: Recipe) -> tuple[list, list[str]]:
+    """(config groups, ignore list) describing a quantized model: every Linear left float is ignored."""
+    ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear)]
+    return [(recipe.scheme, ["Linear"])], ignore

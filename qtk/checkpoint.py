@@ -1,0 +1,299 @@
+"""compressed-tensors checkpoints: write them atomically, read them (ours and llm-compressor's).
+
+On disk (as llm-compressor writes it): config.json with `quantization_config`
+{quant_method: compressed-tensors, quantization_status: compressed, format, config_groups,
+ignore, kv_cache_scheme, ...}, safetensors shards holding each quantized Linear's
+weight_packed/weight/weight_scale/weight_zero_point/weight_shape/input_scale and each attention
+module's k_scale/v_scale, plus the tokenizer, chat template and generation config.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .models import arch_for, get_module, set_module
+from .runtime.layers import QuantLinear
+from .schemes import KVCacheScheme, Scheme
+
+log = logging.getLogger(__name__)
+
+CT_VERSION = "0.20.0"
+MAX_SHARD_BYTES = 5 * 2**30
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as written; the message names the file or tensor."""
+
+
+# --- config ------------------------------------------------------------------------------
+
+def quantization_config(groups: list[tuple[Scheme, list[str]]], ignore: list[str],
+                        kv: KVCacheScheme | None) -> dict:
+    formats = {s.format for s, _ in groups}
+    config_groups = {}
+    for i, (scheme, targets) in enumerate(groups):
+        d = scheme.to_dict()
+        d["targets"] = targets
+        config_groups[f"group_{i}"] = d
+    return {
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "config_groups": config_groups,
+        "ignore": ignore,
+        "kv_cache_scheme": None if kv is None else kv.to_dict(),
+        "sparsity_config": {},
+        "transform_config": {},
+        "global_compression_ratio": None,
+        "version": CT_VERSION,
+    }
+
+
+def target_matches(name: str, module: nn.Module, target: str) -> bool:
+    """compressed-tensors target semantics: 're:REGEX' on the name, a class name, or a name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == type(module).__name__ or target == name or (target == "Linear" and isinstance(module, nn.Linear))
+
+
+def parse_quantization_config(qc: dict) -> tuple[list[Scheme], list[str], KVCacheScheme | None]:
+    if qc.get("quant_method") != "compressed-tensors":
+        raise CheckpointError(f"quantization_config.quant_method is {qc.get('quant_method')!r}; "
+                              "qtk reads compressed-tensors checkpoints (or converts gptq/awq ones)")
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise CheckpointError(f"quantization_status {status!r} is not supported; qtk reads compressed checkpoints")
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise CheckpointError("quantization_config.config_groups is empty")
+    try:
+        schemes = [Scheme.from_dict({"format": qc.get("format"), **g}) for g in groups.values()]
+        kv = KVCacheScheme.from_dict(qc.get("kv_cache_scheme"))
+    except ValueError as e:
+        raise CheckpointError(f"config.json quantization_config: {e}") from e
+    for name, g, s in zip(groups, groups.values(), schemes):
+        fmt = g.get("format") or qc.get("format")
+        if fmt not in ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "mixed-precision"):
+            raise CheckpointError(f"config group {name}: format {fmt!r} is not supported "
+                                  "(pack-quantized, int-quantized, float-quantized, naive-quantized)")
+        if fmt == "pack-quantized" and (s.weights.type != "int" or s.input_activations is not None):
+            raise CheckpointError(f"config group {name}: pack-quantized format with an activation or float scheme")
+    return schemes, list(qc.get("ignore") or []), kv
+
+
+# --- writing -----------------------------------------------------------------------------
+
+def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, groups: list[tuple[Scheme, list[str]]],
+                   ignore: list[str], kv: KVCacheScheme | None, dtype: torch.dtype = torch.bfloat16,
+                   force: bool = False, extra_files: dict[str, str] | None = None) -> Path:
+    """Write `model` (with QuantLinear layers) to out_dir atomically: temp dir, then rename."""
+    out = Path(out_dir)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        _write(model, tokenizer, tmp, groups, ignore, kv, dtype, extra_files or {})
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files):
+    os.chmod(d, 0o755)
+    state = {}
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for k, v in model.state_dict().items():
+        if tied and k == "lm_head.weight":
+            continue
+        v = v.detach().to("cpu")
+        if v.is_floating_point() and v.dtype != torch.float8_e4m3fn:
+            v = v.to(dtype)
+        state[k] = v.contiguous()
+    _save_shards(state, d)
+    cfg = model.config.to_dict()
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    cfg.pop("torch_dtype", None)
+    cfg["quantization_config"] = quantization_config(groups, ignore, kv)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(d)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(d)
+    for name, text in extra_files.items():
+        (d / name).write_text(text)
+
+
+def _save_shards(state: dict[str, torch.Tensor], d: Path):
+    shards, cur, size = [], {}, 0
+    for k, v in state.items():
+        nbytes = v.numel() * v.element_size()
+        if cur and size + nbytes > MAX_SHARD_BYTES:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = v
+        size += nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+        save_file(shards[0], str(d / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(d / name), metadata={"format": "pt"})
+        for k, v in shard.items():
+            weight_map[k] = name
+            total += v.numel() * v.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+# --- reading -----------------------------------------------------------------------------
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint dir, with a clear error for a missing or truncated file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for f in files:
+        fp = path / f
+        if not fp.is_file():
+            raise CheckpointError(f"{fp} is listed in the index but missing")
+        try:
+            with safe_open(str(fp), framework="pt") as sf:
+                for k in sf.keys():
+                    tensors[k] = sf.get_tensor(k)
+        except Exception as e:  # safetensors raises its own error types for truncated headers/data
+            raise CheckpointError(f"{fp} cannot be read (truncated or corrupt safetensors file): {e}") from e
+    return tensors
+
+
+def quantized_linear_names(model: nn.Module, schemes: list[Scheme], ignore: list[str]) -> dict[str, Scheme]:
+    """Which Linear layers a config's groups target (first group wins), minus ignored ones."""
+    chosen = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        if any(target_matches(name, mod, t) for t in ignore):
+            continue
+        for s in schemes:
+            if any(target_matches(name, mod, t) for t in s.targets):
+                chosen[name] = s
+                break
+    return chosen
+
+
+def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+    """Build the model from config.json with QuantLinear layers and load the tensors into it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise CheckpointError(f"{path / 'config.json'} cannot be read: {e}") from e
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        raise CheckpointError(f"{path / 'config.json'} has no quantization_config")
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    schemes, ignore, kv = parse_quantization_config(qc)
+    arch = arch_for(config)
+    del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = read_tensors(path)
+    for name, scheme in quantized_linear_names(model, schemes, ignore).items():
+        lin = get_module(model, name)
+        has_gidx = f"{name}.weight_g_idx" in tensors
+        set_module(model, name, QuantLinear(lin.in_features, lin.out_features, scheme, lin.bias is not None,
+                                            dtype=dtype, device="meta", g_idx=has_gidx))
+    if kv is not None:
+        from .methods.kv_cache import attach_kv_scales
+
+        attach_kv_scales(model, arch, kv, device="meta")
+    _load_state(model, tensors, dtype, path)
+    with torch.device("cpu"):
+        rotary = get_module(model, arch.rotary)
+        set_module(model, arch.rotary, type(rotary)(config=model.config))
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.get_input_embeddings().weight
+    model.config.quantization_config = qc
+    return model.to(device)
+
+
+def _load_state(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, path: Path):
+    expected = model.state_dict()
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [k for k in expected if k not in tensors and not (tied and k == "lm_head.weight")]
+    if missing:
+        raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing from the checkpoint"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    unexpected = [k for k in tensors if k not in expected]
+    if unexpected:
+        raise CheckpointError(f"{path}: tensor {unexpected[0]!r} is not part of the model the config describes"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    state = {}
+    for k, ref in expected.items():
+        if k not in tensors:
+            continue
+        t = tensors[k]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise CheckpointError(f"{path}: tensor {k!r} has shape {list(t.shape)} but the config implies "
+                                  f"{list(ref.shape)} (does quantization_config match the tensors?)")
+        if ref.dtype in (torch.int32, torch.int64, torch.int8, torch.float8_e4m3fn) and t.dtype != ref.dtype:
+            raise CheckpointError(f"{path}: tensor {k!r} has dtype {t.dtype}, expected {ref.dtype}")
+        if t.is_floating_point() and ref.is_floating_point() and ref.dtype != torch.float8_e4m3fn:
+            t = t.to(ref.dtype)
+        state[k] = t
+    if "weight_shape" in "".join(state):
+        for k, t in state.items():
+            if k.endswith(".weight_shape"):
+                mod = model.get_submodule(k.rsplit(".", 1)[0])
+                if t.tolist() != [mod.out_features, mod.in_features]:
+                    raise CheckpointError(f"{path}: {k} is {t.tolist()}, the model has "
+                                          f"[{mod.out_features}, {mod.in_features}]")
+    model.load_state_dict(state, strict=False, assign=True)
+
+
+def read_tensor_meta(path: Path) -> dict[str, tuple[str, list[int], int]]:
+    """name -> (dtype, shape, bytes) from the safetensors headers, without loading data."""
+    sizes = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1, "BOOL": 1}
+    meta = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            try:
+                header = json.loads(fh.read(n))
+            except ValueError as e:
+                raise CheckpointError(f"{f} has a corrupt safetensors header") from e
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            numel = 1
+            for s in v["shape"]:
+                numel *= s
+            meta[k] = (v["dtype"], v["shape"], numel * sizes.get(v["dtype"], 1))
+    return meta

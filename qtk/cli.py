@@ -1,0 +1,153 @@
+"""The `qtk` command: thin click wrappers that parse, call the library, and print."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+MODEL_HELP = "an HF model directory, a .gguf file, a qtk/compressed-tensors checkpoint, or 'smollm2-135m' (bundled)"
+
+
+class QtkGroup(click.Group):
+    """Turns the library's validation errors into one clear line and exit code 2, not a traceback."""
+
+    def invoke(self, ctx):
+        from .checkpoint import CheckpointError
+
+        try:
+            return super().invoke(ctx)
+        except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, RuntimeError) as e:
+            if logging.getLogger().isEnabledFor(logging.DEBUG):
+                raise
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=QtkGroup)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging (and full tracebacks).")
+def main(verbose: bool):
+    """qtk: quantize Hugging Face causal LMs, gate their quality, serve them."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "filelock", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _section(**kw):
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+@main.command()
+@click.argument("model")
+@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8"]), default=None,
+              help="Calibration method (required unless --recipe gives one).")
+@click.option("--scheme", default=None, help="w4a16 (default for rtn/gptq), w4a16_asym (awq), w8a16, w8a8 "
+              "(smoothquant), fp8 (per-channel weights, dynamic per-token activations), fp8_static.")
+@click.option("--group-size", type=int, default=None,
+              help="Weight group size for w4a16/w8a16 (default 128; -1 = per channel). Must divide every "
+                   "quantized layer's input size; qtk refuses otherwise and suggests one that does.")
+@click.option("--output", "-o", required=True, type=click.Path(), help="Checkpoint directory to write.")
+@click.option("--force", is_flag=True, help="Replace --output if it exists.")
+@click.option("--recipe", "recipe_file", type=click.Path(), default=None,
+              help="YAML recipe (see calibration/recipes/); flags given here override it.")
+@click.option("--weights", type=click.Choice(["rtn", "gptq"]), default=None,
+              help="Weight quantizer after smoothing (awq, smoothquant): rtn (default) or gptq.")
+@click.option("--act-order", is_flag=True, default=None, help="GPTQ: solve columns by descending Hessian "
+              "diagonal (static act-order: groups keep their order, no g_idx).")
+@click.option("--dampening", type=float, default=None, help="GPTQ: damping as a fraction of mean(diag H) (0.01).")
+@click.option("--alpha", type=float, default=None, help="SmoothQuant migration strength (0.5).")
+@click.option("--kv-cache", type=click.Choice(["fp8", "int8"]), default=None, help="Also calibrate KV-cache scales.")
+@click.option("--kv-strategy", type=click.Choice(["tensor", "head"]), default=None, help="KV scales per tensor or per head.")
+@click.option("--ignore", multiple=True, help="Extra layer names or 're:REGEX' patterns to keep in float (lm_head always).")
+@click.option("--dataset", default=None, help="Calibration text: builtin (pydoc topics), FILE.txt, FILE.jsonl, hf:NAME.")
+@click.option("--num-samples", type=int, default=None, help="Calibration samples (64).")
+@click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample (512).")
+@click.option("--batch-size", type=int, default=None, help="Calibration samples per forward (8).")
+@click.option("--chat-template", is_flag=True, default=None, help="Wrap calibration samples in the chat template.")
+@click.option("--seed", type=int, default=None, help="Seed for picking calibration samples (0).")
+@click.option("--device", default=None, help="Calibration device: cpu or cuda[:N] (one block at a time goes there).")
+def quantize(model, output, force, recipe_file, act_order, dampening, alpha, dataset, num_samples, seq_len,
+             batch_size, chat_template, seed, **top):
+    """Quantize MODEL and write a compressed-tensors checkpoint to --output."""
+    from . import pipeline, recipe as rec
+
+    recipe = rec.build(recipe_file=recipe_file, **top,
+                       gptq=_section(act_order=act_order, dampening=dampening),
+                       smoothquant=_section(alpha=alpha),
+                       calibration=_section(dataset=dataset, num_samples=num_samples, seq_len=seq_len,
+                                            batch_size=batch_size, chat_template=chat_template, seed=seed))
+    report = pipeline.quantize(model, recipe, output, force=force)
+    click.echo(f"wrote {output} ({recipe.method}, {len(report['layers'])} layers, "
+               f"{report['calibration_tokens']} calibration tokens, {report['seconds']:.1f} s quantize, "
+               f"{report['total_seconds']:.1f} s total)")
+
+
+@main.command()
+@click.argument("model")
+@click.option("--json", "json_out", is_flag=True, help="Print JSON instead of a table.")
+def inspect(model, json_out):
+    """Per-layer scheme, bits and size on disk against the bf16 original; the KV-cache scheme."""
+    from .inspect import inspect_checkpoint, render
+
+    info = inspect_checkpoint(model)
+    click.echo(json.dumps(info, indent=2) if json_out else render(info))
+
+
+@main.command("eval")
+@click.argument("model")
+@click.option("--task", type=click.Choice(["ppl"]), default="ppl", show_default=True, help="What to measure.")
+@click.option("--dataset", default="builtin", show_default=True,
+              help="Evaluation text: builtin (pydoc topics, evaluation split), FILE.txt, FILE.jsonl, hf:NAME.")
+@click.option("--seq-len", type=int, default=2048, show_default=True, help="Window length in tokens.")
+@click.option("--limit", type=int, default=None, help="Score at most N windows.")
+@click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON here.")
+def eval_(model, task, dataset, seq_len, limit, batch_size, device, json_path):
+    """Measure MODEL's quality (perplexity by the protocol in shared/bench.md)."""
+    from .evals.perplexity import eval_windows, perplexity
+    from .models import load_model
+
+    m, tok = load_model(model, device=device)
+    windows = eval_windows(tok, dataset, seq_len, limit)
+    res = perplexity(m, windows, batch_size=batch_size, dataset=dataset)
+    click.echo(f"{model}: {res}")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"model": model, "task": task, **res.to_dict()}, indent=2) + "\n")
+
+
+@main.command()
+@click.argument("model")
+@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--max-tokens", type=int, default=64, show_default=True, help="New tokens to generate.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--device", default="cpu", show_default=True)
+def generate(model, prompt, max_tokens, chat, temperature, device):
+    """Generate a continuation of --prompt with MODEL (float or quantized)."""
+    from .generate import generate as gen
+
+    click.echo(gen(model, prompt, max_tokens=max_tokens, chat=chat, temperature=temperature, device=device))
+
+
+@main.group()
+def bench():
+    """Benchmarks that print and record numbers (shared/bench.md)."""
+
+
+@bench.command("kernels")
+@click.option("--shapes", default="llama3-8b", show_default=True, help="Model shapes to run.")
+@click.option("--m", "ms", default="1,16,64,256,1024,4096", show_default=True, help="Comma-separated M values.")
+@click.option("--out", type=click.Path(), default="benchmarks/results", show_default=True, help="Directory for the JSON.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
+def bench_kernels(shapes, ms, out, dtype):
+    """W4A16 / W8A8 / FP8 GEMMs against bf16 cuBLAS and the hardware limit (needs CUDA)."""
+    from .kernels.bench import run
+
+    run(shapes=shapes, ms=[int(m) for m in ms.split(",")], out=out, dtype=dtype)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Calibration and evaluation text: the built-in corpus, local .txt/.jsonl files, HF datasets.
+
+The built-in corpus is CPython's own documentation (pydoc_data.topics: 79 topics of English
+prose, on every machine). Topics are split by name into disjoint calibration and evaluation
+sets (every 4th topic in sorted order is evaluation), so the two never overlap.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("calibration", "evaluation")
+
+
+def builtin_texts(split: str) -> list[str]:
+    from pydoc_data.topics import topics
+
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    names = sorted(topics)
+    keep = [n for i, n in enumerate(names) if (i % 4 == 0) == (split == "evaluation")]
+    return [topics[n] for n in keep]
+
+
+def file_texts(path: Path, text_key: str = "text") -> list[str]:
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {path} not found")
+    if path.suffix == ".txt":
+        return [path.read_text()]
+    if path.suffix == ".jsonl":
+        texts = []
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from e
+            if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
+                raise ValueError(f"{path}:{i}: each line must be a JSON object with a string {text_key!r} field")
+            texts.append(row[text_key])
+        return texts
+    raise ValueError(f"dataset file {path} must be .txt or .jsonl")
+
+
+def hf_texts(name: str, split: str, text_key: str = "text") -> list[str]:
+    """`hf:NAME[:CONFIG]` via datasets (online users); offline, a clear error."""
+    import datasets
+
+    repo, _, config = name.partition(":")
+    hf_split = "train" if split == "calibration" else "test"
+    try:
+        ds = datasets.load_dataset(repo, config or None, split=hf_split)
+    except Exception as e:
+        raise RuntimeError(f"could not load the Hugging Face dataset {repo!r} (split {hf_split}): {e}. "
+                           "Offline? Use --dataset builtin or a local .txt/.jsonl file") from e
+    if text_key not in ds.column_names:
+        raise ValueError(f"dataset {repo!r} has no {text_key!r} column (columns: {ds.column_names})")
+    return [t for t in ds[text_key] if t]
+
+
+def load_texts(dataset: str, split: str) -> list[str]:
+    """Texts of `dataset` (builtin | FILE.txt | FILE.jsonl | hf:NAME) for a split."""
+    if dataset == "builtin":
+        return builtin_texts(split)
+    if dataset.startswith("hf:"):
+        return hf_texts(dataset[3:], split)
+    return file_texts(Path(dataset))
+
+
+def token_stream(tokenizer, texts: list[str], chat_template: bool = False) -> torch.Tensor:
+    """All texts tokenized once and concatenated, separated by EOS ([n] int64)."""
+    if chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--chat-template was given but the tokenizer has no chat template")
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False) for t in texts]
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def calibration_ids(tokenizer, dataset: str = "builtin", num_samples: int = 64, seq_len: int = 512,
+                    seed: int = 0, chat_template: bool = False) -> torch.Tensor:
+    """N samples of L tokens [N, L]: N distinct non-overlapping windows picked with `seed`."""
+    stream = token_stream(tokenizer, load_texts(dataset, "calibration"), chat_template)
+    windows = len(stream) // seq_len
+    if windows < num_samples:
+        raise ValueError(f"dataset {dataset!r} has {len(stream)} calibration tokens, enough for {windows} "
+                         f"samples of {seq_len}; asked for {num_samples} (lower --num-samples or --seq-len)")
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(windows, generator=g)[:num_samples].sort().values
+    ids = stream[: windows * seq_len].view(windows, seq_len)[pick]
+    log.info("calibration: %d samples x %d tokens = %d tokens from %s (seed %d)",
+             num_samples, seq_len, ids.numel(), dataset, seed)
+    return ids

@@ -1,0 +1,59 @@
+"""Token-level perplexity (shared/bench.md).
+
+Concatenate the evaluation text, tokenize once, cut into non-overlapping windows of L tokens,
+score every token of a window but its first; ppl = exp(mean NLL over all scored tokens).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ..data import load_texts, token_stream
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    ppl: float
+    nll: float  # mean negative log-likelihood per scored token
+    scored_tokens: int
+    windows: int
+    seq_len: int
+    dataset: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (f"ppl {self.ppl:.4f} on {self.dataset} ({self.windows} windows x {self.seq_len} tokens, "
+                f"{self.scored_tokens} scored)")
+
+
+def eval_windows(tokenizer, dataset: str = "builtin", seq_len: int = 2048, limit: int | None = None) -> torch.Tensor:
+    """The evaluation windows [W, L] (the same ids for every model with this tokenizer)."""
+    stream = token_stream(tokenizer, load_texts(dataset, "evaluation"))
+    n = len(stream) // seq_len
+    if n == 0:
+        raise ValueError(f"dataset {dataset!r} has {len(stream)} evaluation tokens, fewer than one window of "
+                         f"{seq_len}; lower --seq-len")
+    if limit is not None:
+        n = min(n, limit)
+    return stream[: n * seq_len].view(n, seq_len)
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor, batch_size: int = 1, device=None, progress: bool = True,
+               dataset: str = "builtin") -> PerplexityResult:
+    device = device or next(model.parameters()).device
+    total_nll, scored = 0.0, 0
+    for i in tqdm(range(0, len(windows), batch_size), desc="ppl", unit="win", disable=not progress):
+        ids = windows[i:i + batch_size].to(device)
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                ids[:, 1:].reshape(-1), reduction="sum")
+        total_nll += nll.item()
+        scored += ids[:, 1:].numel()
+    mean = total_nll / scored
+    return PerplexityResult(math.exp(mean), mean, scored, len(windows), windows.shape[1], dataset)

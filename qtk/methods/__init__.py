@@ -1,0 +1,7 @@
+"""Methods by name: smoothing transforms run first, then one weight quantizer, per block."""
+from . import rtn
+
+# name -> fn(block, recipe): rescales float weights in place and folds the inverse into the previous op
+SMOOTHING = {}
+# name -> fn(block, recipe): replaces each targeted Linear by a QuantLinear, records block.errors
+WEIGHTS = {"rtn": rtn.quantize_block}

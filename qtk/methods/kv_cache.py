@@ -1,0 +1,110 @@
+"""FP8 / INT8 KV-cache scales: observe |K| (after RoPE) and |V| during calibration, write k_scale/v_scale.
+
+Scales live on the attention module as `k_scale` / `v_scale` ([1] per tensor, or [kv_heads, 1, 1]
+per head, as compressed-tensors lays out strategy attn_head). The same attention hook that
+observes during calibration fake-quantizes K and V at evaluation time, so perplexity measured
+on CPU includes the KV-cache error.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models import Arch, get_module
+from ..quant import qparams, quantize, dequantize
+from ..schemes import KVCacheScheme
+
+OBSERVE = "qtk_kv_observe"
+FAKE_QUANT = "qtk_kv_quant"
+
+
+def scale_shape(model_config, kv: KVCacheScheme) -> tuple[int, ...]:
+    if kv.strategy == "attn_head":
+        return (model_config.num_key_value_heads, 1, 1)
+    return (1,)
+
+
+def attach_kv_scales(model: nn.Module, arch: Arch, kv: KVCacheScheme, device="cpu", dtype=None) -> None:
+    """Register k_scale / v_scale buffers on every attention module (values filled by calibration or a load)."""
+    dtype = dtype or next(model.parameters()).dtype
+    shape = scale_shape(model.config, kv)
+    for layer in get_module(model, arch.layers):
+        attn = get_module(layer, arch.attention)
+        attn.register_buffer("k_scale", torch.ones(shape, dtype=dtype, device=device))
+        attn.register_buffer("v_scale", torch.ones(shape, dtype=dtype, device=device))
+        attn.kv_scheme = kv
+    enable_kv_quant(model)
+
+
+def _absmax(x: torch.Tensor, kv: KVCacheScheme) -> torch.Tensor:
+    # x [batch, kv_heads, seq, head_dim] -> [1] or [kv_heads, 1, 1]
+    x = x.detach().float().abs()
+    if kv.strategy == "attn_head":
+        return x.amax(dim=(0, 2, 3)).reshape(-1, 1, 1)
+    return x.amax().reshape(1)
+
+
+def kv_scale(absmax: torch.Tensor, kv: KVCacheScheme) -> torch.Tensor:
+    return qparams(-absmax, absmax, kv.args)[0]
+
+
+def _fake_quant(x: torch.Tensor, scale: torch.Tensor, kv: KVCacheScheme) -> torch.Tensor:
+    s = scale.float().to(x.device)
+    return dequantize(quantize(x, s, None, kv.args), s, None, x.dtype)
+
+
+def _observe_attention(module, query, key, value, attention_mask, **kwargs):
+    kv = module.kv_scheme
+    for name, t in (("_k_absmax", key), ("_v_absmax", value)):
+        m = _absmax(t, kv)
+        prev = getattr(module, name, None)
+        setattr(module, name, m if prev is None else torch.maximum(prev, m))
+    return _sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def _quantized_attention(module, query, key, value, attention_mask, **kwargs):
+    kv = getattr(module, "kv_scheme", None)
+    if kv is not None and hasattr(module, "k_scale"):
+        key = _fake_quant(key, module.k_scale, kv)
+        value = _fake_quant(value, module.v_scale, kv)
+    return _sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def _sdpa(*args, **kwargs):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+
+
+def _register():
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(OBSERVE, _observe_attention)
+    AttentionInterface.register(FAKE_QUANT, _quantized_attention)
+
+
+def enable_kv_quant(model: nn.Module) -> None:
+    _register()
+    model.config._attn_implementation = FAKE_QUANT
+    for m in model.modules():
+        if hasattr(m, "config") and m.config is not model.config and hasattr(m.config, "_attn_implementation"):
+            m.config._attn_implementation = FAKE_QUANT
+
+
+def start_observing(model: nn.Module, layer: nn.Module, arch: Arch, kv: KVCacheScheme) -> nn.Module:
+    _register()
+    model.config._attn_implementation = OBSERVE
+    attn = get_module(layer, arch.attention)
+    attn.kv_scheme = kv
+    attn._k_absmax = attn._v_absmax = None
+    return attn
+
+
+def finish_observing(model: nn.Module, attn: nn.Module, kv: KVCacheScheme, dtype) -> None:
+    """Turn the observed absmax into k_scale / v_scale buffers on the attention module."""
+    if attn._k_absmax is None:
+        raise RuntimeError("no keys were observed: the KV-cache scales need calibration data")
+    attn.register_buffer("k_scale", kv_scale(attn._k_absmax, kv).to(dtype))
+    attn.register_buffer("v_scale", kv_scale(attn._v_absmax, kv).to(dtype))
+    del attn._k_absmax, attn._v_absmax
+    model.config._attn_implementation = "sdpa"

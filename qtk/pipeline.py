@@ -1,0 +1,39 @@
+"""`qtk quantize` end to end: load, calibrate block by block, write the checkpoint atomically."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .calibrate import checkpoint_groups, quantize_model
+from .checkpoint import save_quantized
+from .data import calibration_ids
+from .models import is_quantized_dir, load_model, resolve
+from .recipe import Recipe, to_yaml
+
+log = logging.getLogger(__name__)
+
+
+def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = False,
+             dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> dict:
+    """Quantize MODEL with `recipe` into `output`; nothing is written unless everything succeeds."""
+    output = Path(output)
+    if output.exists() and not force:
+        raise FileExistsError(f"output {output} exists; pass --force to replace it")
+    if is_quantized_dir(resolve(model_name)):
+        raise ValueError(f"{model_name} is already quantized; quantize the original model")
+    t0 = time.perf_counter()
+    model, tok = load_model(model_name, dtype=torch.float32)
+    c = recipe.calibration
+    ids = calibration_ids(tok, c.dataset, c.num_samples, c.seq_len, c.seed, c.chat_template) if recipe.needs_data else None
+    report = quantize_model(model, recipe, ids, progress=progress)
+    groups, ignore = checkpoint_groups(model, recipe)
+    report.update(model=model_name, method=recipe.method, calibration_tokens=0 if ids is None else ids.numel(),
+                  calibration_samples=0 if ids is None else len(ids))
+    extra = {"recipe.yaml": to_yaml(recipe), "qtk_report.json": json.dumps(report, indent=2) + "\n"}
+    save_quantized(model, tok, output, groups, ignore, recipe.kv_cache, dtype=dtype, force=force, extra_files=extra)
+    report["total_seconds"] = time.perf_counter() - t0
+    return report

@@ -1,0 +1,153 @@
+"""Quantization primitives: qparams, quantize/dequantize (int and fp8 e4m3fn), int packing.
+
+Conventions follow compressed-tensors so a checkpoint means the same thing everywhere:
+  int:   q = clamp(round(x / s) + zp, qmin, qmax),  x ~ (q - zp) * s,  qmin/qmax = -2^(b-1), 2^(b-1)-1
+  fp8:   q = clamp(x / s, -448, 448).to(e4m3fn),     x ~ q * s
+Scales and zero points are shaped to broadcast against the weight after grouping:
+  channel: [out, 1]   group: [out, in/g]   tensor: [1]
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .schemes import QuantArgs
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+
+
+def reduce_dims_minmax(w: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of a weight [out, in] over the reduction axes of the strategy."""
+    w = w.float()
+    if args.strategy == "tensor":
+        return w.amin().reshape(1), w.amax().reshape(1)
+    if args.strategy == "channel":
+        return w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    if args.strategy == "group":
+        g = grouped(w, args.group_size)  # [out, n_groups, g]
+        return g.amin(dim=-1), g.amax(dim=-1)
+    raise ValueError(f"strategy {args.strategy!r} has no weight min/max")
+
+
+def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    # w [out, in] -> [out, in/g, g]
+    out, cols = w.shape
+    if cols % group_size:
+        raise ValueError(f"group size {group_size} does not divide the input size {cols}")
+    return w.reshape(out, cols // group_size, group_size)
+
+
+def qparams(xmin: torch.Tensor, xmax: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point from a range; 0 is always representable."""
+    xmin = torch.minimum(xmin.float(), torch.zeros_like(xmin, dtype=torch.float32))
+    xmax = torch.maximum(xmax.float(), torch.zeros_like(xmax, dtype=torch.float32))
+    if args.type == "float":
+        scale = torch.maximum(xmin.abs(), xmax) / FP8_MAX
+        zp = torch.zeros_like(scale)
+    elif args.symmetric:
+        # full signed range: absmax maps to qmax (the qmin code stays reachable by clipping)
+        scale = torch.maximum(xmin.abs(), xmax) / args.qmax
+        zp = torch.zeros_like(scale)
+    else:
+        scale = (xmax - xmin) / (args.qmax - args.qmin)
+        zp = torch.round(args.qmin - xmin / scale.clamp_min(1e-12)).clamp(args.qmin, args.qmax)
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(torch.float32).eps))
+    return scale, zp
+
+
+def expand(p: torch.Tensor, shape: torch.Size, args: QuantArgs) -> torch.Tensor:
+    """Broadcast a per-channel/group/tensor param to a weight of `shape` [out, in]."""
+    if args.strategy == "group":
+        return p.repeat_interleave(args.group_size, dim=1)
+    return p
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, args: QuantArgs) -> torch.Tensor:
+    """Codes of x (int8 tensor for int, float8_e4m3fn for float); params broadcast to x."""
+    if args.type == "float":
+        return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = torch.round(x.float() / scale.float())
+    if zp is not None:
+        q = q + zp.float()
+    return q.clamp(args.qmin, args.qmax).to(torch.int8)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
+    x = q.float()
+    if zp is not None:
+        x = x - zp.float()
+    return (x * scale.float()).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, args: QuantArgs) -> torch.Tensor:
+    return dequantize(quantize(x, scale, zp, args), scale, zp, x.dtype)
+
+
+def quantize_weight(w: torch.Tensor, args: QuantArgs, scale=None, zp=None):
+    """Round-to-nearest: (codes [out, in], scale, zero point or None) with the strategy's shapes."""
+    if scale is None:
+        scale, zp = qparams(*reduce_dims_minmax(w, args), args)
+    zp = zp if not args.symmetric else None
+    q = quantize(w, expand(scale, w.shape, args), None if zp is None else expand(zp, w.shape, args), args)
+    return q, scale, zp
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, args: QuantArgs,
+                      dtype=torch.float32) -> torch.Tensor:
+    return dequantize(q, expand(scale, q.shape, args), None if zp is None else expand(zp, q.shape, args), dtype)
+
+
+def quantize_activation(x: torch.Tensor, args: QuantArgs, scale: torch.Tensor | None = None):
+    """Dynamic per-token (scale None) or static per-tensor symmetric activation quantization.
+
+    Returns (codes, scale) with scale [..., 1] for per-token."""
+    if scale is None:
+        absmax = x.float().abs().amax(dim=-1, keepdim=True) if args.strategy == "token" else x.float().abs().amax().reshape(1)
+        scale = qparams(-absmax, absmax, args)[0]
+    return quantize(x, scale, None, args), scale
+
+
+# --- packing (compressed-tensors pack-quantized layout) -----------------------------------
+
+def pack_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Tensor:
+    """Pack signed b-bit codes (int8) into int32 words, densely, lowest bits first.
+
+    The code q is stored unsigned as q + 2^(b-1); element i of a row starts at bit i*b of the
+    row's bit stream (for b=4: word k holds columns 8k..8k+7, column 8k+j in bits 4j..4j+3).
+    [rows, cols] -> [rows, ceil(cols*b/32)] for packed_dim=1 (dim 0 packs columns of the transpose).
+    """
+    if q.dtype != torch.int8:
+        raise ValueError(f"pack_int32 expects int8 codes, got {q.dtype}")
+    v = q.to(torch.int64) + (1 << (num_bits - 1))
+    if packed_dim == 0:
+        v = v.t()
+    rows, cols = v.shape
+    n_words = math.ceil(cols * num_bits / 32)
+    bit = torch.arange(cols, dtype=torch.int64) * num_bits  # start bit of each element
+    words = torch.zeros(rows, n_words + 1, dtype=torch.int64)
+    # low part into word bit//32, overflow (for b not dividing 32) into the next word
+    words.index_add_(1, bit // 32, (v << (bit % 32)) & 0xFFFFFFFF)
+    spill = (bit % 32) + num_bits - 32
+    if (spill > 0).any():
+        cols_spill = spill > 0
+        words.index_add_(1, bit[cols_spill] // 32 + 1, v[:, cols_spill] >> (num_bits - spill[cols_spill]))
+    out = words[:, :n_words]
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    return out.t().contiguous() if packed_dim == 0 else out.contiguous()
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, n: int, packed_dim: int = 1) -> torch.Tensor:
+    """Inverse of pack_int32: n signed codes per row (int8)."""
+    if packed.dtype != torch.int32:
+        raise ValueError(f"unpack_int32 expects int32 words, got {packed.dtype}")
+    w = packed.t() if packed_dim == 0 else packed
+    w = w.to(torch.int64) & 0xFFFFFFFF
+    w = torch.cat([w, torch.zeros_like(w[:, :1])], dim=1)
+    bit = torch.arange(n, dtype=torch.int64) * num_bits
+    lo = w[:, bit // 32] >> (bit % 32)
+    hi = w[:, bit // 32 + 1] << (32 - bit % 32)
+    v = ((lo | hi) & ((1 << num_bits) - 1)) - (1 << (num_bits - 1))
+    v = v.to(torch.int8)
+    return v.t().contiguous() if packed_dim == 0 else v

@@ -1,0 +1,202 @@
+"""A recipe: what `qtk quantize` does, as frozen dataclasses built from CLI flags or a YAML file."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .schemes import KVCacheScheme, Scheme, kv_cache_scheme, preset
+
+METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8")
+
+
+@dataclass(frozen=True)
+class GPTQArgs:
+    dampening: float = 0.01  # fraction of mean(diag(H)) added to the diagonal
+    block_size: int = 128  # lazy-batch width of the column solve
+    act_order: bool = False  # "static": solve columns by descending diag(H), groups stay in order
+    mse_clip: bool = False  # search each group's clipping range by MSE before the solve
+
+    def __post_init__(self):
+        if not 0 < self.dampening < 1:
+            raise ValueError(f"gptq.dampening must be in (0, 1), got {self.dampening}")
+        if self.block_size <= 0:
+            raise ValueError(f"gptq.block_size must be positive, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class AWQArgs:
+    grid: int = 20  # points of the ratio grid r in [0, 1)
+    duo_scaling: bool = True  # s = x_mean^r / w_mean^(1-r) rather than x_mean^r
+    clip: bool = True  # weight-clipping search after scaling
+
+    def __post_init__(self):
+        if self.grid < 1:
+            raise ValueError(f"awq.grid must be >= 1, got {self.grid}")
+
+
+@dataclass(frozen=True)
+class SmoothQuantArgs:
+    alpha: float = 0.5  # migration strength
+
+    def __post_init__(self):
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"smoothquant.alpha must be in [0, 1], got {self.alpha}")
+
+
+@dataclass(frozen=True)
+class CalibrationArgs:
+    dataset: str = "builtin"  # builtin | FILE.txt | FILE.jsonl | hf:NAME
+    num_samples: int = 64
+    seq_len: int = 512
+    seed: int = 0
+    chat_template: bool = False
+    batch_size: int = 8
+
+    def __post_init__(self):
+        for k in ("num_samples", "seq_len", "batch_size"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"calibration.{k} must be positive, got {getattr(self, k)}")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    method: str
+    scheme: Scheme
+    weights: str = "rtn"  # the weight quantizer: rtn | gptq
+    smoothing: str | None = None  # an equivalent transform applied first: awq | smoothquant
+    ignore: tuple[str, ...] = ("lm_head",)
+    kv_cache: KVCacheScheme | None = None
+    gptq: GPTQArgs = field(default_factory=GPTQArgs)
+    awq: AWQArgs = field(default_factory=AWQArgs)
+    smoothquant: SmoothQuantArgs = field(default_factory=SmoothQuantArgs)
+    calibration: CalibrationArgs = field(default_factory=CalibrationArgs)
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.weights not in ("rtn", "gptq"):
+            raise ValueError(f"weights must be 'rtn' or 'gptq', got {self.weights!r}")
+        if self.smoothing not in (None, "awq", "smoothquant"):
+            raise ValueError(f"smoothing must be 'awq' or 'smoothquant', got {self.smoothing!r}")
+        w, act = self.scheme.weights, self.scheme.input_activations
+        if self.smoothing == "awq" and (act is not None or w.type != "int"):
+            raise ValueError("awq protects salient weights of weight-only int schemes (w4a16, w4a16_asym, w8a16); "
+                             f"scheme has weights {w.type}{w.num_bits} and activations {act and act.type}")
+        if self.smoothing == "smoothquant" and act is None:
+            raise ValueError("smoothquant migrates activation outliers into weights; it needs an activation-quantized "
+                             "scheme (w8a8, fp8, fp8_static)")
+        if self.weights == "gptq" and w.type == "float":
+            raise ValueError("gptq solves for integer weights; use --method fp8 for fp8 schemes")
+        if "lm_head" not in self.ignore:
+            raise ValueError("qtk quantizes the decoder blocks only: keep 'lm_head' in ignore")
+
+    @property
+    def needs_data(self) -> bool:
+        a = self.scheme.input_activations
+        return (self.weights == "gptq" or self.smoothing is not None or self.kv_cache is not None
+                or (a is not None and not a.dynamic))
+
+
+METHOD_DEFAULTS = {
+    # --method NAME -> (default scheme, weight quantizer, smoothing)
+    "rtn": ("w4a16", "rtn", None),
+    "gptq": ("w4a16", "gptq", None),
+    "awq": ("w4a16_asym", "rtn", "awq"),
+    "smoothquant": ("w8a8", "rtn", "smoothquant"),
+    "fp8": ("fp8", "rtn", None),
+}
+
+
+def from_flags(method: str, scheme: str | None = None, group_size: int | None = None,
+               weights: str | None = None, kv_cache: str | None = None, kv_strategy: str = "tensor",
+               ignore: tuple[str, ...] = (), **sections) -> Recipe:
+    """Build a Recipe the way the CLI does; `sections` are method args (gptq=..., awq=...)."""
+    if method not in METHOD_DEFAULTS:
+        raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHOD_DEFAULTS)}")
+    default_scheme, default_weights, smoothing = METHOD_DEFAULTS[method]
+    sch = preset(scheme or default_scheme, group_size)
+    if method == "fp8" and sch.weights.type != "float":
+        raise ValueError(f"--method fp8 takes an fp8 scheme (fp8, fp8_static), got {scheme!r}")
+    return Recipe(method=method, scheme=sch, weights=weights or default_weights, smoothing=smoothing,
+                  ignore=("lm_head", *[i for i in ignore if i != "lm_head"]),
+                  kv_cache=kv_cache_scheme(kv_cache, kv_strategy), **sections)
+
+
+def replace(recipe: Recipe, **changes) -> Recipe:
+    return dataclasses.replace(recipe, **changes)
+
+
+_SECTIONS = {"gptq": GPTQArgs, "awq": AWQArgs, "smoothquant": SmoothQuantArgs, "calibration": CalibrationArgs}
+_TOP = {"method", "scheme", "group_size", "weights", "kv_cache", "kv_strategy", "ignore", "device", *_SECTIONS}
+
+
+def build(method: str | None = None, scheme: str | None = None, group_size: int | None = None,
+          weights: str | None = None, kv_cache: str | None = None, kv_strategy: str | None = None,
+          ignore: tuple[str, ...] = (), device: str | None = None, recipe_file: str | None = None,
+          **section_overrides: dict) -> Recipe:
+    """A Recipe from an optional YAML file, overridden by explicit values (the CLI's flags).
+
+    `section_overrides` maps a section (gptq, awq, smoothquant, calibration) to {field: value}."""
+    data: dict = {}
+    if recipe_file is not None:
+        data = load_yaml(recipe_file)
+    top = {"method": method, "scheme": scheme, "group_size": group_size, "weights": weights,
+           "kv_cache": kv_cache, "kv_strategy": kv_strategy, "device": device}
+    data.update({k: v for k, v in top.items() if v is not None})
+    if ignore:
+        data["ignore"] = list(ignore)
+    sections = {}
+    for name, cls in _SECTIONS.items():
+        fields = dict(data.get(name) or {})
+        fields.update({k: v for k, v in (section_overrides.get(name) or {}).items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(fields) - known
+        if unknown:
+            raise ValueError(f"unknown key(s) {sorted(unknown)} in recipe section {name!r}; known: {sorted(known)}")
+        sections[name] = cls(**fields)
+    if "method" not in data:
+        raise ValueError("no method: pass --method or give 'method:' in the recipe")
+    recipe = from_flags(data["method"], scheme=data.get("scheme"), group_size=data.get("group_size"),
+                        weights=data.get("weights"), kv_cache=data.get("kv_cache"),
+                        kv_strategy=data.get("kv_strategy") or "tensor", ignore=tuple(data.get("ignore") or ()),
+                        **sections)
+    return dataclasses.replace(recipe, device=data.get("device") or "cpu")
+
+
+def load_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"recipe file {path} not found") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"recipe file {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe file {path} must be a mapping of keys to values")
+    unknown = set(data) - _TOP
+    if unknown:
+        raise ValueError(f"unknown key(s) {sorted(unknown)} in recipe {path}; known: {sorted(_TOP)}")
+    return data
+
+
+def to_yaml(recipe: Recipe) -> str:
+    """The recipe as YAML that `build(recipe_file=...)` reads back to the same Recipe."""
+    import yaml
+
+    from .schemes import KV_CACHE, KV_STRATEGIES, PRESETS
+
+    name = next((k for k, v in PRESETS.items() if v == recipe.scheme.with_group_size(None)
+                 or v.with_group_size(recipe.scheme.weights.group_size) == recipe.scheme), None)
+    d = {"method": recipe.method, "scheme": name, "weights": recipe.weights, "ignore": list(recipe.ignore),
+         "device": recipe.device}
+    if recipe.scheme.weights.strategy == "group":
+        d["group_size"] = recipe.scheme.weights.group_size
+    if recipe.kv_cache is not None:
+        d["kv_cache"] = {v: k for k, v in KV_CACHE.items()}[recipe.kv_cache.type]
+        d["kv_strategy"] = {v: k for k, v in KV_STRATEGIES.items()}[recipe.kv_cache.strategy]
+    for section in _SECTIONS:
+        d[section] = dataclasses.asdict(getattr(recipe, section))
+    return yaml.safe_dump(d, sort_keys=False)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test suite on CPU: installs qtk[dev], builds the llm-compressor fixtures in their own
+# environment (llmcompressor pins an older transformers), then runs pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh dev
+if [ -f scripts/peer_env.sh ]; then bash scripts/peer_env.sh fixtures; fi
+exec python3 -m pytest -q "$@"
