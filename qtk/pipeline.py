@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from .calibrate import checkpoint_groups, quantize_model
 from .checkpoint import save_quantized
@@ -23,12 +24,15 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     output = Path(output)
     if output.exists() and not force:
         raise FileExistsError(f"output {output} exists; pass --force to replace it")
-    if is_quantized_dir(resolve(model_name)):
+    if is_quantized_dir(resolve(model_name)):  # resolve() also converts a .gguf once
         raise ValueError(f"{model_name} is already quantized; quantize the original model")
     t0 = time.perf_counter()
-    model, tok = load_model(model_name, dtype=torch.float32)
+    path = resolve(model_name)
     c = recipe.calibration
+    # calibration data first: a source too short fails before the model is even loaded
+    tok = AutoTokenizer.from_pretrained(path)
     ids = calibration_ids(tok, c.dataset, c.num_samples, c.seq_len, c.seed, c.chat_template) if recipe.needs_data else None
+    model, tok = load_model(str(path), dtype=torch.float32)
     report = quantize_model(model, recipe, ids, progress=progress)
     groups, ignore = checkpoint_groups(model, recipe)
     report.update(model=model_name, method=recipe.method, calibration_tokens=0 if ids is None else ids.numel(),

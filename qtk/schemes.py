@@ -225,9 +225,10 @@ def kv_cache_scheme(kind: str | None, strategy: str = "tensor") -> KVCacheScheme
     if kind is None or kind == "none":
         return None
     if kind not in KV_CACHE:
-        raise ValueError(f"unknown kv cache type {kind!r}; choose one of {sorted(KV_CACHE)}")
+        raise ValueError(f"kv_cache {kind!r} is not supported; choose one of {sorted(KV_CACHE)}")
     if strategy not in KV_STRATEGIES:
-        raise ValueError(f"unknown kv strategy {strategy!r}; choose one of {sorted(KV_STRATEGIES)}")
+        raise ValueError(f"kv_strategy {strategy!r} cannot be expressed for a KV cache; choose one of "
+                         f"{sorted(KV_STRATEGIES)} (per tensor or per KV head)")
     return KVCacheScheme(type=KV_CACHE[kind], strategy=KV_STRATEGIES[strategy])
 
 

@@ -1,0 +1,158 @@
+"""qtk against llm-compressor on the bundled model: same calibration ids, same eval windows.
+
+    python benchmarks/compare_llmcompressor.py [--methods rtn,gptq,awq,smoothquant_gptq_w8a8,fp8,qtk_best]
+                                               [--num-samples 64] [--seq-len 512] [--limit N]
+
+The peer runs in its own venv (scripts/peer_env.sh; it pins an older transformers) on the same
+calibration token ids, saved to a file. Both checkpoints are then scored by one evaluator (qtk's
+loader, which reads llm-compressor's checkpoints) on the same windows (bench.md protocol).
+Quantize wall time: qtk's quantize_model() and the peer's oneshot(), model load and save
+excluded on both sides. Writes benchmarks/results/compare_llmcompressor.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qtk.calibrate import checkpoint_groups, quantize_model  # noqa: E402
+from qtk.checkpoint import save_quantized  # noqa: E402
+from qtk.data import calibration_ids  # noqa: E402
+from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
+from qtk.models import BUNDLED, load_model, resolve  # noqa: E402
+from qtk.recipe import AWQArgs, GPTQArgs, SmoothQuantArgs, from_flags  # noqa: E402
+
+
+def qtk_recipes(group_size: int) -> dict:
+    return {
+        "rtn": from_flags("rtn", scheme="w4a16", group_size=group_size),
+        "gptq": from_flags("gptq", scheme="w4a16", group_size=group_size),
+        "awq": from_flags("awq", scheme="w4a16_asym", group_size=group_size),
+        "smoothquant_gptq_w8a8": from_flags("smoothquant", scheme="w8a8", weights="gptq",
+                                            smoothquant=SmoothQuantArgs(alpha=0.8)),
+        "fp8": from_flags("fp8", scheme="fp8"),
+        # qtk's best 4-bit recipe (calibration/recipes/awq-gptq-w4a16.yaml): AWQ scales, then GPTQ
+        "qtk_best": from_flags("awq", scheme="w4a16_asym", group_size=group_size, weights="gptq",
+                               gptq=GPTQArgs(mse_clip=True), awq=AWQArgs()),
+    }
+
+
+def peer_python() -> str:
+    venv = Path(os.environ.get("QTK_PEER_VENV", Path.home() / ".cache/qtk/peer-venv"))
+    py = venv / "bin" / "python"
+    if not py.exists():
+        subprocess.run(["bash", str(ROOT / "scripts/peer_env.sh"), "venv"], check=True)
+    return str(py)
+
+
+def run_qtk(name, recipe, ids, out: Path) -> float:
+    model, tok = load_model(BUNDLED)
+    t0 = time.perf_counter()
+    quantize_model(model, recipe, ids, progress=False)
+    seconds = time.perf_counter() - t0
+    groups, ignore = checkpoint_groups(model, recipe)
+    save_quantized(model, tok, out, groups, ignore, recipe.kv_cache, force=True)
+    return seconds
+
+
+def run_peer(name, ids_file: Path, out: Path, group_size: int) -> float:
+    cmd = [peer_python(), str(ROOT / "benchmarks/peer_quantize.py"), name, str(resolve(BUNDLED)), str(ids_file),
+           str(out), "--group-size", str(group_size)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"peer failed on {name}:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def ppl_of(path, windows) -> float:
+    model, _ = load_model(str(path))
+    return perplexity(model, windows, progress=False).ppl
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="rtn,gptq,awq,smoothquant_gptq_w8a8,fp8,qtk_best")
+    ap.add_argument("--num-samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--eval-seq-len", type=int, default=2048)
+    ap.add_argument("--limit", type=int, default=None, help="evaluation windows (default: all)")
+    ap.add_argument("--work", default="build/compare")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
+    args = ap.parse_args()
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    base, tok = load_model(BUNDLED)
+    ids = calibration_ids(tok, "builtin", args.num_samples, args.seq_len, seed=0)
+    ids_file = work / "calib_ids.pt"
+    torch.save(ids, ids_file)
+    windows = eval_windows(tok, "builtin", args.eval_seq_len, args.limit)
+    baseline = perplexity(base, windows, progress=False).ppl
+    del base
+    print(f"baseline ppl {baseline:.4f} ({len(windows)} windows x {args.eval_seq_len})", flush=True)
+    recipes = qtk_recipes(args.group_size)
+    rows = []
+    for name in args.methods.split(","):
+        row = {"method": name}
+        qdir = work / f"qtk-{name}"
+        row["qtk_seconds"] = run_qtk(name, recipes[name], ids, qdir)
+        row["qtk_ppl"] = ppl_of(qdir, windows)
+        if name != "qtk_best":
+            pdir = work / f"peer-{name}"
+            row["peer_seconds"] = run_peer(name, ids_file, pdir, args.group_size)
+            row["peer_ppl"] = ppl_of(pdir, windows)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    record = {
+        "command": " ".join(sys.argv), "git_commit": _git(), "device": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+        "model": BUNDLED, "calibration": {"dataset": "builtin", "samples": args.num_samples, "seq_len": args.seq_len,
+                                          "seed": 0},
+        "evaluation": {"windows": len(windows), "seq_len": args.eval_seq_len, "scored_tokens": len(windows) * (args.eval_seq_len - 1)},
+        "group_size": args.group_size, "baseline_ppl": baseline, "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare_llmcompressor.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "compare_llmcompressor.md").write_text(table(record))
+    print(table(record))
+
+
+def table(r: dict) -> str:
+    b = r["baseline_ppl"]
+    lines = [f"# qtk vs llm-compressor on {r['model']} ({r['date']}, commit {r['git_commit'][:8]})", "",
+             f"Calibration: {r['calibration']['samples']} x {r['calibration']['seq_len']} tokens (builtin, seed 0), "
+             f"same ids for both. Evaluation: {r['evaluation']['windows']} windows x {r['evaluation']['seq_len']} "
+             f"tokens. Group size {r['group_size']}. Baseline ppl {b:.4f}.", "",
+             "| method | qtk ppl | peer ppl | qtk vs base | peer vs base | qtk s | peer s | speedup |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        p = row.get("peer_ppl")
+        ps = row.get("peer_seconds")
+        lines.append(f"| {row['method']} | {row['qtk_ppl']:.4f} | {'' if p is None else f'{p:.4f}'} | "
+                     f"{100 * (row['qtk_ppl'] / b - 1):+.1f}% | {'' if p is None else f'{100 * (p / b - 1):+.1f}%'} | "
+                     f"{row['qtk_seconds']:.1f} | {'' if ps is None else f'{ps:.1f}'} | "
+                     f"{'' if ps is None else f'{ps / row['qtk_seconds']:.1f}x'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _git() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
