@@ -51,7 +51,7 @@ def peer_python() -> str:
     venv = Path(os.environ.get("QTK_PEER_VENV", Path.home() / ".cache/qtk/peer-venv"))
     py = venv / "bin" / "python"
     if not py.exists():
-        subprocess.run(["bash", str(ROOT / "scripts/peer_env.sh"), "venv"], check=True)
+        subprocess.run(["bash", str(ROOT / "scripts/peer_env.sh"), "fixtures"], check=True)  # builds the venv
     return str(py)
 
 

@@ -35,6 +35,18 @@ class _Stop(Exception):
     pass
 
 
+# Every device move of the driver goes through these two, so "one block on the calibration
+# device at a time" is one place to read (and to check in tests without a GPU).
+def onload(module: nn.Module, device: torch.device) -> nn.Module:
+    """Move `module` to the calibration device."""
+    return module.to(device)
+
+
+def offload(module: nn.Module) -> nn.Module:
+    """Move `module` back to where the model rests between blocks (CPU)."""
+    return module.to("cpu")
+
+
 @dataclass
 class BlockInputs:
     """Calibration activations entering a block: one hidden-state tensor and kwargs per batch."""
@@ -90,7 +102,7 @@ def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torc
     layers = get_module(model, arch.layers)
     pre = [get_module(model, arch.embed), get_module(model, arch.rotary)]
     for m in pre:
-        m.to(device)
+        onload(m, device)
     hidden, kwargs = [], []
 
     def grab(_, args, kw):
@@ -109,7 +121,7 @@ def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torc
     finally:
         handle.remove()
         for m in pre:
-            m.to("cpu")
+            offload(m)
     for kw in kwargs:
         kw["use_cache"] = False
     return BlockInputs(hidden, kwargs)
@@ -143,13 +155,13 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
     if recipe.needs_data and calib_ids is None:
         raise ValueError(f"method {recipe.method!r} with this scheme needs calibration data")
     t0 = time.perf_counter()
-    model.config.use_cache = False
+    use_cache, model.config.use_cache = model.config.use_cache, False  # restored below: it is saved in config.json
     inputs = capture_inputs(model, arch, calib_ids, device, recipe.calibration.batch_size) if recipe.needs_data else None
     layers = get_module(model, arch.layers)
     report = {"layers": {}, "blocks": len(layers)}
     bar = tqdm(range(len(layers)), desc=f"qtk {recipe.method}", unit="block", disable=not progress)
     for i in bar:
-        layer = layers[i].to(device)
+        layer = onload(layers[i], device)
         prefix = f"{arch.layers}.{i}"
         rel = tuple(n[len(prefix) + 1:] for n in targets if n.startswith(prefix + "."))
         block = Block(i, prefix, layer, arch, inputs, device, rel)
@@ -162,7 +174,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
             block.inputs = inputs
             if attn is not None:
                 finish_observing(model, attn, recipe.kv_cache, dtype=next(layer.parameters()).dtype)
-        layers[i] = layer.to("cpu")
+        layers[i] = offload(layer)
         for name, err in block.errors.items():
             report["layers"][f"{prefix}.{name}"] = err
         if block.errors:
@@ -174,6 +186,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
         for layer in layers:
             get_module(layer, arch.attention).kv_scheme = recipe.kv_cache
         enable_kv_quant(model)
+    model.config.use_cache = use_cache
     report["seconds"] = time.perf_counter() - t0
     return report
 

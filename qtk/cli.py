@@ -19,6 +19,8 @@ class QtkGroup(click.Group):
 
         try:
             return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise  # click's own control flow (--help, Ctrl-C) subclasses RuntimeError
         except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, RuntimeError) as e:
             if logging.getLogger().isEnabledFor(logging.DEBUG):
                 raise
@@ -124,7 +126,7 @@ def eval_(model, task, dataset, seq_len, limit, batch_size, device, json_path):
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="New tokens to generate.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 def generate(model, prompt, max_tokens, chat, temperature, device):
     """Generate a continuation of --prompt with MODEL (float or quantized)."""
     from .generate import generate as gen

@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from .calibrate import checkpoint_groups, quantize_model
+from .calibrate import checkpoint_groups, quantize_model, targeted_linears
 from .checkpoint import save_quantized
 from .data import calibration_ids
 from .models import is_quantized_dir, load_model, resolve
 from .recipe import Recipe, to_yaml
+from .schemes import check_group_divides
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     path = resolve(model_name)
     c = recipe.calibration
     # calibration data first: a source too short fails before the model is even loaded
+    check_layers(path, recipe)
     tok = AutoTokenizer.from_pretrained(path)
     ids = calibration_ids(tok, c.dataset, c.num_samples, c.seq_len, c.seed, c.chat_template) if recipe.needs_data else None
     model, tok = load_model(str(path), dtype=torch.float32)
@@ -41,3 +43,16 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     save_quantized(model, tok, output, groups, ignore, recipe.kv_cache, dtype=dtype, force=force, extra_files=extra)
     report["total_seconds"] = time.perf_counter() - t0
     return report
+
+
+def check_layers(path: Path, recipe: Recipe) -> None:
+    """Refuse a group size that does not divide some layer, from the config alone (no weights loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .models import arch_for
+
+    config = AutoConfig.from_pretrained(path)
+    arch_for(config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    check_group_divides(recipe.scheme, {n: m.in_features for n, m in targeted_linears(skeleton, recipe).items()})

@@ -188,12 +188,17 @@ def to_yaml(recipe: Recipe) -> str:
 
     from .schemes import KV_CACHE, KV_STRATEGIES, PRESETS
 
-    name = next((k for k, v in PRESETS.items() if v == recipe.scheme.with_group_size(None)
-                 or v.with_group_size(recipe.scheme.weights.group_size) == recipe.scheme), None)
+    w = recipe.scheme.weights
+    # a group size override is a group size, or -1 for a group preset made per-channel
+    group_size = w.group_size if w.strategy == "group" else -1
+    name = next((k for k, v in PRESETS.items() if v == recipe.scheme), None)
+    if name is None:
+        name = next((k for k, v in PRESETS.items() if v.input_activations is None and v.weights.type == "int"
+                     and v.with_group_size(group_size) == recipe.scheme), None)
     d = {"method": recipe.method, "scheme": name, "weights": recipe.weights, "ignore": list(recipe.ignore),
          "device": recipe.device}
-    if recipe.scheme.weights.strategy == "group":
-        d["group_size"] = recipe.scheme.weights.group_size
+    if w.strategy == "group" or (name is not None and PRESETS[name] != recipe.scheme):
+        d["group_size"] = group_size
     if recipe.kv_cache is not None:
         d["kv_cache"] = {v: k for k, v in KV_CACHE.items()}[recipe.kv_cache.type]
         d["kv_strategy"] = {v: k for k, v in KV_STRATEGIES.items()}[recipe.kv_cache.strategy]

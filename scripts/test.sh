@@ -4,5 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
-if [ -f scripts/peer_env.sh ]; then bash scripts/peer_env.sh fixtures; fi
+if [ -f scripts/peer_env.sh ]; then
+    bash scripts/peer_env.sh fixtures
+    export QTK_REQUIRE_PEER=1  # the fixtures are built: the peer tests must run, not skip
+fi
 exec python3 -m pytest -q "$@"

@@ -1,11 +1,24 @@
-"""Kernel dispatch: Triton on CUDA, the pure-torch reference elsewhere."""
+"""Kernel dispatch: Triton on CUDA, torch's int4/int8 ops or the pure-torch reference on CPU.
+
+Modules: layout (run-time weight layout), w4a16 (weight-only int4/int8 GEMM), act_quant
+(per-token / static activation quantization), w8a8 (int8 and fp8 scaled GEMM), fp8
+(torch._scaled_mm or Triton), ops (torch.ops.qtk.* custom ops), dispatch (which one runs a
+layer), reference (pure-torch twins), bench (GPU benchmark).
+"""
 from __future__ import annotations
 
 import torch
 
+from .dispatch import prepare, runtime_for
 from .reference import quant_linear_ref
+
+__all__ = ["prepare", "quant_linear"]
 
 
 def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
-    """Forward of a QuantLinear (see qtk.runtime.layers) for any scheme."""
-    return quant_linear_ref(x, layer)
+    """Forward of a QuantLinear (see qtk.runtime.layers) for any scheme: x [..., K] -> [..., N]."""
+    runtime = runtime_for(layer, x)
+    if runtime is None:
+        return quant_linear_ref(x, layer)
+    y = runtime(x.reshape(-1, x.shape[-1]).contiguous())
+    return y.reshape(*x.shape[:-1], y.shape[-1])

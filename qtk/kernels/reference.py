@@ -1,9 +1,16 @@
-"""Pure-torch twins of every kernel: the oracle in tests and the CPU path."""
+"""Pure-torch twins of every kernel: the oracle in tests and the CPU path.
+
+Each twin takes exactly the operands of its kernel (same layouts, see the kernel's docstring)
+and computes in float32 (float64 where the kernel accumulates exactly), so a test compares the
+kernel against the math and nothing else.
+"""
 from __future__ import annotations
 
 import torch
 
 from ..quant import quantize_activation
+from ..schemes import QuantArgs
+from .layout import dequant_woq
 
 
 def quant_linear_ref(x: torch.Tensor, layer) -> torch.Tensor:
@@ -22,3 +29,35 @@ def quant_linear_ref(x: torch.Tensor, layer) -> torch.Tensor:
     if layer.bias is not None:
         y = y + layer.bias.float()
     return y.to(x.dtype)
+
+
+def woq_gemm_ref(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 bias: torch.Tensor | None, bits: int, group_size: int | None) -> torch.Tensor:
+    """Twin of w4a16.woq_gemm: A [M, K] @ dequant(qweight [K*b/32, N]) + bias, in A's dtype."""
+    w_t = dequant_woq(qweight, scales, zeros, bits, group_size, a.shape[1])  # [K, N]
+    y = a.float() @ w_t
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(a.dtype)
+
+
+def act_quant_ref(x: torch.Tensor, out_dtype: torch.dtype = torch.int8,
+                  static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of act_quant.act_quant: (codes [M, K], scale [M, 1] per token or [1] static), fp32 scale."""
+    kind = "float" if out_dtype == torch.float8_e4m3fn else "int"
+    if static_scale is None:
+        args = QuantArgs(num_bits=8, type=kind, strategy="token", dynamic=True)
+        return quantize_activation(x.float(), args)
+    args = QuantArgs(num_bits=8, type=kind, strategy="tensor")
+    s = static_scale.reshape(1).float()
+    return quantize_activation(x.float(), args, s)[0], s
+
+
+def scaled_mm_ref(a_q: torch.Tensor, w_q: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Twin of w8a8.scaled_mm / fp8.fp8_gemm: (A_q @ W_q^T) exact in float64, scales in fp32."""
+    acc = (a_q.double() @ w_q.double().t()).float()
+    y = acc * a_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)

@@ -55,6 +55,7 @@ class QuantLinear(nn.Module):
         self.cache_dequantized = True
 
     @classmethod
+    @torch.no_grad()  # bias / scales may come from tensors that require grad: keep them leaves
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, scheme: Scheme,
                    bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
                    dtype: torch.dtype = torch.bfloat16) -> QuantLinear:
@@ -113,6 +114,10 @@ class QuantLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         self._dequantized = None
         return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._dequantized = None  # new codes or scales: the cached decode is stale
+        super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.quant_linear(x, self)

@@ -1,0 +1,202 @@
+"""`qtk bench kernels`: the quantized GEMMs on a real model's shapes, by the protocol of
+shared/bench.md (Kernels).
+
+For each layer shape (K x N) and M: median time of triton.testing.do_bench, GB/s (weights +
+scales + zero points + activations read once, output written once), TFLOP/s (2*M*N*K), the
+fraction of the hardware limit max(bytes / HBM bandwidth, FLOPs / matmul peak), both measured in
+the same run (a device-to-device copy, a bf16 8192^3 matmul), and the speedup over torch.matmul
+in the activation dtype on the dequantized weight. Inputs are random and never all zero. The
+W8A8 / FP8 rows time what a layer runs: activation quantization plus the GEMM. Writes JSON
+(command, git commit, device, versions, date, figures) into the out dir and prints a table.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+import triton.testing
+
+from .act_quant import act_quant
+from .fp8 import Fp8Backend, fp8_gemm, fp8_supported, scaled_mm_applies
+from .layout import dequant_woq, pack_woq
+from .w4a16 import woq_gemm
+from .w8a8 import int8_gemm
+
+log = logging.getLogger(__name__)
+
+# name -> [(layer, K, N)]
+SHAPES = {
+    "llama3-8b": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)],
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Row:
+    shape: str
+    k: int
+    n: int
+    m: int
+    kernel: str
+    us: float
+    gbps: float
+    tflops: float
+    limit_fraction: float
+    speedup_vs_matmul: float
+    matmul_us: float
+    max_rel_err: float
+
+
+@dataclass
+class Case:
+    """One kernel on one weight: fn(x) -> y, the bytes of its weight side, the dense twin."""
+    name: str
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    weight_bytes: int
+    dense: torch.Tensor  # W^T [K, N] in the activation dtype
+
+
+def median_us(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def hbm_bandwidth(device) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
+    src = torch.randn(2**28, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / (median_us(lambda: dst.copy_(src)) * 1e-6)
+
+
+def matmul_peak(device, dtype) -> float:
+    """FLOP/s of an 8192^3 matmul in `dtype` (cuBLAS)."""
+    a = torch.randn(8192, 8192, device=device, dtype=dtype)
+    b = torch.randn(8192, 8192, device=device, dtype=dtype)
+    return 2 * 8192**3 / (median_us(lambda: a @ b) * 1e-6)
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def woq_case(name, n, k, bits, group, asym, dtype, device) -> Case:
+    half = 1 << (bits - 1)
+    groups = 1 if group is None else k // group
+    codes = torch.randint(-half, half, (n, k), dtype=torch.int8, device=device)
+    scale = torch.rand(n, groups, device=device) * 0.01 + 1e-3
+    zp = torch.randint(-half, half, (n, groups), dtype=torch.int8, device=device) if asym else None
+    w = pack_woq(codes, scale, zp, bits, group, dtype)
+    dense = dequant_woq(w.qweight, w.scales, w.zeros, bits, group, k).to(dtype)
+    return Case(name, lambda x: woq_gemm(x, w.qweight, w.scales, w.zeros, None, bits, group),
+                nbytes(w.qweight, w.scales, w.zeros), dense)
+
+
+def w8a8_case(name, n, k, codes_dtype, dtype, device, backend=Fp8Backend.AUTO) -> Case:
+    if codes_dtype == torch.int8:
+        w_q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+    else:
+        w_q = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(codes_dtype)
+    w_scale = (torch.rand(n, 1, device=device) * 0.01 + 1e-3).to(dtype)
+
+    def fn(x):
+        q, s = act_quant(x, codes_dtype)
+        if codes_dtype == torch.int8:
+            return int8_gemm(q, w_q, s, w_scale, None, dtype)
+        return fp8_gemm(q, w_q, s, w_scale, None, dtype, backend=backend)
+
+    dense = (w_q.float() * w_scale.float()).t().to(dtype)
+    return Case(name, fn, nbytes(w_q, w_scale), dense)
+
+
+def cases(n, k, dtype, device) -> list[Case]:
+    out = [woq_case("w4a16_g128", n, k, 4, 128, False, dtype, device),
+           woq_case("w4a16_asym_g128", n, k, 4, 128, True, dtype, device),
+           woq_case("w4a16_channel", n, k, 4, None, False, dtype, device),
+           woq_case("w8a16", n, k, 8, None, False, dtype, device),
+           w8a8_case("w8a8_int8", n, k, torch.int8, dtype, device)]
+    if fp8_supported(device):
+        out.append(w8a8_case("fp8_triton", n, k, torch.float8_e4m3fn, dtype, device, Fp8Backend.TRITON))
+        per_token, per_channel = torch.ones(2, 1, device=device), torch.ones(n, 1, device=device)
+        if scaled_mm_applies(2, n, k, per_token, per_channel, dtype, device):
+            out.append(w8a8_case("fp8_scaled_mm", n, k, torch.float8_e4m3fn, dtype, device, Fp8Backend.SCALED_MM))
+    return out
+
+
+def bench_shape(shape, k, n, ms, dtype, device, hbm, peak) -> list[Row]:
+    rows = []
+    for case in cases(n, k, dtype, device):
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            ref = x @ case.dense
+            y = case.fn(x)
+            err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            t_mm = median_us(lambda: x @ case.dense)
+            t = median_us(lambda: case.fn(x))
+            moved = case.weight_bytes + nbytes(x) + m * n * torch.finfo(dtype).bits // 8
+            flops = 2 * m * n * k
+            limit_us = max(moved / hbm, flops / peak) * 1e6
+            rows.append(Row(shape, k, n, m, case.name, t, moved / t * 1e-3, flops / t * 1e-6, limit_us / t,
+                            t_mm / t, t_mm, err))
+    return rows
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def table(rows: list[Row]) -> str:
+    head = f"{'shape':8} {'K':>6} {'N':>6} {'M':>5} {'kernel':16} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8} " \
+           f"{'limit':>6} {'vs mm':>6} {'err':>8}"
+    lines = [head] + [f"{r.shape:8} {r.k:6d} {r.n:6d} {r.m:5d} {r.kernel:16} {r.us:9.1f} {r.gbps:7.0f} "
+                      f"{r.tflops:8.1f} {r.limit_fraction:6.2f} {r.speedup_vs_matmul:6.2f} {r.max_rel_err:8.1e}"
+                      for r in rows]
+    return "\n".join(lines)
+
+
+def run(shapes: str = "llama3-8b", ms: list[int] | None = None, out: str = "benchmarks/results",
+        dtype: str = "bf16") -> Path:
+    """Benchmark every kernel on `shapes` for each M; returns the JSON path (needs CUDA)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("qtk bench kernels needs a CUDA GPU: torch.cuda.is_available() is False "
+                           f"(torch {torch.__version__}); run it on a machine with an NVIDIA GPU")
+    if shapes not in SHAPES:
+        raise ValueError(f"unknown shapes {shapes!r}; choose one of {sorted(SHAPES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    ms = ms or [1, 16, 64, 256, 1024, 4096]
+    device = torch.device("cuda", torch.cuda.current_device())
+    act = DTYPES[dtype]
+    torch.manual_seed(0)
+    hbm, peak = hbm_bandwidth(device), matmul_peak(device, act)
+    log.info("HBM %.0f GB/s, %s matmul %.0f TFLOP/s", hbm * 1e-9, dtype, peak * 1e-12)
+    rows = []
+    for name, k, n in SHAPES[shapes]:
+        rows += bench_shape(name, k, n, ms, act, device, hbm, peak)
+        torch.cuda.empty_cache()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    result = {
+        "command": " ".join(sys.argv), "git_commit": git_commit(), "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "date": now.isoformat(timespec="seconds"), "shapes": shapes, "dtype": dtype, "ms": ms,
+        "hbm_gbps": hbm * 1e-9, "matmul_peak_tflops": peak * 1e-12, "rows": [asdict(r) for r in rows],
+    }
+    slug = torch.cuda.get_device_name(device).replace(" ", "-")
+    path = Path(out) / f"kernels-{shapes}-{dtype}-{slug}-{now:%Y%m%dT%H%M%S}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{result['device']}: HBM {hbm * 1e-9:.0f} GB/s, {dtype} matmul {peak * 1e-12:.0f} TFLOP/s "
+          f"(torch {torch.__version__}, triton {triton.__version__})")
+    print(table(rows))
+    print(f"wrote {path}")
+    return path

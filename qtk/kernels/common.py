@@ -1,0 +1,100 @@
+"""What every Triton GEMM here shares: input checks, the SM count, the split-K reduction.
+
+Split-K: when M is small the (M/BLOCK_M) x (N/BLOCK_N) tiles are too few to keep every SM
+streaming weights, so K is cut into SPLIT_K slices; each program writes its float32 partial
+(scales already applied) to P [SPLIT_K, M, N] and `splitk_reduce` sums them in a fixed order,
+adds the bias and casts: deterministic, and no atomics or zero-filled buffer.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_matrix(name: str, t: torch.Tensor, dtypes: tuple, rows: int | None = None,
+                 cols: int | None = None, row_major: bool = True) -> None:
+    """t is 2-D, of one of `dtypes`, [rows, cols] where given, with unit stride along dim 1."""
+    check(isinstance(t, torch.Tensor), f"{name} must be a tensor, got {type(t).__name__}")
+    check(t.dim() == 2, f"{name} must be 2-D, got shape {list(t.shape)}")
+    check(t.dtype in dtypes, f"{name} must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
+    if rows is not None:
+        check(t.shape[0] == rows, f"{name} must have {rows} rows, got shape {list(t.shape)}")
+    if cols is not None:
+        check(t.shape[1] == cols, f"{name} must have {cols} columns, got shape {list(t.shape)}")
+    if row_major:
+        check(t.stride(1) == 1 or t.shape[1] == 1,
+              f"{name} must be contiguous along dim 1, got strides {t.stride()}")
+
+
+def check_bias(bias: torch.Tensor | None, n: int) -> None:
+    if bias is None:
+        return
+    check(bias.dim() == 1 and bias.shape[0] == n, f"bias must be [{n}], got shape {list(bias.shape)}")
+    check(bias.is_contiguous(), f"bias must be contiguous, got strides {bias.stride()}")
+
+
+def check_same_device(**tensors) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    check(len(set(devices.values())) <= 1, f"tensors on different devices: {devices}")
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 1 elsewhere (the interpreter: fewest programs is fastest)."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pick_split_k(tiles: int, k_blocks: int, sms: int, max_split: int = 16, min_blocks: int = 2) -> int:
+    """Slices of K so tiles * split covers the SMs twice, each slice at least min_blocks blocks."""
+    if tiles >= sms:
+        return 1
+    split = min(max_split, triton.cdiv(2 * sms, tiles), max(1, k_blocks // min_blocks))
+    return max(1, split)
+
+
+def k_per_split(k: int, split_k: int, block_k: int) -> int:
+    """Length of each K slice, a multiple of block_k (the last slice may be shorter)."""
+    return triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+
+
+@triton.jit
+def _splitk_reduce_kernel(p_ptr, bias_ptr, c_ptr, MN, N,
+                          SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # p [SPLIT_K, M, N] fp32 -> c [M, N] = sum_s p[s] + bias
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+REDUCE_BLOCK = 1024
+
+
+def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """partials [SPLIT_K, M, N] float32 -> [M, N] out_dtype, bias added."""
+    split_k, m, n = partials.shape
+    out = torch.empty(m, n, device=partials.device, dtype=out_dtype)
+    grid = (triton.cdiv(m * n, REDUCE_BLOCK),)
+    _splitk_reduce_kernel[grid](partials, bias if bias is not None else partials, out, m * n, n,
+                                SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)
+    return out

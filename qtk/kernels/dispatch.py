@@ -1,0 +1,203 @@
+"""Which kernel runs a QuantLinear, and the run-time tensors it needs, built once per layer.
+
+`runtime_for(layer, x)` picks a Runtime by scheme, device and activation dtype (the first rule
+that applies wins) and caches it on the layer as the plain attribute `_qtk_runtime` (not a
+buffer: state_dict and checkpoints are unchanged). The cache is rebuilt when the layer's
+tensors are replaced or modified in place (.to(), load_state_dict) or x's device/dtype change.
+
+    scheme                     CUDA (fp16/bf16 x)               CPU
+    int4/int8 weight-only      Triton woq_gemm (repacked)       bf16 x: torch._weight_int4pack_mm_for_cpu
+                                                                (int4, G in 32..256, N % 16 == 0) or
+                                                                torch._weight_int8pack_mm (int8 sym per
+                                                                channel, K % 16 == 0); else reference
+    W8A8 int8                  Triton act_quant + scaled_mm     act_quant twin + torch._int_mm + fp32 epilogue
+    W8A8 fp8 (sm_89+)          Triton act_quant + fp8_gemm      reference
+    anything else              reference (quant_linear_ref)     reference
+The reference's runtime is REFERENCE (None): quant_linear_ref reads the layer itself.
+On CPU the int4/int8 weight ops are used for bf16 only: measured here (2 cores) they beat the
+reference (fp32 matmul on the cached dequantized weight) by 2-6x for bf16 activations and lose
+by 10-100x for fp16/fp32, which they have no fast kernel for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops  # noqa: F401  registers torch.ops.qtk.*
+from .common import ACT_DTYPES
+from .fp8 import fp8_supported
+from .layout import WOQ_BITS, WOQWeights, pack_woq
+from .reference import act_quant_ref
+
+CPU_INT4_GROUPS = (32, 64, 128, 256)
+REFERENCE = None  # the runtime of a layer served by quant_linear_ref (it reads the layer itself)
+
+
+@dataclass(frozen=True)
+class WOQTriton:
+    w: WOQWeights
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        if w.perm is not None:
+            x = x.index_select(1, w.perm)
+        return torch.ops.qtk.woq_gemm(x, w.qweight, w.scales, w.zeros, self.bias, w.bits, w.group_size)
+
+
+@dataclass(frozen=True)
+class CpuInt4:
+    packed: torch.Tensor  # torch._convert_weight_to_int4pack_for_cpu of u [N, K]
+    scales_and_zeros: torch.Tensor  # [K/G, N, 2]: W = (u - 8) * s + z
+    group_size: int
+    perm: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(frozen=True)
+class CpuInt8:
+    weight: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # [N] in x's dtype
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x, self.weight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(frozen=True)
+class W8A8:
+    weight: torch.Tensor  # int8 / fp8 [N, K]
+    w_scale: torch.Tensor  # [N, 1] or [1]
+    input_scale: torch.Tensor | None  # fp32 [1] (static) or None (dynamic)
+    per_token: bool  # dynamic per token; dynamic per tensor otherwise
+    bias: torch.Tensor | None
+
+    def input_scale_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.input_scale is not None or self.per_token:
+            return self.input_scale
+        qmax = 448.0 if self.weight.dtype == torch.float8_e4m3fn else 127.0
+        s = (x.float().abs().amax() / qmax).reshape(1)  # dynamic per tensor, as qtk.quant.qparams
+        return torch.where(s > 0, s, torch.finfo(torch.float32).eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        q, s = torch.ops.qtk.act_quant(x, self.weight.dtype, self.input_scale_for(x))
+        return torch.ops.qtk.scaled_mm(q, self.weight, s, self.w_scale, self.bias, x.dtype)
+
+
+@dataclass(frozen=True)
+class CpuW8A8Int(W8A8):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        q, s = act_quant_ref(x, torch.int8, self.input_scale_for(x))
+        y = torch._int_mm(q, self.weight.t()).float() * s * self.w_scale.float().reshape(1, -1)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+
+def _act_order(layer) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, bool]:
+    """(perm, codes, zero point, ok): with g_idx, columns sorted by group so groups are contiguous."""
+    codes, zp = layer.codes(), layer.zero_point()
+    if not hasattr(layer, "weight_g_idx"):
+        return None, codes, zp, True
+    g = layer.weight_g_idx.long()
+    perm = torch.argsort(g, stable=True)
+    size = layer.scheme.weights.group_size
+    ok = size is not None and torch.equal(g[perm], torch.arange(g.numel(), device=g.device) // size)
+    return perm, codes[:, perm], zp, ok
+
+
+def _woq(layer, device: torch.device, dtype: torch.dtype):
+    args = layer.scheme.weights
+    group = args.group_size if args.strategy == "group" else None
+    perm, codes, zp, ok = _act_order(layer)
+    n, k = codes.shape
+    if not ok or (group is not None and (group % 16 or k % group)):
+        return REFERENCE
+    if device.type == "cuda" and dtype in ACT_DTYPES:
+        w = pack_woq(codes, layer.weight_scale, zp, args.num_bits, group, dtype, perm)
+        return WOQTriton(w, layer.bias)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        if args.num_bits == 4 and group in CPU_INT4_GROUPS and n % 16 == 0:
+            u = (codes.to(torch.int32) + 8).contiguous()
+            s = layer.weight_scale.float().reshape(n, -1).t()  # [K/G, N]
+            z = torch.zeros_like(s) if zp is None else -zp.float().reshape(n, -1).t() * s
+            sz = torch.stack([s, z], dim=-1).to(dtype).contiguous()
+            return CpuInt4(torch._convert_weight_to_int4pack_for_cpu(u, 1), sz, group, perm, layer.bias)
+        if args.num_bits == 8 and group is None and zp is None and perm is None and k % 16 == 0:
+            s = layer.weight_scale.reshape(-1).to(dtype).expand(n).contiguous()
+            return CpuInt8(codes.contiguous(), s, layer.bias)
+    return REFERENCE
+
+
+def _w8a8(layer, device: torch.device, dtype: torch.dtype):
+    scheme = layer.scheme
+    w, act = scheme.weights, scheme.input_activations
+    if not w.symmetric or w.strategy not in ("channel", "tensor") or hasattr(layer, "weight_g_idx"):
+        return REFERENCE
+    static = None if act.dynamic else layer.input_scale.float().reshape(1)
+    w_scale = layer.weight_scale.reshape(-1, 1) if w.strategy == "channel" else layer.weight_scale.reshape(1)
+    parts = (layer.weight, w_scale.contiguous(), static, act.dynamic and act.strategy == "token", layer.bias)
+    if device.type == "cuda" and dtype in ACT_DTYPES and (w.type == "int" or fp8_supported(device)):
+        return W8A8(*parts)
+    if device.type == "cpu" and w.type == "int":
+        return CpuW8A8Int(*parts)
+    return REFERENCE
+
+
+def build_runtime(layer, device: torch.device, dtype: torch.dtype):
+    """The Runtime for `layer` given activations on `device` in `dtype` (rules in the docstring)."""
+    scheme = layer.scheme
+    w = scheme.weights
+    if scheme.input_activations is None and w.type == "int" and w.num_bits in WOQ_BITS \
+            and w.strategy in ("group", "channel", "tensor"):
+        return _woq(layer, device, dtype)
+    if scheme.input_activations is not None and hasattr(layer, "weight"):
+        return _w8a8(layer, device, dtype)
+    return REFERENCE
+
+
+@dataclass(frozen=True)
+class _Cached:
+    """A runtime and what it was built from: the layer's tensors (held, so identity is safe),
+    their in-place version counters, and the activations' device and dtype."""
+
+    sources: tuple
+    versions: tuple
+    device: torch.device
+    dtype: torch.dtype
+    runtime: object
+
+    def fresh(self, sources: tuple, x: torch.Tensor) -> bool:
+        return (x.device == self.device and x.dtype == self.dtype and len(sources) == len(self.sources)
+                and all(a is b for a, b in zip(sources, self.sources))
+                and all(t._version == v for t, v in zip(sources, self.versions)))
+
+
+def runtime_for(layer, x: torch.Tensor):
+    """The cached Runtime of `layer` for x (rebuilt when stale; trusted as is while compiling)."""
+    cached = getattr(layer, "_qtk_runtime", None)
+    if cached is not None and torch.compiler.is_compiling():
+        return cached.runtime
+    sources = tuple(t for t in (*layer._buffers.values(), *layer._parameters.values()) if t is not None)
+    if cached is None or not cached.fresh(sources, x):
+        with torch.no_grad():
+            runtime = build_runtime(layer, x.device, x.dtype)
+        cached = _Cached(sources, tuple(t._version for t in sources), x.device, x.dtype, runtime)
+        layer._qtk_runtime = cached
+    return cached.runtime
+
+
+def prepare(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Build every QuantLinear's runtime now (at load time) instead of at its first forward."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    for m in module.modules():
+        if hasattr(m, "scheme") and hasattr(m, "weight_scale"):
+            runtime_for(m, probe)

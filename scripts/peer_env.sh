@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The peer, llm-compressor, in a venv of its own: it pins transformers<=5.17 and
+# compressed-tensors 0.19, which must not replace the test env's. The venv sees the system
+# site-packages, so it reuses the installed CPU torch (pinned below, so pip never swaps in a
+# multi-GB CUDA build); its own transformers / compressed-tensors shadow the system ones.
+#   bash scripts/peer_env.sh fixtures      build build/peer_fixtures (once; fast when up to date)
+#   bash scripts/peer_env.sh python ARGS   run python in the peer venv (e.g. for benchmarks)
+# QTK_PEER_VENV moves the venv (default ~/.cache/qtk/peer-venv, shared by clones on a machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${QTK_PEER_VENV:-$HOME/.cache/qtk/peer-venv}
+PEER="llmcompressor==0.14.0.1"
+OUT=build/peer_fixtures
+
+with_lock() {  # with_lock FILE CMD...: one builder at a time (CI and engineers share the machine)
+    local lock=$1
+    shift
+    mkdir -p "$(dirname "$lock")"
+    (flock 9; "$@") 9>"$lock"
+}
+
+make_venv() {
+    if [ -f "$VENV/.qtk-peer" ] && [ "$(cat "$VENV/.qtk-peer")" = "$PEER" ]; then
+        return
+    fi
+    local torch_version
+    if ! torch_version=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null); then
+        echo "peer_env: $PY has no torch; run scripts/setup.sh first" >&2
+        return 1
+    fi
+    echo "peer_env: creating $VENV ($PEER, reusing torch $torch_version)"
+    rm -rf "$VENV"
+    "$PY" -m venv --system-site-packages "$VENV"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$PEER" "torch==$torch_version"
+    # the venv must still use the system torch: a torch inside it would be a fresh download
+    "$VENV/bin/python" - "$VENV" <<'EOF'
+import sys, torch
+if torch.__file__.startswith(sys.argv[1]):
+    sys.exit(f"peer_env: pip installed a torch into the venv ({torch.__file__})")
+EOF
+    echo "$PEER" >"$VENV/.qtk-peer"
+}
+
+build_fixtures() {
+    local stamp tmp
+    stamp="$PEER $(sha256sum scripts/peer_fixtures.py | cut -d' ' -f1)"
+    if [ -f "$OUT/STAMP" ] && [ "$(cat "$OUT/STAMP")" = "$stamp" ]; then
+        echo "peer_env: $OUT is up to date"
+        return
+    fi
+    with_lock "$VENV.lock" make_venv
+    echo "peer_env: building $OUT with $PEER"
+    mkdir -p build
+    tmp=$(mktemp -d build/.peer_fixtures.XXXXXX)
+    if ! HF_HUB_OFFLINE=1 "$VENV/bin/python" scripts/peer_fixtures.py "$tmp" >"$tmp.log" 2>&1; then
+        tail -n 40 "$tmp.log" >&2
+        echo "peer_env: scripts/peer_fixtures.py failed (log above, full log in $tmp.log)" >&2
+        rm -rf "$tmp"
+        return 1
+    fi
+    echo "$stamp" >"$tmp/STAMP"
+    mv "$tmp.log" "$tmp/build.log"
+    rm -rf "$OUT"
+    mv "$tmp" "$OUT"
+}
+
+case "${1:-}" in
+    fixtures) with_lock build/.peer_fixtures.lock build_fixtures ;;
+    python)
+        shift
+        with_lock "$VENV.lock" make_venv
+        exec "$VENV/bin/python" "$@"
+        ;;
+    *)
+        echo "usage: bash scripts/peer_env.sh fixtures | python ARGS..." >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,387 @@
+"""compressed-tensors checkpoints: round trips, the config, atomic writes, bad checkpoints."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import qtk.checkpoint as ckpt
+from qtk.calibrate import checkpoint_groups, quantize_model
+from qtk.checkpoint import CheckpointError, load_quantized, save_quantized
+from qtk.recipe import from_flags
+from qtk.runtime.layers import QuantLinear
+
+CASES = {  # name -> from_flags arguments
+    "w4a16": dict(method="rtn", scheme="w4a16", group_size=32),
+    "w4a16_asym": dict(method="rtn", scheme="w4a16_asym", group_size=16),
+    "w8a16": dict(method="rtn", scheme="w8a16"),
+    "w8a8": dict(method="rtn", scheme="w8a8"),
+    "fp8": dict(method="fp8", scheme="fp8"),
+    "fp8_static": dict(method="fp8", scheme="fp8_static"),
+    "w4a16+kv_fp8": dict(method="rtn", scheme="w4a16", group_size=64, kv_cache="fp8"),
+    "w8a8+kv_int8_head": dict(method="rtn", scheme="w8a8", kv_cache="int8", kv_strategy="head"),
+    "fp8_static+kv_fp8_head": dict(method="fp8", scheme="fp8_static", kv_cache="fp8", kv_strategy="head"),
+    "w8a16+kv_int8": dict(method="rtn", scheme="w8a16", kv_cache="int8"),
+}
+QC_KEYS = {"quant_method", "quantization_status", "format", "config_groups", "ignore", "kv_cache_scheme",
+           "sparsity_config", "transform_config", "global_compression_ratio", "version"}
+ARG_KEYS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
+            "actorder", "observer", "observer_kwargs"}
+
+
+def _ids(seed=0):
+    return torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def _quantized(tiny_llama, case):
+    model = tiny_llama()
+    recipe = from_flags(**CASES[case])
+    quantize_model(model, recipe, calib_ids=_ids(1), progress=False)
+    return model, recipe
+
+
+def _save(model, recipe, out, **kw):
+    groups, ignore = checkpoint_groups(model, recipe)
+    return save_quantized(model, None, out, groups, ignore, recipe.kv_cache, **kw)
+
+
+@pytest.fixture
+def w4_ckpt(tiny_llama, tmp_path):
+    model, recipe = _quantized(tiny_llama, "w4a16")
+    return _save(model, recipe, tmp_path / "ck", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_round_trip_logits_exact(tiny_llama, tmp_path, case):
+    model, recipe = _quantized(tiny_llama, case)
+    ids = _ids(2)
+    with torch.no_grad():
+        before = model(ids).logits
+    out = _save(model, recipe, tmp_path / "ck", dtype=torch.float32)
+    loaded = load_quantized(out)
+    assert sum(isinstance(m, QuantLinear) for m in loaded.modules()) == 14
+    with torch.no_grad():
+        after = loaded(ids).logits
+    assert torch.equal(after, before)
+    if recipe.kv_cache is not None:
+        attn = loaded.model.layers[1].self_attn
+        assert torch.equal(attn.k_scale, model.model.layers[1].self_attn.k_scale)
+        assert attn.k_scale.shape == ((2, 1, 1) if recipe.kv_cache.strategy == "attn_head" else (1,))
+
+
+@pytest.mark.parametrize("case", ["w4a16_asym", "w8a8", "fp8_static+kv_fp8_head"])
+def test_round_trip_bf16_is_the_model_rounded_to_bf16(tiny_llama, tmp_path, case):
+    """Saved in bf16 (the default), every float tensor (scales, norms, embeddings) is rounded to
+    bf16 and nothing else changes: the loaded model equals the in-memory one with its float
+    tensors rounded the same way. (The logits themselves move by up to ~2% on this random model,
+    as much as the quantization error: fp8/int8 activation rounding amplifies small changes.)"""
+    model, recipe = _quantized(tiny_llama, case)
+    loaded = load_quantized(_save(model, recipe, tmp_path / "ck"))
+    assert loaded.model.layers[0].mlp.up_proj.weight_scale.dtype == torch.float32  # loaded in the asked dtype
+    ids = _ids(2)
+    with torch.no_grad():
+        before = model(ids).logits
+        model.load_state_dict({k: v.to(torch.bfloat16).float() if v.dtype == torch.float32 else v
+                               for k, v in model.state_dict().items()})
+        rounded = model(ids).logits
+        after = loaded(ids).logits
+    assert not torch.equal(rounded, before)
+    assert torch.equal(after, rounded)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_config_has_exactly_the_compressed_tensors_keys(tiny_llama, tmp_path, case):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    model, recipe = _quantized(tiny_llama, case)
+    cfg = json.loads((_save(model, recipe, tmp_path / "ck") / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert set(qc) == QC_KEYS
+    assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
+    assert qc["ignore"] == ["lm_head"] and qc["sparsity_config"] == {} and qc["transform_config"] == {}
+    (group,) = qc["config_groups"].values()
+    assert set(group) == {"targets", "weights", "input_activations", "output_activations", "format"}
+    assert group["format"] == qc["format"] == recipe.scheme.format
+    for args in (group["weights"], group["input_activations"], qc["kv_cache_scheme"]):
+        if args is not None:
+            assert set(args) == ARG_KEYS
+            QuantizationArgs.model_validate(args)  # extra="forbid" in the library
+    QuantizationScheme.model_validate(group)
+    QuantizationConfig.model_validate(qc)
+    assert cfg["dtype"] == "bfloat16" and cfg["use_cache"] is True
+
+
+def test_w4a16_config_equals_the_one_compressed_tensors_writes(tiny_llama, tmp_path):
+    """shared/formats.md's example (written by compressed-tensors 0.20.0), key for key where it
+    fixes a value; our extra arg keys are the library's defaults (null / {})."""
+    model = tiny_llama(hidden_size=128, intermediate_size=256)
+    recipe = from_flags("rtn", scheme="w4a16")
+    quantize_model(model, recipe, progress=False)
+    qc = json.loads((_save(model, recipe, tmp_path / "ck") / "config.json").read_text())["quantization_config"]
+    reference = {"config_groups": {"group_0": {"format": "pack-quantized", "input_activations": None,
+                 "output_activations": None, "targets": ["Linear"], "weights": {
+                     "dynamic": False, "group_size": 128, "num_bits": 4, "strategy": "group",
+                     "symmetric": True, "type": "int"}}},
+                 "format": "pack-quantized", "global_compression_ratio": None, "ignore": ["lm_head"],
+                 "kv_cache_scheme": None, "quant_method": "compressed-tensors",
+                 "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
+                 "version": "0.20.0"}
+    w = qc["config_groups"]["group_0"]["weights"]
+    assert {k: w.pop(k) for k in ("actorder", "block_structure", "observer", "observer_kwargs")} == {
+        "actorder": None, "block_structure": None, "observer": None, "observer_kwargs": {}}
+    assert qc == reference
+
+
+@pytest.mark.parametrize("case", ["w4a16", "w4a16_asym", "w8a16"])
+def test_pack_quantized_tensors_match_the_spec_and_the_library(tiny_llama, tmp_path, case):
+    """Tensor names, shapes and dtypes per shared/formats.md, and compressed-tensors' own
+    dequantizer reads back the weights our QuantLinear decodes."""
+    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
+
+    model, recipe = _quantized(tiny_llama, case)
+    out = _save(model, recipe, tmp_path / "ck", dtype=torch.float32)
+    tensors = load_file(out / "model.safetensors")
+    w = recipe.scheme.weights
+    name = "model.layers.0.mlp.down_proj"  # [out 64, in 128]
+    n_groups = 128 // w.group_size if w.strategy == "group" else 1
+    assert tensors[f"{name}.weight_packed"].dtype == torch.int32
+    assert tensors[f"{name}.weight_packed"].shape == (64, math.ceil(128 * w.num_bits / 32))
+    assert tensors[f"{name}.weight_scale"].shape == (64, n_groups)
+    assert tensors[f"{name}.weight_shape"].dtype == torch.int64
+    assert tensors[f"{name}.weight_shape"].tolist() == [64, 128]
+    if w.symmetric:
+        assert f"{name}.weight_zero_point" not in tensors
+    else:
+        zp = tensors[f"{name}.weight_zero_point"]
+        assert zp.dtype == torch.int32 and zp.shape == (math.ceil(64 * w.num_bits / 32), n_groups)
+    dense = CompressedTensorsDequantizer(out, dtype=torch.float32).process(dict(tensors))
+    for n, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            torch.testing.assert_close(dense[f"{n}.weight"], m.dequantized_weight(), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", ["w8a8", "fp8_static"])
+def test_int_and_float_quantized_tensors(tiny_llama, tmp_path, case):
+    model, recipe = _quantized(tiny_llama, case)
+    tensors = load_file(_save(model, recipe, tmp_path / "ck") / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj"
+    wdtype = torch.int8 if case == "w8a8" else torch.float8_e4m3fn
+    assert tensors[f"{name}.weight"].dtype == wdtype and tensors[f"{name}.weight"].shape == (64, 64)
+    assert tensors[f"{name}.weight_scale"].shape == ((64, 1) if case == "w8a8" else (1,))
+    assert (f"{name}.input_scale" in tensors) == (case == "fp8_static")
+    if case == "fp8_static":
+        assert tensors[f"{name}.input_scale"].shape == (1,)
+    assert tensors["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_pipeline_output_carries_tokenizer_and_generation_config(tiny_dir, tmp_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from qtk import pipeline
+
+    out = tmp_path / "q"
+    report = pipeline.quantize(str(tiny_dir), from_flags("rtn", group_size=32), out, progress=False)
+    assert {p.name for p in out.iterdir()} == {
+        "config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+        "chat_template.jinja", "recipe.yaml", "qtk_report.json"}
+    assert (out / "chat_template.jinja").read_text() == (tiny_dir / "chat_template.jinja").read_text()
+    assert GenerationConfig.from_pretrained(out).max_new_tokens == 7
+    assert AutoTokenizer.from_pretrained(out)("hello world")["input_ids"] == \
+        AutoTokenizer.from_pretrained(tiny_dir)("hello world")["input_ids"]
+    saved = json.loads((out / "qtk_report.json").read_text())
+    assert saved["layers"] == report["layers"] and len(saved["layers"]) == 14
+    # tied embeddings: lm_head is not stored, and comes back tied to the embedding
+    assert "lm_head.weight" not in load_file(out / "model.safetensors")
+    loaded = load_quantized(out)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("arch", ["Qwen2", "Qwen3", "Mistral"])
+@pytest.mark.parametrize("case", ["w4a16", "w8a8+kv_int8_head"])
+def test_other_architectures_round_trip(tmp_path, arch, case):
+    """Every row of the architecture table: Qwen2 (q/k/v bias), Qwen3 (q/k norms), Mistral; an
+    ignore pattern keeps o_proj float through the checkpoint."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{arch}Config")(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                     num_hidden_layers=2, num_attention_heads=4,
+                                                     num_key_value_heads=2, max_position_embeddings=256)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
+    recipe = from_flags(**CASES[case], ignore=("re:.*o_proj",))
+    quantize_model(model, recipe, calib_ids=_ids(1), progress=False)
+    loaded = load_quantized(_save(model, recipe, tmp_path / "ck", dtype=torch.float32))
+    assert sum(isinstance(m, QuantLinear) for m in loaded.modules()) == 12
+    assert type(loaded.model.layers[1].self_attn.o_proj) is torch.nn.Linear
+    assert (loaded.model.layers[0].self_attn.q_proj.bias is not None) == (arch == "Qwen2")
+    ids = _ids(2)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_sharded_checkpoint_round_trip(tiny_llama, tmp_path, monkeypatch):
+    model, recipe = _quantized(tiny_llama, "w8a8")
+    monkeypatch.setattr(ckpt, "MAX_SHARD_BYTES", 40_000)
+    out = _save(model, recipe, tmp_path / "ck", dtype=torch.float32)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    assert index["weight_map"].keys() == model.state_dict().keys()
+    ids = _ids(2)
+    with torch.no_grad():
+        assert torch.equal(load_quantized(out)(ids).logits, model(ids).logits)
+    (out / shards[1]).unlink()
+    with pytest.raises(CheckpointError, match=f"{shards[1]} is listed in the index but missing"):
+        load_quantized(out)
+
+
+# --- writing atomically --------------------------------------------------------------------
+
+def test_existing_target_refused_without_force_replaced_with_force(tiny_llama, tmp_path):
+    model, recipe = _quantized(tiny_llama, "w8a16")
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    with pytest.raises(FileExistsError, match="exists; pass --force"):
+        _save(model, recipe, out)
+    assert [p.name for p in out.iterdir()] == ["stale.txt"]
+    _save(model, recipe, out, force=True)
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temp or old dir left
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_crash_mid_write_leaves_nothing(tiny_llama, tmp_path, monkeypatch, existing):
+    model, recipe = _quantized(tiny_llama, "w4a16")
+    out = tmp_path / "ck"
+    if existing:
+        out.mkdir()
+        (out / "keep.txt").write_text("previous checkpoint")
+
+    def failing_save(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "save_file", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        _save(model, recipe, out, force=True)
+    if existing:  # the old checkpoint is untouched
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    else:
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_crash_after_tensors_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
+    model, recipe = _quantized(tiny_llama, "w4a16")
+
+    def failing_extra(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(model.generation_config), "save_pretrained", failing_extra)
+    with pytest.raises(KeyboardInterrupt):
+        _save(model, recipe, tmp_path / "ck")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- reading bad checkpoints ---------------------------------------------------------------
+
+def _rewrite_tensors(out, change):
+    tensors = load_file(out / "model.safetensors")
+    change(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _rewrite_config(out, change):
+    cfg = json.loads((out / "config.json").read_text())
+    change(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+UP = "model.layers.0.mlp.up_proj"
+
+
+def test_missing_tensor(w4_ckpt):
+    _rewrite_tensors(w4_ckpt, lambda t: t.pop(f"{UP}.weight_scale"))
+    with pytest.raises(CheckpointError, match=rf"tensor '{UP}.weight_scale' is missing from the checkpoint"):
+        load_quantized(w4_ckpt)
+
+
+def test_misshaped_tensor(w4_ckpt):
+    _rewrite_tensors(w4_ckpt, lambda t: t.update({f"{UP}.weight_packed": t[f"{UP}.weight_packed"][:, :4].clone()}))
+    with pytest.raises(CheckpointError, match=rf"tensor '{UP}.weight_packed' has shape \[128, 4\] but the config "
+                                              r"implies \[128, 8\]"):
+        load_quantized(w4_ckpt)
+
+
+def test_wrong_dtype_and_unexpected_tensor(w4_ckpt):
+    _rewrite_tensors(w4_ckpt, lambda t: t.update({f"{UP}.weight_packed": t[f"{UP}.weight_packed"].to(torch.int64)}))
+    with pytest.raises(CheckpointError, match=rf"tensor '{UP}.weight_packed' has dtype torch.int64"):
+        load_quantized(w4_ckpt)
+    _rewrite_tensors(w4_ckpt, lambda t: t.update({f"{UP}.weight_packed": t[f"{UP}.weight_packed"].to(torch.int32),
+                                                  f"{UP}.weight_zero_point": torch.zeros(16, 2, dtype=torch.int32)}))
+    with pytest.raises(CheckpointError, match=rf"tensor '{UP}.weight_zero_point' is not part of the model"):
+        load_quantized(w4_ckpt)
+
+
+def test_weight_shape_disagrees(w4_ckpt):
+    _rewrite_tensors(w4_ckpt, lambda t: t.update({f"{UP}.weight_shape": torch.tensor([64, 128])}))
+    with pytest.raises(CheckpointError, match=rf"{UP}.weight_shape is \[64, 128\], the model has \[128, 64\]"):
+        load_quantized(w4_ckpt)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda w: w.update(num_bits=3, type="float"), "num_bits must be 8 for float"),
+    (lambda w: w.update(strategy="block", group_size=None, block_structure=[128, 128]), "strategy 'block' is not supported"),
+    (lambda w: w.update(bits=4), r"unknown quantization arg key\(s\) \['bits'\]"),
+])
+def test_unknown_scheme(w4_ckpt, change, message):
+    _rewrite_config(w4_ckpt, lambda c: change(c["quantization_config"]["config_groups"]["group_0"]["weights"]))
+    with pytest.raises(CheckpointError, match=rf"config.json quantization_config: .*{message}"):
+        load_quantized(w4_ckpt)
+
+
+def test_unknown_format_and_method(w4_ckpt):
+    _rewrite_config(w4_ckpt, lambda c: c["quantization_config"]["config_groups"]["group_0"].update(format="marlin-24"))
+    with pytest.raises(CheckpointError, match="format 'marlin-24' is not supported"):
+        load_quantized(w4_ckpt)
+    _rewrite_config(w4_ckpt, lambda c: c["quantization_config"].update(quant_method="gptq"))
+    with pytest.raises(CheckpointError, match="quant_method is 'gptq'"):
+        load_quantized(w4_ckpt)
+
+
+def test_config_disagrees_with_tensors(w4_ckpt):
+    _rewrite_config(w4_ckpt, lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size=16))
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.self_attn.q_proj.weight_scale' has shape "
+                                              r"\[64, 2\] but the config implies \[64, 4\]"):
+        load_quantized(w4_ckpt)
+
+
+def test_missing_quantization_config(w4_ckpt):
+    _rewrite_config(w4_ckpt, lambda c: c.pop("quantization_config"))
+    with pytest.raises(CheckpointError, match=r"config.json has no quantization_config"):
+        load_quantized(w4_ckpt)
+
+
+def test_truncated_safetensors(w4_ckpt):
+    f = w4_ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model.safetensors cannot be read \(truncated or corrupt"):
+        load_quantized(w4_ckpt)
+    f.write_bytes(data[:5])
+    with pytest.raises(CheckpointError, match=r"model.safetensors cannot be read"):
+        load_quantized(w4_ckpt)
+
+
+def test_missing_weights_file_and_config(w4_ckpt):
+    (w4_ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="has no model.safetensors or model.safetensors.index.json"):
+        load_quantized(w4_ckpt)
+    (w4_ckpt / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json cannot be read"):
+        load_quantized(w4_ckpt)
