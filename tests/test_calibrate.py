@@ -95,7 +95,8 @@ def test_group_size_checked_before_any_work(tiny_llama, monkeypatch):
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
 
 
-@pytest.mark.parametrize("kv, strategy, qmax", [("int8", "head", 127), ("fp8", "tensor", 448)])
+# int8 follows compressed-tensors' symmetric convention (absmax / 127.5); scales are stored in bf16
+@pytest.mark.parametrize("kv, strategy, qmax", [("int8", "head", 127.5), ("fp8", "tensor", 448)])
 def test_kv_scales_are_absmax_of_rotated_keys(tiny_llama, kv, strategy, qmax):
     """k_scale/v_scale of block 0 = absmax over the calibration batches of K (after RoPE) and V
     computed here by hand from the embeddings, divided by the format's max."""
@@ -121,7 +122,8 @@ def test_kv_scales_are_absmax_of_rotated_keys(tiny_llama, kv, strategy, qmax):
     dims = (0, 2, 3) if strategy == "head" else (0, 1, 2, 3)
     for scale, t in ((attn.k_scale, k), (attn.v_scale, v)):
         expect = t.abs().amax(dim=dims).reshape(shape) / qmax
-        torch.testing.assert_close(scale, expect, rtol=1e-5, atol=0)
+        torch.testing.assert_close(scale, expect, rtol=2**-7, atol=0)  # one bf16 step, rounded up
+        assert (scale >= expect).all()
     # the KV fake quantization is live in the forward: logits move, a little
     with torch.no_grad():
         out = model(ids).logits

@@ -1,7 +1,7 @@
 """Methods by name: smoothing transforms run first, then one weight quantizer, per block."""
-from . import rtn
+from . import awq, gptq, rtn, smoothquant
 
 # name -> fn(block, recipe): rescales float weights in place and folds the inverse into the previous op
-SMOOTHING = {}
+SMOOTHING = {"awq": awq.smooth_block, "smoothquant": smoothquant.smooth_block}
 # name -> fn(block, recipe): replaces each targeted Linear by a QuantLinear, records block.errors
-WEIGHTS = {"rtn": rtn.quantize_block}
+WEIGHTS = {"rtn": rtn.quantize_block, "gptq": gptq.quantize_block}

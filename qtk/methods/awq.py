@@ -1,0 +1,268 @@
+"""AWQ (Lin et al., 2023): activation-aware per-channel weight scales, then a clipping search.
+
+Per smoothing pair prev -> linears of a block, in execution order (AutoAWQ's search):
+    x_mean = mean |x| per input channel, w_mean = mean over rows of |W| / max|W| of its group
+    s(r)   = x_mean^r / w_mean^(1-r),  r = 0, 1/n, ..., (n-1)/n          (duo scaling)
+    loss   = || inspect(x; Q(W s) / s) - inspect(x; W) ||^2             (inspect: attention, mlp, the linear)
+    keep the best s only when it beats s = 1; W <- W s, prev <- prev / s  (fold.py)
+Then per targeted linear but q/k, per output row and group, the range of W shrinks by the factor
+in [0.5, 1] that minimises that group's output error (AutoAWQ's auto_clip); the clipped float
+weight goes on to the weight quantizer (rtn or gptq).
+
+The losses of a single Linear are exact quadratic forms in the input Gram matrix G = X^T X
+(error = sum (dW G) * dW) over GRAM_TOKENS random tokens, at no per-candidate cost in tokens; the
+attention loss runs on the sequences of the first LOSS_TOKENS tokens, the mlp loss on LOSS_TOKENS
+random tokens.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..models import SmoothPair
+from ..quant import dequantize, dequantize_weight, grouped, qparams, quantize, quantize_weight
+from ..schemes import QuantArgs
+from .fold import fold_scale, folds
+
+log = logging.getLogger(__name__)
+
+LOSS_TOKENS = 4096  # tokens the attention / mlp losses run on
+GRAM_TOKENS = 8192  # random tokens behind the Gram matrices (x_mean uses every token)
+CLIP_GRID, CLIP_MAX_SHRINK = 20, 0.5  # clip factors 1, 0.95, ..., 0.5
+NO_CLIP = ("q_proj", "k_proj")  # their error shows in attention scores, not in their outputs (AutoAWQ)
+
+Loss = Callable[[dict[str, torch.Tensor]], float]  # {linear name: candidate weight} -> output MSE
+
+
+# --- the math, over tensors ---------------------------------------------------------------
+
+def fake_quant(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """RTN quantize-dequantize of a weight [out, in] with the scheme's grid."""
+    q, scale, zp = quantize_weight(w, args)
+    return dequantize_weight(q, scale, zp, args, w.dtype)
+
+
+def group_size(args: QuantArgs, in_features: int) -> int:
+    return args.group_size if args.strategy == "group" else in_features
+
+
+def weight_mean(weights: list[torch.Tensor], gs: int) -> torch.Tensor:
+    """AutoAWQ's w_mean [in]: |W| normalised by its group's absmax, averaged over all rows."""
+    w = torch.cat(weights, dim=0).abs().float()  # [sum out, in]
+    g = grouped(w, gs)  # [rows, in/g, g]
+    return (g / (g.amax(dim=-1, keepdim=True) + 1e-6)).reshape(w.shape).mean(dim=0)
+
+
+def candidate_scale(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, duo: bool) -> torch.Tensor:
+    # AWQ: s = x_mean^r / w_mean^(1-r), normalised so that max(s) * min(s) = 1
+    s = x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4) if duo else x_mean.pow(ratio)
+    s = s.clamp_min(1e-4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def search_scale(x_mean: torch.Tensor, w_mean: torch.Tensor, weights: dict[str, torch.Tensor],
+                 args: QuantArgs, loss: Loss, grid: int = 20, duo: bool = True):
+    """(s [in], its loss, the identity's loss): the grid's best scale, or s = 1 if none beats it.
+
+    weights: the pair's float weights [out_k, in]; a candidate s turns them into Q(W s) / s."""
+
+    def scaled(s):
+        return {n: fake_quant(w * s, args) / s for n, w in weights.items()}
+
+    ones = torch.ones_like(x_mean)
+    identity = best = loss(scaled(ones))
+    best_s, best_r = ones, None
+    for i in range(grid):
+        s = candidate_scale(x_mean, w_mean, i / grid, duo)
+        err = loss(scaled(s))
+        if err < best:
+            best, best_s, best_r = err, s, i / grid
+    log.debug("awq ratio %s loss %.4g (identity %.4g)", best_r, best, identity)
+    return best_s, best, identity
+
+
+def gram_loss(weights: dict[str, torch.Tensor], gram: torch.Tensor, tokens: int) -> Loss:
+    """Output MSE of the linears on inputs X from G = X^T X: sum over rows of dW G dW^T."""
+    rows = sum(w.shape[0] for w in weights.values())
+
+    def loss(w_hats):
+        err = sum((((w_hats[n] - w) @ gram) * (w_hats[n] - w)).sum() for n, w in weights.items())
+        return err.item() / (tokens * rows)
+
+    return loss
+
+
+def clip_weight(w: torch.Tensor, gram: torch.Tensor, args: QuantArgs, grid: int = CLIP_GRID,
+                max_shrink: float = CLIP_MAX_SHRINK) -> torch.Tensor:
+    """w [out, in] clamped, per row and group, to the shrunk range whose quantization error
+    dW_g G_g dW_g^T on the group's inputs (G_g: the diagonal block of G = X^T X) is smallest."""
+    gs = group_size(args, w.shape[1])
+    wg = grouped(w.float(), gs)  # [out, ng, g]
+    ng = wg.shape[1]
+    # G [in, in] -> [ng, g, ng, g] -> diagonal blocks [ng, g, g]
+    g_blocks = gram.reshape(ng, gs, ng, gs).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [out, ng]
+    if args.symmetric:
+        hi = torch.maximum(lo.abs(), hi)
+        lo = -hi
+    best_err = torch.full_like(lo, float("inf"))
+    best_f = torch.ones_like(lo)
+    for i in range(int(max_shrink * grid) + 1):
+        f = 1 - i / grid
+        d = (_fake_quant_range(wg, lo * f, hi * f, args) - wg).transpose(0, 1)  # [ng, out, g]
+        err = ((d @ g_blocks) * d).sum(dim=-1).transpose(0, 1)  # [out, ng]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_f = torch.where(better, torch.full_like(best_f, f), best_f)
+    clipped = torch.maximum(torch.minimum(wg, (hi * best_f)[..., None]), (lo * best_f)[..., None])
+    return clipped.reshape(w.shape).to(w.dtype)
+
+
+def _fake_quant_range(wg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    # wg [out, ng, g] quantized on the grid of the range [lo, hi] ([out, ng]), values outside clamp
+    scale, zp = qparams(lo, hi, args)
+    zp = None if args.symmetric else zp[..., None]
+    q = quantize(wg, scale[..., None], zp, args)
+    return dequantize(q, scale[..., None], zp, wg.dtype)
+
+
+# --- walking a block ----------------------------------------------------------------------
+
+@dataclass
+class PairStats:
+    """What one calibration forward leaves for a pair: input statistics and loss inputs."""
+
+    abs_sum: torch.Tensor | None = None  # [in] sum of |x| over all tokens
+    tokens: int = 0
+    gram: torch.Tensor | None = None  # [in, in] X^T X over sampled tokens
+    gram_tokens: int = 0
+    samples: list[torch.Tensor] = field(default_factory=list)  # random tokens [n, in] (mlp loss)
+    calls: list[tuple] = field(default_factory=list)  # (args, kwargs) of the inspect module (attention loss)
+
+    def add(self, x: torch.Tensor, sampled: torch.Tensor) -> None:
+        # x [tokens, in], sampled [n, in] a random subset of its rows
+        self.abs_sum = x.abs().sum(0) if self.abs_sum is None else self.abs_sum + x.abs().sum(0)
+        self.tokens += x.shape[0]
+        self.gram = sampled.T @ sampled if self.gram is None else self.gram.addmm_(sampled.T, sampled)
+        self.gram_tokens += sampled.shape[0]
+
+    @property
+    def x_mean(self) -> torch.Tensor:
+        return self.abs_sum / self.tokens
+
+
+def loss_kind(block, pair: SmoothPair) -> str:
+    """gram: the inspected module is the pair's own linear(s); sequences: attention needs whole
+    sequences and its kwargs; tokens: a token-wise module (the mlp) on sampled tokens."""
+    if pair.inspect is None or pair.inspect in pair.linears:
+        return "gram"
+    return "sequences" if pair.inspect == block.arch.attention else "tokens"
+
+
+def observe(block, pairs: list[SmoothPair]) -> dict[SmoothPair, PairStats]:
+    """One forward of the block on the calibration inputs, collecting every pair's statistics."""
+    stats = {p: PairStats() for p in pairs}
+    by_input = {p.linears[0]: p for p in pairs}  # a pair's linears share their input
+    tokens_per_batch = block.inputs.hidden[0].shape[0] * block.inputs.hidden[0].shape[1]
+    n_seq_batches = max(1, math.ceil(LOSS_TOKENS / tokens_per_batch))
+    per_batch = math.ceil(LOSS_TOKENS / len(block.inputs))
+    gram_per_batch = math.ceil(GRAM_TOKENS / len(block.inputs))
+    gen = torch.Generator().manual_seed(0)
+
+    def on_input(name, x):
+        pair = by_input[name]
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        sampled = x[torch.randperm(x.shape[0], generator=gen)[:max(per_batch, gram_per_batch)].to(x.device)]
+        stats[pair].add(x, sampled[:gram_per_batch])
+        if loss_kind(block, pair) == "tokens":
+            stats[pair].samples.append(sampled[:per_batch])
+
+    def keep_call(pair):
+        def hook(_, args, kwargs):
+            if len(stats[pair].calls) < n_seq_batches:
+                stats[pair].calls.append((args, dict(kwargs)))
+        return hook
+
+    handles = [block.linear(p.inspect).register_forward_pre_hook(keep_call(p), with_kwargs=True)
+               for p in pairs if loss_kind(block, p) == "sequences"]
+    try:
+        with block.hooks(list(by_input), on_input):
+            block.run()
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def _forward(module, calls) -> list[torch.Tensor]:
+    outs = []
+    for args, kwargs in calls:
+        y = module(*args, **kwargs)
+        outs.append(y[0] if isinstance(y, tuple) else y)
+    return outs
+
+
+@contextlib.contextmanager
+def _weights(block, w_hats: dict[str, torch.Tensor]):
+    """Temporarily give the named linears the candidate weights."""
+    saved = {n: block.linear(n).weight.data for n in w_hats}
+    try:
+        for n, w in w_hats.items():
+            block.linear(n).weight.data = w.to(saved[n].dtype)
+        yield
+    finally:
+        for n, w in saved.items():
+            block.linear(n).weight.data = w
+
+
+def module_loss(block, module_name: str, calls: list[tuple]) -> Loss:
+    """Output MSE of a module (attention, mlp) against its float output on the given calls."""
+    module = block.linear(module_name)
+    ref = _forward(module, calls)
+    numel = sum(r.numel() for r in ref)
+
+    def loss(w_hats):
+        with _weights(block, w_hats):
+            out = _forward(module, calls)
+        return sum((o.float() - r.float()).pow(2).sum() for o, r in zip(out, ref)).item() / numel
+
+    return loss
+
+
+def pair_loss(block, pair: SmoothPair, st: PairStats, weights: dict[str, torch.Tensor]) -> Loss:
+    kind = loss_kind(block, pair)
+    if kind == "gram":
+        return gram_loss(weights, st.gram, st.gram_tokens)
+    calls = st.calls if kind == "sequences" else [((torch.cat(st.samples),), {})]
+    return module_loss(block, pair.inspect, calls)
+
+
+@torch.no_grad()
+def smooth_block(block, recipe) -> None:
+    """SMOOTHING["awq"]: scale search per pair, folding, then the clipping search."""
+    args, awq = recipe.scheme.weights, recipe.awq
+    pairs = [p for p in block.arch.smooth if any(n in block.targets for n in p.linears)]
+    stats = observe(block, pairs)
+    for pair in pairs:
+        if not folds(block, pair):
+            log.debug("awq %s: %s -> %s does not fold (GQA), skipped", block.name, pair.prev, pair.linears)
+            continue
+        st = stats[pair]
+        weights = {n: block.linear(n).weight.detach().float() for n in pair.linears if n in block.targets}
+        w_mean = weight_mean(list(weights.values()), group_size(args, st.gram.shape[0]))
+        s, err, identity = search_scale(st.x_mean, w_mean, weights, args, pair_loss(block, pair, st, weights),
+                                        awq.grid, awq.duo_scaling)
+        log.debug("awq %s %s: loss %.4g (identity %.4g)", block.name, pair.prev, err, identity)
+        fold_scale(block, pair, s)
+        st.gram = st.gram / s[:, None] / s[None, :]  # the linears now read x / s
+    if awq.clip:
+        for pair in pairs:
+            for name in pair.linears:
+                if name in block.targets and name.rsplit(".", 1)[-1] not in NO_CLIP:
+                    w = block.linear(name).weight
+                    w.copy_(clip_weight(w.detach(), stats[pair].gram, args))

@@ -1,0 +1,229 @@
+"""GPTQ (Frantar et al., 2022): quantize a Linear column by column, spreading each column's
+rounding error over the columns not yet quantized through the inverse Hessian of its inputs.
+
+`quantize_weight` is the algorithm as a pure function over tensors (IST-DASLab/gptq `fasterquant`);
+`quantize_block` collects H = 2/n sum x x^T for each targeted Linear in one forward of the block
+(float weights) and replaces each Linear by a QuantLinear. Linears fed the same tensor (q/k/v,
+gate/up) share one Hessian and are solved together, their weights stacked by rows: GPTQ treats
+rows independently, so that is the same result for a third of the column loops.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from .. import quant
+from ..recipe import GPTQArgs
+from ..schemes import QuantArgs
+from . import rtn
+
+log = logging.getLogger(__name__)
+
+DAMPING_RETRIES = 3  # each retry multiplies the dampening by 10; then RTN for that layer
+CLIP_SHRINK = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.86, 0.84, 0.82, 0.8)  # mse_clip grid on min/max
+
+
+def quantize_weight(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, gptq: GPTQArgs,
+                    name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GPTQ of one weight: (codes int8 [out, in], scale, zero point or None), shaped as quant.quantize_weight.
+
+    W [out, in] float; H [in, in] float32, 2/n sum x x^T over the calibration tokens (any positive
+    multiple gives the same result). Act-order is "static": columns are solved by descending
+    diag(H) but groups keep their original columns, so column j uses the scale of group j // g and
+    no g_idx is needed at run time. A group's scale/zero point is fixed when the solve first reaches
+    one of its columns, from the group's columns as the solve has updated them so far (before the
+    solve for channel/tensor). If H + damping is not positive definite the dampening is raised
+    x10 up to DAMPING_RETRIES times, then the layer falls back to RTN with a warning naming it.
+    """
+    if args.type != "int":
+        raise ValueError(f"gptq solves for integer weights, got {args.type} weights for {name}")
+    with one_thread():
+        return _fasterquant(W, H, args, gptq, name)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The column loop is thousands of small ops: with several intra-op threads each one waits at a
+    barrier, which on a busy 2-core machine made the solve 20-80x slower than one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fasterquant(W, H, args, gptq, name):
+    W0 = W
+    W = W.detach().float().clone()
+    H = H.detach().float().clone()
+    columns = W.shape[1]
+    # dead inputs (always 0 in calibration): any weight works, 0 keeps H invertible
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    perm = torch.argsort(torch.diag(H), descending=True) if gptq.act_order else torch.arange(columns, device=W.device)
+    invperm = torch.argsort(perm)
+    W, H = W[:, perm], H[perm][:, perm]
+    Hinv = inverse_hessian_cholesky(H, gptq.dampening, name)
+    if Hinv is None:
+        return quant.quantize_weight(W0, args)
+
+    g = args.group_size if args.strategy == "group" else columns
+    group = (perm // g).tolist()  # group (original column order) of each solve position
+    members = invperm.reshape(-1, g)  # [n_groups, g] solve positions of each group's columns
+    opens = {int(t): k for k, t in enumerate(members.amin(dim=1))}  # solve position -> group it opens
+    rows = 1 if args.strategy == "tensor" else W.shape[0]
+    scale = torch.empty(rows, len(members), device=W.device)  # [out or 1, n_groups]
+    zero = torch.zeros_like(scale)
+    Q = torch.zeros_like(W)  # codes, in solve order
+    blocksize = gptq.block_size
+
+    for i1 in range(0, columns, blocksize):
+        i2 = min(i1 + blocksize, columns)
+        count = i2 - i1
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(count):
+            w = W1[:, i]
+            d = Hinv1[i, i]
+            k = group[i1 + i]
+            if i1 + i in opens:
+                # the group's columns as updated so far: W minus this block's pending (lazy) updates
+                cols = members[k]
+                current = W[:, cols] - Err1[:, :i] @ Hinv[i1:i1 + i, cols]
+                scale[:, k], zero[:, k] = group_qparams(current, args, gptq.mse_clip)
+            s, z = scale[:, k], zero[:, k]
+            # q = clamp(round(w / s) + zp, qmin, qmax), as quant.quantize
+            q = (torch.round(w / s) + z).clamp_(args.qmin, args.qmax)
+            Q1[:, i] = q
+            err1 = (w - (q - z) * s) / d
+            W1[:, i:].addr_(err1, Hinv1[i, i:], alpha=-1)
+            Err1[:, i] = err1
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= Err1.matmul(Hinv[i1:i2, i2:])
+
+    q = Q[:, invperm].to(torch.int8)
+    # scale [out, n_groups] for group, [out, 1] for channel, [1] for tensor (quant.py conventions)
+    if args.strategy == "tensor":
+        scale, zero = scale.reshape(1), zero.reshape(1)
+    return q, scale, None if args.symmetric else zero
+
+
+def inverse_hessian_cholesky(H: torch.Tensor, dampening: float, name: str) -> torch.Tensor | None:
+    """Upper Cholesky factor of (H + damp I)^-1, damp = dampening * mean(diag H); None if that fails.
+
+    The dampening is raised x10 up to DAMPING_RETRIES times before giving up."""
+    eye = torch.eye(H.shape[0], device=H.device)
+    mean_diag = torch.mean(torch.diag(H))
+    for attempt in range(DAMPING_RETRIES + 1):
+        percdamp = dampening * 10 ** attempt
+        L, info = torch.linalg.cholesky_ex(H + percdamp * mean_diag * eye)
+        if info == 0:
+            Hinv, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if info == 0 and torch.isfinite(Hinv).all():
+                return Hinv
+        log.debug("gptq: %s: Hessian + %.3g * mean(diag) is not positive definite", name, percdamp)
+    log.warning("gptq: the Hessian of %s is not positive definite even with dampening %.3g; "
+                "falling back to RTN for this layer", name, percdamp)
+    return None
+
+
+def group_qparams(w: torch.Tensor, args: QuantArgs, mse_clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point [rows] of w [rows, c] from its min/max (one for all of w with strategy tensor).
+
+    mse_clip: shrink min/max by each factor of CLIP_SHRINK and keep, per row, the one whose
+    quantized w is closest to w (squared error)."""
+    x = w.reshape(1, -1) if args.strategy == "tensor" else w
+    xmin, xmax = x.amin(dim=1), x.amax(dim=1)
+    scale, zero = quant.qparams(xmin, xmax, args)
+    if not mse_clip:
+        return scale, zero
+    best = torch.full_like(scale, float("inf"))
+    for p in CLIP_SHRINK:
+        s, z = quant.qparams(p * xmin, p * xmax, args)
+        err = (quant.fake_quantize(x, s[:, None], z[:, None], args) - x).pow(2).sum(dim=1)
+        better = err < best
+        best, scale, zero = torch.where(better, err, best), torch.where(better, s, scale), torch.where(better, z, zero)
+    return scale, zero
+
+
+def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """||X (W - W_hat)^T|| / ||X W^T|| over the calibration tokens, from H = 2/n X^T X."""
+    D = (W.float() - W_hat.float())
+    num = torch.sum((D @ H) * D)
+    den = torch.sum((W.float() @ H) * W.float()).clamp_min(1e-30)
+    return torch.sqrt(num / den).item()
+
+
+class _Seen(Exception):
+    """Raised once the last targeted Linear's input is seen: the rest of the block is not needed."""
+
+
+def collect_hessians(block, names) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    """(names, H) for each distinct input among the named Linears, H = 2/n sum x x^T in float32.
+
+    Linears receiving the same tensor object (q/k/v, gate/up) share one H. `names` must be in
+    execution order: each forward stops at the last one's input."""
+    sums: dict[str, torch.Tensor] = {}
+    tokens: dict[str, int] = {}
+    owner: dict[str, str] = {}  # Linear -> first Linear that received the same input tensor
+    last = {"x": None, "name": None}
+
+    def accumulate(name, x):
+        if x is last["x"]:
+            owner[name] = owner[last["name"]]
+        else:
+            last.update(x=x, name=name)
+            owner[name] = name
+            x = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+            if name not in sums:
+                sums[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+                tokens[name] = 0
+            sums[name].addmm_(x.t(), x)
+            tokens[name] += x.shape[0]
+        if name == names[-1]:
+            raise _Seen
+
+    with block.hooks(names, accumulate), torch.no_grad():
+        for h, kw in zip(block.inputs.hidden, block.inputs.kwargs):
+            try:
+                block.layer(h.to(block.device), **kw)
+            except _Seen:
+                pass
+            last.update(x=None, name=None)
+    return [(tuple(n for n in names if owner[n] == key), sums[key] * (2 / tokens[key])) for key in sums]
+
+
+def quantize_block(block, recipe) -> None:
+    """Replace each targeted Linear by its GPTQ QuantLinear; block.errors = relative output error
+    ||X (W - W_hat)^T|| / ||X W^T|| on this block's calibration inputs (see output_error).
+
+    All Hessians come from one forward of the float block, as llm-compressor does (measured: the
+    "true sequential" order, each stage seeing already-quantized sublayers, is not worth its extra
+    forwards here; see the report)."""
+    act = recipe.scheme.input_activations
+    absmax = rtn.static_input_scales(block, block.targets) if act is not None and not act.dynamic else {}
+    for names, H in collect_hessians(block, block.targets):
+        quantize_linears(block, names, H, recipe, absmax)
+
+
+def quantize_linears(block, names, H, recipe, absmax) -> None:
+    """GPTQ of the named Linears, which share the Hessian H, each replaced by a QuantLinear."""
+    scheme, args = recipe.scheme, recipe.scheme.weights
+    # one solve for all of them, their rows stacked (rows are independent), except a per-tensor scale
+    for part in ([names] if args.strategy != "tensor" else [(n,) for n in names]):
+        linears = [block.linear(n) for n in part]
+        W = torch.cat([lin.weight.data.float() for lin in linears])  # [sum of out, in]
+        q, scale, zp = quantize_weight(W, H, args, recipe.gptq, name=", ".join(f"{block.name}.{n}" for n in part))
+        row = 0
+        for n, lin in zip(part, linears):
+            rows = slice(row, row + lin.out_features)
+            row += lin.out_features
+            s, z = (scale, zp) if args.strategy == "tensor" else (scale[rows], None if zp is None else zp[rows])
+            block.errors[n] = output_error(lin.weight.data, quant.dequantize_weight(q[rows], s, z, args), H)
+            block.replace(n, rtn.to_quant_linear(lin, q[rows], s, z, scheme, absmax.get(n)))
