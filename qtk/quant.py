@@ -62,10 +62,10 @@ def qparams(xmin: torch.Tensor, xmax: torch.Tensor, args: QuantArgs) -> tuple[to
 
 
 def _round_scale(scale: torch.Tensor) -> torch.Tensor:
-    """Scales as the checkpoint stores them (SCALE_DTYPE), never zero, so codes are rounded against
-    exactly the scale a reader multiplies by. Rounded up, so the grid still spans the range."""
-    s = scale.to(SCALE_DTYPE)
-    s = torch.where(s.float() < scale, torch.nextafter(s, torch.full_like(s, float("inf"))), s).float()
+    """Scales as the checkpoint stores them (SCALE_DTYPE, round to nearest), never zero, so codes
+    are rounded against exactly the scale a reader multiplies by. (Rounding up instead, to keep
+    the whole range on the grid, measured clearly worse: RTN w4a16 g64 ppl 19.07 vs 17.45.)"""
+    s = scale.to(SCALE_DTYPE).float()
     return torch.where(s > 0, s, torch.full_like(s, torch.finfo(SCALE_DTYPE).tiny))
 
 

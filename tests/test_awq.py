@@ -140,6 +140,8 @@ def test_clip_lowers_the_output_error(symmetric):
     err = lambda w_hat: ((x @ w_hat.T - x @ w.T) ** 2).mean().item()  # noqa: E731
     assert err(awq.fake_quant(clipped, args)) < err(awq.fake_quant(w, args))
     assert (clipped.abs() <= w.abs() + 1e-7).all()
+    gram = x.T @ x  # no row's whole output error grows (the group search alone leaves out cross terms)
+    assert (awq.row_error(clipped, w, gram, args) <= awq.row_error(w, w, gram, args)).all()
 
 
 @pytest.mark.parametrize("outlier,ratio", [(1.0, 1.0), (10.0, 0.8)])

@@ -70,7 +70,7 @@ def test_rtn_layer_matches_primitive(tiny_llama):
     assert torch.equal(layer.zero_point(), zp.to(torch.int8))
     w_hat = layer.dequantized_weight()
     assert torch.equal(w_hat, dequantize_weight(q, s, zp, recipe.scheme.weights))
-    assert ((w - w_hat).abs() <= s.repeat_interleave(16, dim=1) / 2 + 1e-7).all()
+    assert ((w - w_hat).abs() <= s.repeat_interleave(16, dim=1) * (0.5 + 2**-5) + 1e-7).all()  # bf16 scales: 8 * 2^-8 * s
 
 
 def test_ignore_pattern_keeps_layers_float(tiny_llama):
@@ -122,8 +122,7 @@ def test_kv_scales_are_absmax_of_rotated_keys(tiny_llama, kv, strategy, qmax):
     dims = (0, 2, 3) if strategy == "head" else (0, 1, 2, 3)
     for scale, t in ((attn.k_scale, k), (attn.v_scale, v)):
         expect = t.abs().amax(dim=dims).reshape(shape) / qmax
-        torch.testing.assert_close(scale, expect, rtol=2**-7, atol=0)  # one bf16 step, rounded up
-        assert (scale >= expect).all()
+        torch.testing.assert_close(scale, expect, rtol=2**-8, atol=0)  # bf16, rounded to nearest
     # the KV fake quantization is live in the forward: logits move, a little
     with torch.no_grad():
         out = model(ids).logits

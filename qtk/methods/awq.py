@@ -6,8 +6,9 @@ Per smoothing pair prev -> linears of a block, in execution order (AutoAWQ's sea
     loss   = || inspect(x; Q(W s) / s) - inspect(x; W) ||^2             (inspect: attention, mlp, the linear)
     keep the best s only when it beats s = 1; W <- W s, prev <- prev / s  (fold.py)
 Then per targeted linear but q/k, per output row and group, the range of W shrinks by the factor
-in [0.5, 1] that minimises that group's output error (AutoAWQ's auto_clip); the clipped float
-weight goes on to the weight quantizer (rtn or gptq).
+in [0.5, 1] that minimises that group's output error (AutoAWQ's auto_clip), kept for a row only
+if the row's whole output error drops too; the clipped float weight goes on to the weight
+quantizer (rtn or gptq).
 
 The losses of a single Linear are exact quadratic forms in the input Gram matrix G = X^T X
 (error = sum (dW G) * dW) over GRAM_TOKENS random tokens, at no per-candidate cost in tokens; the
@@ -119,8 +120,16 @@ def clip_weight(w: torch.Tensor, gram: torch.Tensor, args: QuantArgs, grid: int 
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_f = torch.where(better, torch.full_like(best_f, f), best_f)
-    clipped = torch.maximum(torch.minimum(wg, (hi * best_f)[..., None]), (lo * best_f)[..., None])
-    return clipped.reshape(w.shape).to(w.dtype)
+    clipped = torch.maximum(torch.minimum(wg, (hi * best_f)[..., None]), (lo * best_f)[..., None]).reshape(w.shape)
+    # the group errors leave out cross-group terms: keep a row's clip only if its whole output error drops
+    keep = row_error(clipped, w, gram, args) < row_error(w.float(), w, gram, args)
+    return torch.where(keep[:, None], clipped, w.float()).to(w.dtype)
+
+
+def row_error(w_new: torch.Tensor, w: torch.Tensor, gram: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """Per output row, the squared output error of RTN(w_new) against w: dW G dW^T, [out]."""
+    d = fake_quant(w_new, args) - w.float()
+    return ((d @ gram) * d).sum(dim=1)
 
 
 def _fake_quant_range(wg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, args: QuantArgs) -> torch.Tensor:
