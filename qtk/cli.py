@@ -117,6 +117,7 @@ def eval_(model, task, dataset, seq_len, limit, batch_size, device, json_path):
     res = perplexity(m, windows, batch_size=batch_size, dataset=dataset)
     click.echo(f"{model}: {res}")
     if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps({"model": model, "task": task, **res.to_dict()}, indent=2) + "\n")
 
 

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 OUT=${OUT:-out/smollm2-135m-rtn-w4a16-g64}
 LIMIT=${LIMIT:-8}
+mkdir -p out
 echo "== baseline perplexity (bf16 weights, built-in eval split, $LIMIT windows x 2048)"
 qtk eval smollm2-135m --task ppl --limit "$LIMIT" --json out/baseline-ppl.json
 echo "== quantize: RTN W4A16, group 64 (128 does not divide hidden size 576)"
