@@ -30,7 +30,7 @@ from qtk.checkpoint import save_quantized  # noqa: E402
 from qtk.data import calibration_ids  # noqa: E402
 from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
 from qtk.models import BUNDLED, load_model, resolve  # noqa: E402
-from qtk.recipe import AWQArgs, GPTQArgs, SmoothQuantArgs, from_flags  # noqa: E402
+from qtk.recipe import AWQArgs, GPTQArgs, SmoothQuantArgs, from_flags, replace  # noqa: E402
 
 
 def qtk_recipes(group_size: int) -> dict:
@@ -56,7 +56,7 @@ def peer_python() -> str:
 
 
 def run_qtk(name, recipe, ids, out: Path) -> float:
-    model, tok = load_model(BUNDLED)
+    model, tok = load_model(BUNDLED, dtype=getattr(torch, recipe.dtype))
     t0 = time.perf_counter()
     quantize_model(model, recipe, ids, progress=False)
     seconds = time.perf_counter() - t0
@@ -65,9 +65,9 @@ def run_qtk(name, recipe, ids, out: Path) -> float:
     return seconds
 
 
-def run_peer(name, ids_file: Path, out: Path, group_size: int) -> float:
+def run_peer(name, ids_file: Path, out: Path, group_size: int, dtype: str) -> float:
     cmd = [peer_python(), str(ROOT / "benchmarks/peer_quantize.py"), name, str(resolve(BUNDLED)), str(ids_file),
-           str(out), "--group-size", str(group_size)]
+           str(out), "--group-size", str(group_size), "--dtype", dtype]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"peer failed on {name}:\n{res.stderr[-4000:]}")
@@ -89,6 +89,8 @@ def main():
     ap.add_argument("--limit", type=int, default=None, help="evaluation windows (default: all)")
     ap.add_argument("--no-peer", default="", help="methods to run on qtk only (e.g. awq: the peer's AWQ takes "
                     "over an hour on 2 CPU cores)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="model dtype while calibrating, both sides (bfloat16: the checkpoint's)")
     ap.add_argument("--work", default="build/compare")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = ap.parse_args()
@@ -103,11 +105,11 @@ def main():
     baseline = perplexity(base, windows, progress=False).ppl
     del base
     print(f"baseline ppl {baseline:.4f} ({len(windows)} windows x {args.eval_seq_len})", flush=True)
-    recipes = qtk_recipes(args.group_size)
+    recipes = {k: replace(r, dtype=args.dtype) for k, r in qtk_recipes(args.group_size).items()}
     record = {
         "command": " ".join(sys.argv), "git_commit": _git(), "device": platform.processor() or platform.machine(),
         "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-        "model": BUNDLED, "calibration": {"dataset": "builtin", "samples": args.num_samples, "seq_len": args.seq_len,
+        "model": BUNDLED, "dtype": args.dtype, "calibration": {"dataset": "builtin", "samples": args.num_samples, "seq_len": args.seq_len,
                                           "seed": 0},
         "evaluation": {"windows": len(windows), "seq_len": args.eval_seq_len, "scored_tokens": len(windows) * (args.eval_seq_len - 1)},
         "group_size": args.group_size, "baseline_ppl": baseline, "rows": [],
@@ -120,7 +122,7 @@ def main():
         if name != "qtk_best" and name not in args.no_peer.split(","):
             pdir = work / f"peer-{name}"
             try:
-                row["peer_seconds"] = run_peer(name, ids_file, pdir, args.group_size)
+                row["peer_seconds"] = run_peer(name, ids_file, pdir, args.group_size, args.dtype)
                 row["peer_ppl"] = ppl_of(pdir, windows)
             except RuntimeError as e:  # recorded, not hidden: the table shows the peer failed
                 row["peer_error"] = str(e)[-2000:]
@@ -140,7 +142,7 @@ def table(r: dict) -> str:
     b = r["baseline_ppl"]
     lines = [f"# qtk vs llm-compressor on {r['model']} ({r['date']}, commit {r['git_commit'][:8]})", "",
              f"Calibration: {r['calibration']['samples']} x {r['calibration']['seq_len']} tokens (builtin, seed 0), "
-             f"same ids for both. Evaluation: {r['evaluation']['windows']} windows x {r['evaluation']['seq_len']} "
+             f"same ids for both; model in {r.get('dtype', 'float32')} on both sides. Evaluation: {r['evaluation']['windows']} windows x {r['evaluation']['seq_len']} "
              f"tokens. Group size {r['group_size']}. Baseline ppl {b:.4f}.", "",
              "| method | qtk ppl | peer ppl | qtk vs base | peer vs base | qtk s | peer s | speedup |",
              "|---|---|---|---|---|---|---|---|"]

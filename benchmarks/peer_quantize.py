@@ -1,6 +1,6 @@
 """Run llm-compressor (the peer) on given calibration ids; runs inside the peer's own venv.
 
-    python peer_quantize.py METHOD MODEL_DIR CALIB_IDS.pt OUT_DIR --group-size 64
+    python peer_quantize.py METHOD MODEL_DIR CALIB_IDS.pt OUT_DIR --group-size 64 [--dtype bfloat16]
 
 Prints one JSON line {"method", "seconds", "output"} where seconds is the wall time of oneshot()
 alone (model load and save excluded), the same span qtk's benchmark times on its side.
@@ -47,6 +47,8 @@ def main():
     ap.add_argument("calib_ids")
     ap.add_argument("out_dir")
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", help="model dtype for calibration (bfloat16: the checkpoint's, "
+                    "as llm-compressor's examples load it with dtype='auto')")
     args = ap.parse_args()
 
     from datasets import Dataset
@@ -55,7 +57,7 @@ def main():
 
     ids = torch.load(args.calib_ids)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     t0 = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=recipe(args.method, args.group_size), num_calibration_samples=len(ids),

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .attention import chunked_attention
 from .models import Arch, arch_for, get_module, set_module
 from .recipe import Recipe
 from .runtime.layers import QuantLinear
@@ -74,8 +75,10 @@ class Block:
 
     def run(self, module: nn.Module | None = None) -> list[torch.Tensor]:
         """Outputs of the layer on every input batch (moved back to CPU)."""
+        from .kernels import dequantized_weights
+
         outs = []
-        with torch.no_grad():
+        with torch.no_grad(), dequantized_weights():
             for h, kw in zip(self.inputs.hidden, self.inputs.kwargs):
                 y = self.layer(h.to(self.device), **kw)
                 outs.append((y[0] if isinstance(y, tuple) else y).to("cpu"))
@@ -145,8 +148,7 @@ def targeted_linears(model: nn.Module, recipe: Recipe) -> dict[str, nn.Linear]:
 def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | None = None,
                    progress: bool = True) -> dict:
     """Quantize `model` in place, block by block; returns a report (per-layer errors, timings)."""
-    from .methods import SMOOTHING, WEIGHTS
-    from .methods.kv_cache import finish_observing, start_observing
+    from .methods.kv_cache import enable_kv_quant
 
     arch = arch_for(model.config)
     device = torch.device(recipe.device)
@@ -156,39 +158,48 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
         raise ValueError(f"method {recipe.method!r} with this scheme needs calibration data")
     t0 = time.perf_counter()
     use_cache, model.config.use_cache = model.config.use_cache, False  # restored below: it is saved in config.json
-    inputs = capture_inputs(model, arch, calib_ids, device, recipe.calibration.batch_size) if recipe.needs_data else None
     layers = get_module(model, arch.layers)
     report = {"layers": {}, "blocks": len(layers)}
-    bar = tqdm(range(len(layers)), desc=f"qtk {recipe.method}", unit="block", disable=not progress)
-    for i in bar:
-        layer = onload(layers[i], device)
-        prefix = f"{arch.layers}.{i}"
-        rel = tuple(n[len(prefix) + 1:] for n in targets if n.startswith(prefix + "."))
-        block = Block(i, prefix, layer, arch, inputs, device, rel)
-        if recipe.smoothing is not None:
-            SMOOTHING[recipe.smoothing](block, recipe)
-        WEIGHTS[recipe.weights](block, recipe)
-        if inputs is not None:
-            attn = start_observing(model, layer, arch, recipe.kv_cache) if recipe.kv_cache else None
-            inputs = BlockInputs(block.run(), inputs.kwargs)
-            block.inputs = inputs
-            if attn is not None:
-                finish_observing(model, attn, recipe.kv_cache, dtype=next(layer.parameters()).dtype)
-        layers[i] = offload(layer)
-        for name, err in block.errors.items():
-            report["layers"][f"{prefix}.{name}"] = err
-        if block.errors:
-            bar.set_postfix(err=f"{max(block.errors.values()):.3g}", worst=max(block.errors, key=block.errors.get))
-        log.debug("block %d errors %s", i, block.errors)
+    with chunked_attention(model):
+        inputs = capture_inputs(model, arch, calib_ids, device, recipe.calibration.batch_size) if recipe.needs_data else None
+        bar = tqdm(range(len(layers)), desc=f"qtk {recipe.method}", unit="block", disable=not progress)
+        for i in bar:
+            prefix = f"{arch.layers}.{i}"
+            rel = tuple(n[len(prefix) + 1:] for n in targets if n.startswith(prefix + "."))
+            block = Block(i, prefix, onload(layers[i], device), arch, inputs, device, rel)
+            inputs = quantize_block(model, block, recipe, last=i + 1 == len(layers))
+            layers[i] = offload(block.layer)
+            for name, err in block.errors.items():
+                report["layers"][f"{prefix}.{name}"] = err
+            if block.errors:
+                bar.set_postfix(err=f"{max(block.errors.values()):.3g}", worst=max(block.errors, key=block.errors.get))
+            log.debug("block %d errors %s", i, block.errors)
     if recipe.kv_cache is not None:
-        from .methods.kv_cache import enable_kv_quant
-
         for layer in layers:
             get_module(layer, arch.attention).kv_scheme = recipe.kv_cache
         enable_kv_quant(model)
     model.config.use_cache = use_cache
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -> BlockInputs | None:
+    """Smooth, quantize and observe one block; returns the next block's inputs (None for the last
+    block, whose outputs feed nothing, unless KV-cache ranges are observed on them)."""
+    from .methods import SMOOTHING, WEIGHTS
+    from .methods.kv_cache import finish_observing, start_observing
+
+    if recipe.smoothing is not None:
+        SMOOTHING[recipe.smoothing](block, recipe)
+    WEIGHTS[recipe.weights](block, recipe)
+    if block.inputs is None or (last and recipe.kv_cache is None):
+        return None
+    kv = recipe.kv_cache
+    attn = start_observing(model, block.layer, block.arch, kv) if kv else None
+    outputs = BlockInputs(block.run(), block.inputs.kwargs)
+    if attn is not None:
+        finish_observing(model, attn, kv, dtype=next(block.layer.parameters()).dtype)
+    return outputs
 
 
 def checkpoint_groups(model: nn.Module, recipe: Recipe) -> tuple[list, list[str]]:

@@ -56,8 +56,8 @@ def _section(**kw):
               help="YAML recipe (see calibration/recipes/); flags given here override it.")
 @click.option("--weights", type=click.Choice(["rtn", "gptq"]), default=None,
               help="Weight quantizer after smoothing (awq, smoothquant): rtn (default) or gptq.")
-@click.option("--act-order", is_flag=True, default=None, help="GPTQ: solve columns by descending Hessian "
-              "diagonal (static act-order: groups keep their order, no g_idx).")
+@click.option("--act-order/--no-act-order", default=None, help="GPTQ: solve columns by descending Hessian "
+              "diagonal (static act-order: groups keep their order, no g_idx). On by default, as in llm-compressor.")
 @click.option("--dampening", type=float, default=None, help="GPTQ: damping as a fraction of mean(diag H) (0.01).")
 @click.option("--alpha", type=float, default=None, help="SmoothQuant migration strength (0.5).")
 @click.option("--kv-cache", type=click.Choice(["fp8", "int8"]), default=None, help="Also calibrate KV-cache scales.")
@@ -70,6 +70,9 @@ def _section(**kw):
 @click.option("--chat-template", is_flag=True, default=None, help="Wrap calibration samples in the chat template.")
 @click.option("--seed", type=int, default=None, help="Seed for picking calibration samples (0).")
 @click.option("--device", default=None, help="Calibration device: cpu or cuda[:N] (one block at a time goes there).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=None,
+              help="Model dtype while calibrating (bfloat16): block forwards run in it; Hessians, solves and "
+                   "searches accumulate in float32.")
 def quantize(model, output, force, recipe_file, act_order, dampening, alpha, dataset, num_samples, seq_len,
              batch_size, chat_template, seed, **top):
     """Quantize MODEL and write a compressed-tensors checkpoint to --output."""

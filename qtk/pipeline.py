@@ -34,7 +34,7 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     check_layers(path, recipe)
     tok = AutoTokenizer.from_pretrained(path)
     ids = calibration_ids(tok, c.dataset, c.num_samples, c.seq_len, c.seed, c.chat_template) if recipe.needs_data else None
-    model, tok = load_model(str(path), dtype=torch.float32)
+    model, tok = load_model(str(path), dtype=getattr(torch, recipe.dtype))
     report = quantize_model(model, recipe, ids, progress=progress)
     groups, ignore = checkpoint_groups(model, recipe)
     report.update(model=model_name, method=recipe.method, calibration_tokens=0 if ids is None else ids.numel(),

@@ -13,7 +13,7 @@ METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8")
 class GPTQArgs:
     dampening: float = 0.01  # fraction of mean(diag(H)) added to the diagonal
     block_size: int = 128  # lazy-batch width of the column solve
-    act_order: bool = False  # "static": solve columns by descending diag(H), groups stay in order
+    act_order: bool = True  # "static": solve columns by descending diag(H), groups stay in order (llm-compressor's default)
     mse_clip: bool = False  # search each group's clipping range by MSE before the solve
 
     def __post_init__(self):
@@ -58,6 +58,9 @@ class CalibrationArgs:
                 raise ValueError(f"calibration.{k} must be positive, got {getattr(self, k)}")
 
 
+CALIBRATION_DTYPES = ("bfloat16", "float32")
+
+
 @dataclass(frozen=True)
 class Recipe:
     method: str
@@ -71,8 +74,11 @@ class Recipe:
     smoothquant: SmoothQuantArgs = field(default_factory=SmoothQuantArgs)
     calibration: CalibrationArgs = field(default_factory=CalibrationArgs)
     device: str = "cpu"
+    dtype: str = "bfloat16"  # the model's dtype while calibrating (blocks run in it; solves stay float32)
 
     def __post_init__(self):
+        if self.dtype not in CALIBRATION_DTYPES:
+            raise ValueError(f"dtype must be one of {CALIBRATION_DTYPES}, got {self.dtype!r}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.weights not in ("rtn", "gptq"):
@@ -128,12 +134,13 @@ def replace(recipe: Recipe, **changes) -> Recipe:
 
 
 _SECTIONS = {"gptq": GPTQArgs, "awq": AWQArgs, "smoothquant": SmoothQuantArgs, "calibration": CalibrationArgs}
-_TOP = {"method", "scheme", "group_size", "weights", "kv_cache", "kv_strategy", "ignore", "device", *_SECTIONS}
+_TOP = {"method", "scheme", "group_size", "weights", "kv_cache", "kv_strategy", "ignore", "device", "dtype", *_SECTIONS}
 
 
 def build(method: str | None = None, scheme: str | None = None, group_size: int | None = None,
           weights: str | None = None, kv_cache: str | None = None, kv_strategy: str | None = None,
-          ignore: tuple[str, ...] = (), device: str | None = None, recipe_file: str | None = None,
+          ignore: tuple[str, ...] = (), device: str | None = None, dtype: str | None = None,
+          recipe_file: str | None = None,
           **section_overrides: dict) -> Recipe:
     """A Recipe from an optional YAML file, overridden by explicit values (the CLI's flags).
 
@@ -142,7 +149,8 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
     if recipe_file is not None:
         data = load_yaml(recipe_file)
     top = {"method": method, "scheme": scheme, "group_size": group_size, "weights": weights,
-           "kv_cache": kv_cache, "kv_strategy": kv_strategy, "device": device}
+           "kv_cache": kv_cache, "kv_strategy": kv_strategy, "device": device,
+           "dtype": dtype}
     data.update({k: v for k, v in top.items() if v is not None})
     if ignore:
         data["ignore"] = list(ignore)
@@ -161,7 +169,7 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
                         weights=data.get("weights"), kv_cache=data.get("kv_cache"),
                         kv_strategy=data.get("kv_strategy") or "tensor", ignore=tuple(data.get("ignore") or ()),
                         **sections)
-    return dataclasses.replace(recipe, device=data.get("device") or "cpu")
+    return dataclasses.replace(recipe, device=data.get("device") or "cpu", dtype=data.get("dtype") or "bfloat16")
 
 
 def load_yaml(path: str) -> dict:
@@ -196,7 +204,7 @@ def to_yaml(recipe: Recipe) -> str:
         name = next((k for k, v in PRESETS.items() if v.input_activations is None and v.weights.type == "int"
                      and v.with_group_size(group_size) == recipe.scheme), None)
     d = {"method": recipe.method, "scheme": name, "weights": recipe.weights, "ignore": list(recipe.ignore),
-         "device": recipe.device}
+         "device": recipe.device, "dtype": recipe.dtype}
     if w.strategy == "group" or (name is not None and PRESETS[name] != recipe.scheme):
         d["group_size"] = group_size
     if recipe.kv_cache is not None:

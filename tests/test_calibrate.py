@@ -217,3 +217,43 @@ def test_crash_mid_quantize_writes_nothing(tiny_dir, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="boom at block 1"):
         pipeline.quantize(str(tiny_dir), from_flags("rtn", group_size=32), out, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("L,heads,kv_heads,masked", [(300, 6, 2, False), (300, 4, 4, True), (128, 2, 1, False)])
+def test_chunked_attention_matches_sdpa(L, heads, kv_heads, masked):
+    """Causal attention in query chunks (qtk/attention.py) gives sdpa's output, with or without a mask."""
+    from types import SimpleNamespace
+
+    from qtk.attention import chunked_causal_attention, sdpa
+
+    torch.manual_seed(0)
+    q = torch.randn(2, heads, L, 32)
+    k, v = torch.randn(2, kv_heads, L, 32), torch.randn(2, kv_heads, L, 32)
+    mask = torch.ones(L, L, dtype=torch.bool).tril()[None, None].expand(2, 1, L, L).clone() if masked else None
+    if masked:
+        mask[0, :, :, :5] = False  # left padding in the first sample
+        mask[0, :, :5, 0] = True  # (keep every row attending somewhere)
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=heads // kv_heads)
+    got, _ = chunked_causal_attention(module, q, k, v, mask, scaling=0.2)
+    ref, _ = sdpa(module, q, k, v, mask, scaling=0.2)
+    assert got.shape == (2, L, heads, 32)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16_asym", "w8a8"])
+def test_dequantized_weights_context_matches_runtime(scheme):
+    """Calibration's output pass decodes weight-only layers once and runs a dense matmul: same output
+    as the layer's own runtime up to bf16 rounding; activation-quantized layers keep their kernel."""
+    from qtk import quant
+    from qtk.kernels import dequantized_weights
+    from qtk.schemes import preset
+
+    torch.manual_seed(0)
+    sch = preset(scheme, None if scheme == "w8a8" else 64)
+    w, b, x = torch.randn(96, 128), torch.randn(96), torch.randn(3, 50, 128).bfloat16()
+    layer = QuantLinear.from_codes(*quant.quantize_weight(w, sch.weights), sch, bias=b)
+    ref = layer(x)
+    with dequantized_weights():
+        got, again = layer(x), layer(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, again)
+    torch.testing.assert_close(got.float(), ref.float(), atol=0.1, rtol=2e-2)

@@ -173,9 +173,29 @@ def test_end_to_end_logits_closer_than_rtn(tiny, scheme):
     ref = tiny[-1]
     recipe = from_flags("gptq", scheme=scheme, group_size=32)
     got = {}
-    for name, r in (("rtn", replace(recipe, weights="rtn")), ("gptq", recipe),
-                    ("gptq_act_order", replace(recipe, gptq=GPTQArgs(act_order=True)))):
+    for name, r in (("rtn", replace(recipe, weights="rtn")), ("gptq", replace(recipe, gptq=GPTQArgs(act_order=False))),
+                    ("gptq_act_order", recipe)):
         logits, report = quantized_logits(tiny, r)
         assert torch.isfinite(logits).all() and len(report["layers"]) == 14
         got[name] = ((logits - ref).norm() / ref.norm()).item()
     assert got["gptq"] < got["rtn"] and got["gptq_act_order"] < got["rtn"]
+
+
+def test_static_activation_scheme_gets_input_scales(tiny):
+    """W8A8 with a static per-tensor activation scale: GPTQ weights and an input_scale on every Linear."""
+    from transformers import LlamaForCausalLM
+
+    from qtk.recipe import Recipe
+    from qtk.runtime.layers import QuantLinear
+    from qtk.schemes import Scheme
+
+    state, cfg, calib, held_out, ref = tiny
+    scheme = Scheme(QuantArgs(8, strategy="channel"), QuantArgs(8, strategy="tensor"))
+    model = LlamaForCausalLM(cfg).eval()
+    model.load_state_dict(state)
+    quantize_model(model, Recipe(method="gptq", scheme=scheme, weights="gptq"), calib, progress=False)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 14 and all(float(m.input_scale) > 0 for m in layers)
+    with torch.no_grad():
+        logits = model(held_out).logits
+    assert ((logits - ref).norm() / ref.norm()).item() < 0.1

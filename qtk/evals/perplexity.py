@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..attention import chunked_attention
 from ..data import load_texts, token_stream
 
 
@@ -48,12 +49,13 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, device=None, p
                dataset: str = "builtin") -> PerplexityResult:
     device = device or next(model.parameters()).device
     total_nll, scored = 0.0, 0
-    for i in tqdm(range(0, len(windows), batch_size), desc="ppl", unit="win", disable=not progress):
-        ids = windows[i:i + batch_size].to(device)
-        logits = model(input_ids=ids, use_cache=False).logits.float()
-        nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                ids[:, 1:].reshape(-1), reduction="sum")
-        total_nll += nll.item()
-        scored += ids[:, 1:].numel()
+    with chunked_attention(model):
+        for i in tqdm(range(0, len(windows), batch_size), desc="ppl", unit="win", disable=not progress):
+            ids = windows[i:i + batch_size].to(device)
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                    ids[:, 1:].reshape(-1), reduction="sum")
+            total_nll += nll.item()
+            scored += ids[:, 1:].numel()
     mean = total_nll / scored
     return PerplexityResult(math.exp(mean), mean, scored, len(windows), windows.shape[1], dataset)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..attention import chunked_causal_attention, set_implementation
 from ..models import Arch, get_module
 from ..quant import qparams, quantize, dequantize
 from ..schemes import KVCacheScheme
@@ -59,7 +60,7 @@ def _observe_attention(module, query, key, value, attention_mask, **kwargs):
         m = _absmax(t, kv)
         prev = getattr(module, name, None)
         setattr(module, name, m if prev is None else torch.maximum(prev, m))
-    return _sdpa(module, query, key, value, attention_mask, **kwargs)
+    return chunked_causal_attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def _quantized_attention(module, query, key, value, attention_mask, **kwargs):
@@ -67,13 +68,7 @@ def _quantized_attention(module, query, key, value, attention_mask, **kwargs):
     if kv is not None and hasattr(module, "k_scale"):
         key = _fake_quant(key, module.k_scale, kv)
         value = _fake_quant(value, module.v_scale, kv)
-    return _sdpa(module, query, key, value, attention_mask, **kwargs)
-
-
-def _sdpa(*args, **kwargs):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+    return chunked_causal_attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def _register():
@@ -85,16 +80,13 @@ def _register():
 
 def enable_kv_quant(model: nn.Module) -> None:
     _register()
-    model.config._attn_implementation = FAKE_QUANT
-    for m in model.modules():
-        if hasattr(m, "config") and m.config is not model.config and hasattr(m.config, "_attn_implementation"):
-            m.config._attn_implementation = FAKE_QUANT
+    set_implementation(model, FAKE_QUANT)
 
 
 def start_observing(model: nn.Module, layer: nn.Module, arch: Arch, kv: KVCacheScheme) -> nn.Module:
     _register()
-    model.config._attn_implementation = OBSERVE
     attn = get_module(layer, arch.attention)
+    attn._attn_before_observing = set_implementation(model, OBSERVE)
     attn.kv_scheme = kv
     attn._k_absmax = attn._v_absmax = None
     return attn
@@ -107,4 +99,4 @@ def finish_observing(model: nn.Module, attn: nn.Module, kv: KVCacheScheme, dtype
     attn.register_buffer("k_scale", kv_scale(attn._k_absmax, kv).to(dtype))
     attn.register_buffer("v_scale", kv_scale(attn._v_absmax, kv).to(dtype))
     del attn._k_absmax, attn._v_absmax
-    model.config._attn_implementation = "sdpa"
+    set_implementation(model, attn.__dict__.pop("_attn_before_observing"))

@@ -1,0 +1,83 @@
+"""Causal attention in query chunks, for long full-sequence forwards on CPU (calibration, perplexity).
+
+torch's CPU flash-attention kernel does the whole L x L score matrix even under a causal mask. A
+causal query chunk [q0, q1) cannot see keys at or after q1, so each chunk is given keys [0, q1)
+only: for 512 tokens in chunks of 128 that is 10/16 of the work, for 2048 tokens 136/256. The
+result is sdpa's up to the order of the softmax sums.
+
+Registered with transformers' AttentionInterface as "qtk_chunked"; `chunked_attention(model)`
+switches a model to it for the duration of a with-block.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+NAME = "qtk_chunked"
+CHUNK = 128  # queries per sdpa call
+
+
+def sdpa(*args, **kwargs):
+    """transformers' own sdpa attention."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+
+
+def chunked_causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Same signature and result as transformers' sdpa_attention_forward (query [B, H, L, D],
+    key/value [B, H_kv, L, D] -> [B, L, H, D]), for causal self-attention over a whole sequence;
+    anything else (decoding, a cache, softcap, sinks, dropout, a GPU, whose flash kernels skip masked
+    blocks themselves) goes to sdpa unchanged."""
+    L = query.shape[2]
+    plain = (query.device.type == "cpu" and L > CHUNK and key.shape[2] == L and dropout == 0.0 and getattr(module, "is_causal", True)
+             and kwargs.get("is_causal", True) is not False and not kwargs.get("softcap")
+             and kwargs.get("cache") is None and getattr(module, "sinks", None) is None
+             and not (attention_mask is None and kwargs.get("sliding_window"))
+             and (attention_mask is None or attention_mask.shape[-1] == L))
+    if not plain:
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for q0 in range(0, L, CHUNK):
+        q1 = min(q0 + CHUNK, L)
+        if attention_mask is None:
+            mask = torch.ones(q1 - q0, q1, dtype=torch.bool, device=query.device).tril(diagonal=q0)
+        else:
+            mask = attention_mask[..., q0:q1, :q1]
+        outs.append(F.scaled_dot_product_attention(query[:, :, q0:q1], key[:, :, :q1], value[:, :, :q1],
+                                                   attn_mask=mask, scale=scaling, enable_gqa=gqa))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, chunked_causal_attention)
+
+
+def set_implementation(model, name: str) -> str:
+    """Point the model (and any sub-config, e.g. a text model's) at attention `name`; returns the old one."""
+    old = model.config._attn_implementation
+    model.config._attn_implementation = name
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = name
+    return old
+
+
+@contextlib.contextmanager
+def chunked_attention(model):
+    """Run `model` with chunked causal attention on CPU when it uses sdpa; a no-op otherwise."""
+    if model.config._attn_implementation != "sdpa" or next(model.parameters()).device.type != "cpu":
+        yield
+        return
+    register()
+    old = set_implementation(model, NAME)
+    try:
+        yield
+    finally:
+        set_implementation(model, old)
