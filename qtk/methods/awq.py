@@ -185,11 +185,11 @@ def observe(block, pairs: list[SmoothPair]) -> dict[SmoothPair, PairStats]:
 
     def on_input(name, x):
         pair = by_input[name]
-        x = x.detach().reshape(-1, x.shape[-1]).float()
+        x = x.detach().reshape(-1, x.shape[-1])
         sampled = x[torch.randperm(x.shape[0], generator=gen)[:max(per_batch, gram_per_batch)].to(x.device)]
-        stats[pair].add(x, sampled[:gram_per_batch])
+        stats[pair].add(x.float(), sampled[:gram_per_batch].float())
         if loss_kind(block, pair) == "tokens":
-            stats[pair].samples.append(sampled[:per_batch])
+            stats[pair].samples.append(sampled[:per_batch])  # in the block's dtype: the mlp runs on them
 
     def keep_call(pair):
         def hook(_, args, kwargs):
