@@ -30,7 +30,7 @@ from qtk.checkpoint import save_quantized  # noqa: E402
 from qtk.data import calibration_ids  # noqa: E402
 from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
 from qtk.models import BUNDLED, load_model, resolve  # noqa: E402
-from qtk.recipe import AWQArgs, GPTQArgs, SmoothQuantArgs, from_flags, replace  # noqa: E402
+from qtk.recipe import SmoothQuantArgs, build, from_flags, replace  # noqa: E402
 
 
 def qtk_recipes(group_size: int) -> dict:
@@ -41,9 +41,8 @@ def qtk_recipes(group_size: int) -> dict:
         "smoothquant_gptq_w8a8": from_flags("smoothquant", scheme="w8a8", weights="gptq",
                                             smoothquant=SmoothQuantArgs(alpha=0.8)),
         "fp8": from_flags("fp8", scheme="fp8"),
-        # qtk's best 4-bit recipe (calibration/recipes/awq-gptq-w4a16.yaml): AWQ scales, then GPTQ
-        "qtk_best": from_flags("awq", scheme="w4a16_asym", group_size=group_size, weights="gptq",
-                               gptq=GPTQArgs(mse_clip=True), awq=AWQArgs()),
+        # qtk's default recipe, its best at 4 bits (calibration/recipes/awq-gptq-w4a16.yaml): AWQ, then GPTQ
+        "qtk_best": build(group_size=group_size),
     }
 
 

@@ -44,7 +44,8 @@ def _section(**kw):
 @main.command()
 @click.argument("model")
 @click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8"]), default=None,
-              help="Calibration method (required unless --recipe gives one).")
+              help="Calibration method. With neither --method nor --recipe: qtk's best 4-bit recipe, AWQ then GPTQ "
+                   "(calibration/recipes/awq-gptq-w4a16.yaml).")
 @click.option("--scheme", default=None, help="w4a16 (default for rtn/gptq), w4a16_asym (awq), w8a16, w8a8 "
               "(smoothquant), fp8 (per-channel weights, dynamic per-token activations), fp8_static.")
 @click.option("--group-size", type=int, default=None,

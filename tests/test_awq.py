@@ -14,39 +14,7 @@ from qtk.models import arch_for, get_module
 from qtk.recipe import AWQArgs, from_flags
 from qtk.schemes import preset
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds contention on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tiny_llama(kv_heads=2, seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=kv_heads)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def with_outliers(model, channel=5, factor=50.0):
-    """Activation outlier channels, as real LLMs have: scale one channel of every norm weight."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.input_layernorm.weight[channel] *= factor
-            layer.post_attention_layernorm.weight[channel] *= factor
-    return model
-
-
-def ids(n, seed, length=64):
-    return torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, x):
-    with torch.no_grad():
-        return model(input_ids=x).logits
+from outliers import ids, logits, tiny_llama
 
 
 def blocks(model, recipe, calib):
@@ -75,7 +43,7 @@ def test_fold_scale_is_exact(kv_heads):
 
 def test_awq_smoothing_alone_keeps_logits(monkeypatch):
     """The driver with AWQ's scales (clip off) and no weight quantizer computes the same function."""
-    model = with_outliers(tiny_llama())
+    model = tiny_llama(outlier=50.0)
     float_model = copy.deepcopy(model)
     monkeypatch.setitem(methods.WEIGHTS, "rtn", lambda block, recipe: None)
     recipe = from_flags("awq", scheme="w4a16_asym", group_size=32, awq=AWQArgs(clip=False))
@@ -147,7 +115,7 @@ def test_clip_lowers_the_output_error(symmetric):
 @pytest.mark.parametrize("outlier,ratio", [(1.0, 1.0), (10.0, 0.8)])
 def test_awq_end_to_end_beats_rtn(outlier, ratio):
     """Held-out logits of AWQ w4a16_asym g32 are closer to float than RTN's (by `ratio` in MSE)."""
-    model = with_outliers(tiny_llama(), factor=outlier)
+    model = tiny_llama(outlier=outlier)
     calib, held_out = ids(16, 0), ids(4, 99)
     ref = logits(model, held_out)
     errors = {}

@@ -160,8 +160,21 @@ def test_yaml_unknown_keys_are_named(tmp_path):
         rec.build(recipe_file=str(f))
     with pytest.raises(FileNotFoundError, match="recipe file .* not found"):
         rec.build(recipe_file=str(tmp_path / "none.yaml"))
+    f.write_text("scheme: w4a16\n")
     with pytest.raises(ValueError, match="no method"):
-        rec.build()
+        rec.build(recipe_file=str(f))
+
+
+def test_default_recipe_is_the_best_4bit_recipe_file():
+    """No --method and no --recipe: the recipe in calibration/recipes/awq-gptq-w4a16.yaml."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "calibration/recipes/awq-gptq-w4a16.yaml"
+    default = rec.build()
+    assert default == rec.build(recipe_file=str(path))
+    assert (default.method, default.smoothing, default.weights) == ("awq", "awq", "gptq")
+    assert default.gptq.mse_clip and default.gptq.act_order and not default.scheme.weights.symmetric
+    assert rec.build(group_size=64).scheme.weights.group_size == 64
 
 
 def test_yaml_flags_override_file(tmp_path):

@@ -10,36 +10,12 @@ from qtk.calibrate import quantize_model
 from qtk.methods.smoothquant import smoothing_scale
 from qtk.recipe import SmoothQuantArgs, from_flags
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds contention on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+import outliers
+from outliers import ids, logits
 
 
 def tiny_llama(outlier=50.0, channel=5):
-    """A random tiny Llama with one activation outlier channel (its norm weights scaled)."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.input_layernorm.weight[channel] *= outlier
-            layer.post_attention_layernorm.weight[channel] *= outlier
-    return model
-
-
-def ids(n, seed, length=64):
-    return torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, x):
-    with torch.no_grad():
-        return model(input_ids=x).logits
+    return outliers.tiny_llama(outlier=outlier, channel=channel)
 
 
 def test_smoothing_scale_formula():

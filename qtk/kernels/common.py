@@ -74,6 +74,20 @@ def k_per_split(k: int, split_k: int, block_k: int) -> int:
 
 
 @triton.jit
+def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid`, tiles ordered in bands of GROUP_M tile-rows: consecutive
+    programs share W tiles while they are in L2 (Triton's matmul tutorial ordering)."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    band = pid // (GROUP_M * grid_n)
+    first_m = band * GROUP_M
+    rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % rows
+    pid_n = (pid % (GROUP_M * grid_n)) // rows
+    return pid_m, pid_n
+
+
+@triton.jit
 def _splitk_reduce_kernel(p_ptr, bias_ptr, c_ptr, MN, N,
                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     # p [SPLIT_K, M, N] fp32 -> c [M, N] = sum_s p[s] + bias

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .common import ACT_DTYPES, check, check_bias, check_matrix, check_same_device, k_per_split, pick_split_k, \
-    sm_count, splitk_reduce
+    sm_count, splitk_reduce, tile_of
 from .layout import WOQ_BITS
 
 GEMV_MAX_M = 4
@@ -173,13 +173,7 @@ def _woq_mm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, stride_
     grid (tiles, SPLIT_K), tiles ordered in GROUP_M-row bands so W tiles are reused from L2."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    band = pid // (GROUP_M * grid_n)
-    first_m = band * GROUP_M
-    rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % rows
-    pid_n = (pid % (GROUP_M * grid_n)) // rows
+    pid_m, pid_n = tile_of(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
