@@ -205,3 +205,13 @@ def test_to_yaml_build_round_trip(tmp_path, kwargs):
     f = tmp_path / "recipe.yaml"
     f.write_text(rec.to_yaml(r))
     assert rec.build(recipe_file=str(f)) == r
+
+
+def test_calibration_dtype_is_validated_and_round_trips(tmp_path):
+    r = rec.build(method="gptq", group_size=64, dtype="float32")
+    assert r.dtype == "float32" and rec.build(method="gptq").dtype == "bfloat16"
+    f = tmp_path / "r.yaml"
+    f.write_text(rec.to_yaml(r))
+    assert rec.build(recipe_file=str(f)) == r
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        rec.build(method="gptq", dtype="float16")
