@@ -85,7 +85,8 @@ def quantize(model, output, force, recipe_file, act_order, dampening, alpha, dat
                        calibration=_section(dataset=dataset, num_samples=num_samples, seq_len=seq_len,
                                             batch_size=batch_size, chat_template=chat_template, seed=seed))
     report = pipeline.quantize(model, recipe, output, force=force)
-    click.echo(f"wrote {output} ({recipe.method}, {len(report['layers'])} layers, "
+    method = recipe.method if recipe.smoothing is None or recipe.weights == "rtn" else f"{recipe.method}+{recipe.weights}"
+    click.echo(f"wrote {output} ({method}, {len(report['layers'])} layers, "
                f"{report['calibration_tokens']} calibration tokens, {report['seconds']:.1f} s quantize, "
                f"{report['total_seconds']:.1f} s total)")
 

@@ -199,3 +199,19 @@ def test_static_activation_scheme_gets_input_scales(tiny):
     with torch.no_grad():
         logits = model(held_out).logits
     assert ((logits - ref).norm() / ref.norm()).item() < 0.1
+
+
+def test_hessian_of_bf16_activations_is_float32_exact():
+    """Banded upper-triangle accumulation on oneDNN's bf16 path: for bf16 activations every product
+    is exact in float32, so H matches a float64 reference to float32 rounding (not bf16's 4e-3)."""
+    torch.manual_seed(0)
+    n = 2 * gptq.HESSIAN_BAND + 100  # three bands, the last one partial
+    H = torch.zeros(n, n)
+    xs = [(torch.randn(300, n) * torch.linspace(0.1, 10, n)).bfloat16() for _ in range(3)]
+    for x in xs:
+        with gptq.bf16_products(True):
+            gptq.accumulate_upper(H, x.float())
+    H = gptq.symmetric(H)
+    ref = sum(x.double().t() @ x.double() for x in xs)
+    assert torch.equal(H, H.t())
+    assert ((H.double() - ref).norm() / ref.norm()).item() < 1e-6

@@ -95,11 +95,12 @@ def _fasterquant(W, H, args, gptq, name):
             if z is not None:
                 q.add_(z)
             q.clamp_(args.qmin, args.qmax)
-            # err = (w - dequant(q)) / d
-            err = Err1[i]
-            (torch.mul(q, s, out=err) if z is None else torch.sub(q, z, out=err).mul_(s)).sub_(w).div_(-d)
+            # err = (w - dequant(q)) / [H^-1]_ii
+            dq = torch.mul(q, s, out=Err1[i]) if z is None else torch.sub(q, z, out=Err1[i]).mul_(s)
+            err = dq.sub_(w).div_(-d)
+            # the block's remaining columns absorb the error: W[:, i:] -= err [H^-1]_{i, i:}
             W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)
-        W[i2:] -= Hinv[i1:i2, i2:].t() @ Err1
+        W[i2:] -= Hinv[i1:i2, i2:].t() @ Err1  # the lazy update of every column after the block
 
     Q, scale = Q.t(), scale.t()
     zero = None if zero is None else zero.t()
