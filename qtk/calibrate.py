@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class _Stop(Exception):
-    pass
+    """Raised at block 0's input: capturing the calibration inputs needs nothing after it."""
 
 
 # Every device move of the driver goes through these two, so "one block on the calibration

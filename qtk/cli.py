@@ -154,7 +154,8 @@ def bench_kernels(shapes, ms, out, dtype):
     """W4A16 / W8A8 / FP8 GEMMs against bf16 cuBLAS and the hardware limit (needs CUDA)."""
     from .kernels.bench import run
 
-    run(shapes=shapes, ms=[int(m) for m in ms.split(",")], out=out, dtype=dtype)
+    _, summary = run(shapes=shapes, ms=[int(m) for m in ms.split(",")], out=out, dtype=dtype)
+    click.echo(summary)
 
 
 if __name__ == "__main__":

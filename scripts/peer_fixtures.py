@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-# The tiny model of the qtk tests (tests/conftest.py TINY): group 32 divides every input size
+# The tiny model of the qtk tests (tests/interop.py and conftest.py import it from here): group 32 divides every input size
 # (64 and 128); llm-compressor's W4A16 preset (group 128) would not.
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -17,9 +17,7 @@ import torch
 # (a 135M forward measured 0.45 s with 1 thread, 7-11 s with 2).
 torch.set_num_threads(int(os.environ.get("QTK_TEST_THREADS", "1")))
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            tie_word_embeddings=False)
+from interop import TINY  # noqa: E402  (the tiny Llama of every test, as the peer fixtures build it)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,31 +12,20 @@ Where qtk and compressed-tensors (0.19 and 0.20) differ on purpose:
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-# The tiny random Llama of these tests (as tests/conftest.py TINY and scripts/peer_fixtures.py).
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            tie_word_embeddings=False)
+# The tiny random Llama and its byte tokenizer come from the script that builds the peer's
+# checkpoints of the same model, so the two sides cannot drift apart.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from peer_fixtures import TINY, byte_tokenizer  # noqa: E402,F401
 
 # compressed-tensors rounds each dequantized weight (q - zp) * s once to the scale dtype (bf16):
 # relative error <= 2^-8 (bf16 has 8 significant bits).
 BF16_ROUNDING = 2.0 ** -8
-
-
-def byte_tokenizer():
-    """A 256-token byte-level tokenizer (every byte one token), so ids fit the tiny vocab."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=alphabet[0])
 
 
 def quant_linears(model: nn.Module) -> dict[str, nn.Module]:

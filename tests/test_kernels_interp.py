@@ -163,7 +163,7 @@ def test_woq_gemm(m, n, k, group, bits, asym, dtype, bias, cfg):
     w = random_woq(n, k, group, bits, asym, dtype)
     a = torch.randn(m, k).to(dtype)
     b = torch.randn(n).to(dtype) if bias else None
-    config = None if cfg is None else w4a16.WOQConfig(*cfg)
+    config = None if cfg is None else w4a16.WOQConfig(*cfg[1:], gemv=cfg[0])
     y = w4a16.woq_gemm(a, w.qweight, w.scales, w.zeros, b, bits, group, config=config)
     ref = reference.woq_gemm_ref(a, w.qweight, w.scales, w.zeros, b, bits, group)
     assert_close(y, ref, TOL[dtype])
@@ -282,7 +282,7 @@ def test_quant_linear_woq_runtime(scheme, group, act_order, dtype):
     x = torch.randn(3, 256).to(dtype)
     xs = x if rt.w.perm is None else x.index_select(1, rt.w.perm)
     for m in (1, 3):  # the GEMV path, then the tiled path with a forced config
-        cfg = None if m == 1 else w4a16.WOQConfig(False, 16, 32, 32)
+        cfg = None if m == 1 else w4a16.WOQConfig(16, 32, 32)
         y = w4a16.woq_gemm(xs[:m], rt.w.qweight, rt.w.scales, rt.w.zeros, rt.bias, rt.w.bits, rt.w.group_size,
                            config=cfg)
         assert_close(y, reference.quant_linear_ref(x[:m], layer), TOL[dtype])

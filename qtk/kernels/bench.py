@@ -165,8 +165,9 @@ def table(rows: list[Row]) -> str:
 
 
 def run(shapes: str = "llama3-8b", ms: list[int] | None = None, out: str = "benchmarks/results",
-        dtype: str = "bf16") -> Path:
-    """Benchmark every kernel on `shapes` for each M; returns the JSON path (needs CUDA)."""
+        dtype: str = "bf16") -> tuple[Path, str]:
+    """Benchmark every kernel on `shapes` for each M; returns the JSON path and a printable summary
+    (needs CUDA)."""
     if not torch.cuda.is_available():
         raise RuntimeError("qtk bench kernels needs a CUDA GPU: torch.cuda.is_available() is False "
                            f"(torch {torch.__version__}); run it on a machine with an NVIDIA GPU")
@@ -195,8 +196,6 @@ def run(shapes: str = "llama3-8b", ms: list[int] | None = None, out: str = "benc
     path = Path(out) / f"kernels-{shapes}-{dtype}-{slug}-{now:%Y%m%dT%H%M%S}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{result['device']}: HBM {hbm * 1e-9:.0f} GB/s, {dtype} matmul {peak * 1e-12:.0f} TFLOP/s "
-          f"(torch {torch.__version__}, triton {triton.__version__})")
-    print(table(rows))
-    print(f"wrote {path}")
-    return path
+    summary = (f"{result['device']}: HBM {hbm * 1e-9:.0f} GB/s, {dtype} matmul {peak * 1e-12:.0f} TFLOP/s "
+               f"(torch {torch.__version__}, triton {triton.__version__})\n{table(rows)}\nwrote {path}")
+    return path, summary

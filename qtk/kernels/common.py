@@ -8,12 +8,26 @@ adds the bias and casts: deterministic, and no atomics or zero-filled buffer.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch config of a tiled GEMM: tile sizes, K slices (split-K), band height (tile_of), warps, stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 def check(cond: bool, msg: str) -> None:
@@ -74,9 +88,12 @@ def k_per_split(k: int, split_k: int, block_k: int) -> int:
 
 
 @triton.jit
-def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of program `pid`, tiles ordered in bands of GROUP_M tile-rows: consecutive
-    programs share W tiles while they are in L2 (Triton's matmul tutorial ordering)."""
+def tile_of(M, N, K, K_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile and K slice: (offs_m, offs_n, m_mask, n_mask, k_start, k_end).
+
+    Grid (tiles, SPLIT_K); tiles are ordered in bands of GROUP_M tile-rows so consecutive programs
+    share W tiles while they are in L2 (Triton's matmul tutorial ordering)."""
+    pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     band = pid // (GROUP_M * grid_n)
@@ -84,7 +101,25 @@ def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
     rows = tl.minimum(grid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * grid_n)) % rows
     pid_n = (pid % (GROUP_M * grid_n)) // rows
-    return pid_m, pid_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(1) * K_PER_SPLIT
+    return offs_m, offs_n, offs_m < M, offs_n < N, k_start, tl.minimum(k_start + K_PER_SPLIT, K)
+
+
+@triton.jit
+def store_tile(y, bias_ptr, c_ptr, offs_m, offs_n, M, N, pid_k, HAS_BIAS: tl.constexpr, WRITE_PARTIAL: tl.constexpr):
+    """Write a scaled fp32 tile: the partial of K slice pid_k into P [SPLIT_K, M, N] (splitk_reduce
+    adds the bias), or + bias, cast, into C [M, N]."""
+    n_mask = offs_n < N
+    mask = (offs_m[:, None] < M) & n_mask[None, :]
+    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    if WRITE_PARTIAL:
+        tl.store(c_ptr + pid_k.to(tl.int64) * M * N + offs, y, mask=mask)
+    else:
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + offs, y.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

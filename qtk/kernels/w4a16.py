@@ -29,24 +29,17 @@ import triton
 import triton.language as tl
 
 from .common import ACT_DTYPES, check, check_bias, check_matrix, check_same_device, k_per_split, pick_split_k, \
-    sm_count, splitk_reduce, tile_of
+    TileConfig, sm_count, splitk_reduce, store_tile, tile_of
 from .layout import WOQ_BITS
 
 GEMV_MAX_M = 4
 
 
 @dataclass(frozen=True)
-class WOQConfig:
+class WOQConfig(TileConfig):
     """Launch config: the GEMV kernel (gemv) or the tiled one, block sizes, K slices."""
 
-    gemv: bool
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
+    gemv: bool = False
 
 
 def _block_k(preferred: int, group_size: int | None) -> int:
@@ -65,7 +58,7 @@ def woq_config(m: int, n: int, k: int, group_size: int | None, sms: int) -> WOQC
         bm, bn, bk, warps, stages = triton.next_power_of_2(m), 128, 256, 4, 2
         tiles = triton.cdiv(n, bn)
         split = pick_split_k(tiles, triton.cdiv(k, bk), sms)
-        return WOQConfig(True, bm, bn, bk, split, num_warps=warps, num_stages=stages)
+        return WOQConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages, gemv=True)
     if m <= 64:
         bm, bn, bk, warps, stages = max(16, triton.next_power_of_2(m)), 64, _block_k(128, group_size), 4, 4
     elif m <= 256:
@@ -74,7 +67,7 @@ def woq_config(m: int, n: int, k: int, group_size: int | None, sms: int) -> WOQC
         bm, bn, bk, warps, stages = 128, 128, _block_k(64, group_size), 8, 3
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = pick_split_k(tiles, triton.cdiv(k, bk), sms)
-    return WOQConfig(False, bm, bn, bk, split, num_warps=warps, num_stages=stages)
+    return WOQConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages)
 
 
 @triton.jit
@@ -151,17 +144,9 @@ def _woq_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, strid
 def _epilogue(acc, s_ptr, bias_ptr, c_ptr, offs_m, offs_n, M, N, pid_k,
               PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_PARTIAL: tl.constexpr):
     """Per-channel scale, then either the fp32 partial of slice pid_k or bias + cast into C."""
-    n_mask = offs_n < N
-    mask = (offs_m[:, None] < M) & n_mask[None, :]
     if PER_CHANNEL:
-        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if WRITE_PARTIAL:
-        tl.store(c_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        acc = acc * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    store_tile(acc, bias_ptr, c_ptr, offs_m, offs_n, M, N, pid_k, HAS_BIAS, WRITE_PARTIAL)
 
 
 @triton.jit
@@ -171,17 +156,10 @@ def _woq_mm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, stride_
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Tiled: C tile [BLOCK_M, BLOCK_N] += A tile @ dequant(W^T tile) on tensor cores;
     grid (tiles, SPLIT_K), tiles ordered in GROUP_M-row bands so W tiles are reused from L2."""
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m, pid_n = tile_of(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask, k_start, k_end = tile_of(M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end

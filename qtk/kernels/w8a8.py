@@ -13,27 +13,17 @@ Accumulation is exact int32 for int8 and fp32 for fp8; the epilogue is fp32. Sma
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from .common import ACT_DTYPES, check, check_bias, check_matrix, check_same_device, k_per_split, pick_split_k, \
-    sm_count, splitk_reduce, tile_of
+    TileConfig, sm_count, splitk_reduce, store_tile, tile_of
 
 W8A8_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
-@dataclass(frozen=True)
-class MMConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
+MMConfig = TileConfig  # the scaled GEMM's launch config
 
 
 def mm_config(m: int, n: int, k: int, sms: int) -> MMConfig:
@@ -58,21 +48,14 @@ def _scaled_mm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K, st
                       HAS_BIAS: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Grid (tiles, SPLIT_K); tiles ordered in GROUP_M-row bands so W tiles are reused from L2."""
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m, pid_n = tile_of(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask, k_start, k_end = tile_of(M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     if IS_FP8:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    k_start = pid_k * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
@@ -89,14 +72,7 @@ def _scaled_mm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K, st
         y = y * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     else:
         y = y * tl.load(ws_ptr).to(tl.float32)
-    mask = m_mask[:, None] & n_mask[None, :]
-    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if WRITE_PARTIAL:
-        tl.store(c_ptr + pid_k.to(tl.int64) * M * N + offs, y, mask=mask)
-    else:
-        if HAS_BIAS:
-            y = y + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + offs, y.to(c_ptr.dtype.element_ty), mask=mask)
+    store_tile(y, bias_ptr, c_ptr, offs_m, offs_n, M, N, pid_k, HAS_BIAS, WRITE_PARTIAL)
 
 
 def check_scaled_mm(a_q: torch.Tensor, w_q: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
