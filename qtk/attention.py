@@ -1,9 +1,13 @@
 """Causal attention in query chunks, for long full-sequence forwards on CPU (calibration, perplexity).
 
-torch's CPU flash-attention kernel does the whole L x L score matrix even under a causal mask. A
-causal query chunk [q0, q1) cannot see keys at or after q1, so each chunk is given keys [0, q1)
-only: for 512 tokens in chunks of 128 that is 10/16 of the work, for 2048 tokens 136/256. The
-result is sdpa's up to the order of the softmax sums.
+A causal query chunk [q0, q1) cannot see keys at or after q1, so each chunk is given keys [0, q1)
+only: for 512 tokens in chunks of 128 that is 10/16 of the score work, for 2048 tokens 136/256.
+The result is sdpa's up to the order of the softmax sums.
+
+Used only where it measured faster: on a CPU with bf16 units, in bf16 (the previous session's
+calibration measurements). On an AVX2-only CPU, in float32, torch's sdpa was as fast at 8 x 512
+tokens (56.0 vs 56.4 ms) and faster at 1 x 2048 (67 vs 96 ms) (benchmarks/cpu_dtype.py), so
+there the model keeps sdpa.
 
 Registered with transformers' AttentionInterface as "qtk_chunked"; `chunked_attention(model)`
 switches a model to it for the duration of a with-block.
@@ -14,6 +18,8 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+
+from .device import cpu_has_native_bf16
 
 NAME = "qtk_chunked"
 CHUNK = 128  # queries per sdpa call
@@ -69,10 +75,17 @@ def set_implementation(model, name: str) -> str:
     return old
 
 
+def chunks_pay_off(model) -> bool:
+    """Chunked attention is faster than sdpa for this model: sdpa, on a CPU with bf16 units, in bf16."""
+    p = next(model.parameters())
+    return (model.config._attn_implementation == "sdpa" and p.device.type == "cpu" and p.dtype == torch.bfloat16
+            and cpu_has_native_bf16())
+
+
 @contextlib.contextmanager
 def chunked_attention(model):
-    """Run `model` with chunked causal attention on CPU when it uses sdpa; a no-op otherwise."""
-    if model.config._attn_implementation != "sdpa" or next(model.parameters()).device.type != "cpu":
+    """Run `model` with chunked causal attention where that pays off (chunks_pay_off); a no-op otherwise."""
+    if not chunks_pay_off(model):
         yield
         return
     register()

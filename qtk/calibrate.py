@@ -28,6 +28,7 @@ from .models import Arch, arch_for, get_module, set_module
 from .recipe import Recipe
 from .runtime.layers import QuantLinear
 from .schemes import check_group_divides
+from .errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
     targets = targeted_linears(model, recipe)
     check_group_divides(recipe.scheme, {n: m.in_features for n, m in targets.items()})
     if recipe.needs_data and calib_ids is None:
-        raise ValueError(f"method {recipe.method!r} with this scheme needs calibration data")
+        raise InputError(f"method {recipe.method!r} with this scheme needs calibration data")
     t0 = time.perf_counter()
     use_cache, model.config.use_cache = model.config.use_cache, False  # restored below: it is saved in config.json
     layers = get_module(model, arch.layers)

@@ -24,15 +24,12 @@ from torch import nn
 from .models import arch_for, get_module, set_module
 from .runtime.layers import QuantLinear
 from .schemes import KVCacheScheme, Scheme
+from .errors import CheckpointError, OutputExistsError
 
 log = logging.getLogger(__name__)
 
 CT_VERSION = "0.20.0"
 MAX_SHARD_BYTES = 5 * 2**30
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read as written; the message names the file or tensor."""
 
 
 # --- config ------------------------------------------------------------------------------
@@ -69,7 +66,7 @@ def target_matches(name: str, module: nn.Module, target: str) -> bool:
 def parse_quantization_config(qc: dict) -> tuple[list[Scheme], list[str], KVCacheScheme | None]:
     if qc.get("quant_method") != "compressed-tensors":
         raise CheckpointError(f"quantization_config.quant_method is {qc.get('quant_method')!r}; "
-                              "qtk reads compressed-tensors checkpoints (or converts gptq/awq ones)")
+                              "qtk reads compressed-tensors checkpoints (as llm-compressor and qtk write them)")
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise CheckpointError(f"quantization_status {status!r} is not supported; qtk reads compressed checkpoints")
@@ -99,7 +96,7 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, groups: lis
     """Write `model` (with QuantLinear layers) to out_dir atomically: temp dir, then rename."""
     out = Path(out_dir)
     if out.exists() and not force:
-        raise FileExistsError(f"{out} exists; pass --force to replace it")
+        raise OutputExistsError(f"{out} exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
@@ -170,18 +167,12 @@ def _save_shards(state: dict[str, torch.Tensor], d: Path):
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint dir, with a clear error for a missing or truncated file."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+    files = weight_files(path)
+    if not files:
         raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    read_tensor_meta(path, files)  # whole files only
     tensors = {}
-    for f in files:
-        fp = path / f
-        if not fp.is_file():
-            raise CheckpointError(f"{fp} is listed in the index but missing")
+    for fp in files:
         try:
             with safe_open(str(fp), framework="pt") as sf:
                 for k in sf.keys():
@@ -278,17 +269,50 @@ def _load_state(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch
     model.load_state_dict(state, strict=False, assign=True)
 
 
-def read_tensor_meta(path: Path) -> dict[str, tuple[str, list[int], int]]:
-    """name -> (dtype, shape, bytes) from the safetensors headers, without loading data."""
-    sizes = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1, "BOOL": 1}
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a model dir (from the index when sharded)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index (a JSON object with a weight_map)") from e
+        return [path / n for n in names]
+    return sorted(path.glob("*.safetensors"))
+
+
+def check_weight_files(path: Path) -> None:
+    """Every weight file is there and whole (headers parse, data as long as they say), before a load."""
+    files = weight_files(path)
+    if not files:
+        if any(path.glob("pytorch_model*.bin")):
+            return  # torch pickles: transformers checks them itself
+        raise CheckpointError(f"{path} has no weights (model.safetensors, a sharded index or pytorch_model.bin)")
+    read_tensor_meta(path, files)
+
+
+def read_tensor_meta(path: Path, files: list[Path] | None = None) -> dict[str, tuple[str, list[int], int]]:
+    """name -> (dtype, shape, bytes) from the safetensors headers, without loading data; a file that
+    is missing, has a corrupt header or is shorter than its header says is a CheckpointError."""
+    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
     meta = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
+    for f in files if files is not None else weight_files(Path(path)):
+        if not f.is_file():
+            raise CheckpointError(f"{f} is listed in the index but missing")
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             try:
-                header = json.loads(fh.read(n))
-            except ValueError as e:
-                raise CheckpointError(f"{f} has a corrupt safetensors header") from e
+                header = json.loads(fh.read(n)) if 0 < n <= f.stat().st_size - 8 else None
+            except (ValueError, UnicodeDecodeError):
+                header = None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{f} is not a safetensors file (corrupt or truncated header); "
+                                  "re-download or re-save it")
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if f.stat().st_size < 8 + n + end:
+            raise CheckpointError(f"{f} is truncated: its header describes {8 + n + end} bytes, the file has "
+                                  f"{f.stat().st_size}; re-download or re-save it")
         for k, v in header.items():
             if k == "__metadata__":
                 continue

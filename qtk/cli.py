@@ -11,17 +11,20 @@ import click
 MODEL_HELP = "an HF model directory, a .gguf file, a qtk/compressed-tensors checkpoint, or 'smollm2-135m' (bundled)"
 
 
+DTYPE_HELP = ("Compute dtype. auto: bfloat16 on CUDA and on CPUs with bf16 units (AVX512-BF16, AMX), float32 "
+              "elsewhere (bf16 is emulated and many times slower there); the log says which and why.")
+
+
 class QtkGroup(click.Group):
-    """Turns the library's validation errors into one clear line and exit code 2, not a traceback."""
+    """Turns errors in the user's input (qtk.errors.QtkError) into one clear line and exit code 2;
+    anything else is a bug or an environment failure and keeps its traceback."""
 
     def invoke(self, ctx):
-        from .checkpoint import CheckpointError
+        from .errors import QtkError
 
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort):
-            raise  # click's own control flow (--help, Ctrl-C) subclasses RuntimeError
-        except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, RuntimeError) as e:
+        except QtkError as e:
             if logging.getLogger().isEnabledFor(logging.DEBUG):
                 raise
             click.echo(f"error: {e}", err=True)
@@ -71,9 +74,9 @@ def _section(**kw):
 @click.option("--chat-template", is_flag=True, default=None, help="Wrap calibration samples in the chat template.")
 @click.option("--seed", type=int, default=None, help="Seed for picking calibration samples (0).")
 @click.option("--device", default=None, help="Calibration device: cpu or cuda[:N] (one block at a time goes there).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=None,
-              help="Model dtype while calibrating (bfloat16): block forwards run in it; Hessians, solves and "
-                   "searches accumulate in float32.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default=None,
+              help="Model dtype while calibrating (auto: bfloat16 on CUDA and CPUs with bf16 units, float32 "
+                   "elsewhere): block forwards run in it; Hessians, solves and searches accumulate in float32.")
 def quantize(model, output, force, recipe_file, act_order, dampening, alpha, dataset, num_samples, seq_len,
              batch_size, chat_template, seed, **top):
     """Quantize MODEL and write a compressed-tensors checkpoint to --output."""
@@ -111,13 +114,16 @@ def inspect(model, json_out):
 @click.option("--limit", type=int, default=None, help="Score at most N windows.")
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
+              help=DTYPE_HELP)
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON here.")
-def eval_(model, task, dataset, seq_len, limit, batch_size, device, json_path):
-    """Measure MODEL's quality (perplexity by the protocol in shared/bench.md)."""
+def eval_(model, task, dataset, seq_len, limit, batch_size, device, dtype, json_path):
+    """Measure MODEL's quality (perplexity by the protocol in docs/benchmarks.md)."""
+    from .device import choose_dtype
     from .evals.perplexity import eval_windows, perplexity
     from .models import load_model
 
-    m, tok = load_model(model, device=device)
+    m, tok = load_model(model, dtype=choose_dtype(dtype, device).dtype, device=device)
     windows = eval_windows(tok, dataset, seq_len, limit)
     res = perplexity(m, windows, batch_size=batch_size, dataset=dataset)
     click.echo(f"{model}: {res}")
@@ -133,16 +139,19 @@ def eval_(model, task, dataset, seq_len, limit, batch_size, device, json_path):
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-def generate(model, prompt, max_tokens, chat, temperature, device):
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
+              help=DTYPE_HELP)
+def generate(model, prompt, max_tokens, chat, temperature, device, dtype):
     """Generate a continuation of --prompt with MODEL (float or quantized)."""
     from .generate import generate as gen
 
-    click.echo(gen(model, prompt, max_tokens=max_tokens, chat=chat, temperature=temperature, device=device))
+    click.echo(gen(model, prompt, max_tokens=max_tokens, chat=chat, temperature=temperature, device=device,
+                   dtype=dtype))
 
 
 @main.group()
 def bench():
-    """Benchmarks that print and record numbers (shared/bench.md)."""
+    """Benchmarks that print and record numbers (protocols: docs/benchmarks.md)."""
 
 
 @bench.command("kernels")

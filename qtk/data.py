@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 import torch
+from .errors import DataSourceError, InputError, NotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ def builtin_texts(split: str) -> list[str]:
     from pydoc_data.topics import topics
 
     if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        raise InputError(f"split must be one of {SPLITS}, got {split!r}")
     names = sorted(topics)
     keep = [n for i, n in enumerate(names) if (i % 4 == 0) == (split == "evaluation")]
     return [topics[n] for n in keep]
@@ -29,7 +30,7 @@ def builtin_texts(split: str) -> list[str]:
 
 def file_texts(path: Path, text_key: str = "text") -> list[str]:
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file {path} not found")
+        raise NotFoundError(f"dataset file {path} not found")
     if path.suffix == ".txt":
         return [path.read_text()]
     if path.suffix == ".jsonl":
@@ -40,12 +41,12 @@ def file_texts(path: Path, text_key: str = "text") -> list[str]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from e
+                raise InputError(f"{path}:{i}: not valid JSON ({e.msg})") from e
             if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
-                raise ValueError(f"{path}:{i}: each line must be a JSON object with a string {text_key!r} field")
+                raise InputError(f"{path}:{i}: each line must be a JSON object with a string {text_key!r} field")
             texts.append(row[text_key])
         return texts
-    raise ValueError(f"dataset file {path} must be .txt or .jsonl")
+    raise InputError(f"dataset file {path} must be .txt or .jsonl")
 
 
 def hf_texts(name: str, split: str, text_key: str = "text") -> list[str]:
@@ -57,10 +58,10 @@ def hf_texts(name: str, split: str, text_key: str = "text") -> list[str]:
     try:
         ds = datasets.load_dataset(repo, config or None, split=hf_split)
     except Exception as e:
-        raise RuntimeError(f"could not load the Hugging Face dataset {repo!r} (split {hf_split}): {e}. "
+        raise DataSourceError(f"could not load the Hugging Face dataset {repo!r} (split {hf_split}): {e}. "
                            "Offline? Use --dataset builtin or a local .txt/.jsonl file") from e
     if text_key not in ds.column_names:
-        raise ValueError(f"dataset {repo!r} has no {text_key!r} column (columns: {ds.column_names})")
+        raise InputError(f"dataset {repo!r} has no {text_key!r} column (columns: {ds.column_names})")
     return [t for t in ds[text_key] if t]
 
 
@@ -77,7 +78,7 @@ def token_stream(tokenizer, texts: list[str], chat_template: bool = False) -> to
     """All texts tokenized once and concatenated, separated by EOS ([n] int64)."""
     if chat_template:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("--chat-template was given but the tokenizer has no chat template")
+            raise InputError("--chat-template was given but the tokenizer has no chat template")
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False) for t in texts]
     eos = tokenizer.eos_token_id
     ids: list[int] = []
@@ -94,7 +95,7 @@ def calibration_ids(tokenizer, dataset: str = "builtin", num_samples: int = 64, 
     stream = token_stream(tokenizer, load_texts(dataset, "calibration"), chat_template)
     windows = len(stream) // seq_len
     if windows < num_samples:
-        raise ValueError(f"dataset {dataset!r} has {len(stream)} calibration tokens, enough for {windows} "
+        raise InputError(f"dataset {dataset!r} has {len(stream)} calibration tokens, enough for {windows} "
                          f"samples of {seq_len}; asked for {num_samples} (lower --num-samples or --seq-len)")
     g = torch.Generator().manual_seed(seed)
     pick = torch.randperm(windows, generator=g)[:num_samples].sort().values

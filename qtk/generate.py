@@ -6,16 +6,18 @@ from __future__ import annotations
 import torch
 
 from .models import load_model
+from .device import choose_dtype
+from .errors import InputError
 
 
 def generate(model_name: str, prompt: str, max_tokens: int = 64, chat: bool = False, temperature: float = 0.0,
-             device: str = "cpu") -> str:
+             device: str = "cpu", dtype: str = "auto") -> str:
     if max_tokens <= 0:
-        raise ValueError(f"--max-tokens must be positive, got {max_tokens}")
-    model, tok = load_model(model_name, device=device)
+        raise InputError(f"--max-tokens must be positive, got {max_tokens}")
+    model, tok = load_model(model_name, dtype=choose_dtype(dtype, device).dtype, device=device)
     if chat:
         if not getattr(tok, "chat_template", None):
-            raise ValueError(f"{model_name} has no chat template; drop --chat")
+            raise InputError(f"{model_name} has no chat template; drop --chat")
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
     else:

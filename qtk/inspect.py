@@ -1,13 +1,12 @@
 """`qtk inspect`: what a checkpoint holds, layer by layer, and its size against the bf16 original."""
 from __future__ import annotations
 
-import json
 import math
 
 from safetensors import safe_open
 
-from .checkpoint import parse_quantization_config, read_tensor_meta
-from .models import resolve
+from .checkpoint import check_weight_files, parse_quantization_config, read_tensor_meta
+from .models import config_dict, resolve
 
 LAYER_KEYS = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
               "input_scale", "bias")
@@ -15,7 +14,8 @@ LAYER_KEYS = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "w
 
 def inspect_checkpoint(model: str) -> dict:
     path = resolve(model)
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = config_dict(path)
+    check_weight_files(path)
     meta = read_tensor_meta(path)  # name -> (dtype, shape, nbytes)
     qc = cfg.get("quantization_config")
     kv = None
@@ -91,6 +91,9 @@ def render(info: dict) -> str:
         lines.append(f"  {'layer':<40} {'format':<16} {'scale shape':<12} {'bits/w':>7} {'MiB':>7}")
         for name, l in info["layers"].items():
             lines.append(f"  {name:<40} {l['format']:<16} {str(l['scale_shape']):<12} {l['bits']:>7.3f} {l['bytes'] * mib:>7.2f}")
-    lines.append(f"  size on disk {info['size_bytes'] * mib:.1f} MiB vs {info['bf16_size_bytes'] * mib:.1f} MiB in bf16 "
-                 f"({info['compression']:.2f}x smaller)")
+    if info["compression"] is None:
+        lines.append("  size on disk: no safetensors files (torch pickles are not measured)")
+    else:
+        lines.append(f"  size on disk {info['size_bytes'] * mib:.1f} MiB vs {info['bf16_size_bytes'] * mib:.1f} MiB "
+                     f"in bf16 ({info['compression']:.2f}x smaller)")
     return "\n".join(lines)

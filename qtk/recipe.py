@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .schemes import KVCacheScheme, Scheme, kv_cache_scheme, preset
+from .errors import InputError, NotFoundError
 
 METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8")
 
@@ -19,9 +20,9 @@ class GPTQArgs:
 
     def __post_init__(self):
         if not 0 < self.dampening < 1:
-            raise ValueError(f"gptq.dampening must be in (0, 1), got {self.dampening}")
+            raise InputError(f"gptq.dampening must be in (0, 1), got {self.dampening}")
         if self.block_size <= 0:
-            raise ValueError(f"gptq.block_size must be positive, got {self.block_size}")
+            raise InputError(f"gptq.block_size must be positive, got {self.block_size}")
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class AWQArgs:
 
     def __post_init__(self):
         if self.grid < 1:
-            raise ValueError(f"awq.grid must be >= 1, got {self.grid}")
+            raise InputError(f"awq.grid must be >= 1, got {self.grid}")
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class SmoothQuantArgs:
 
     def __post_init__(self):
         if not 0 <= self.alpha <= 1:
-            raise ValueError(f"smoothquant.alpha must be in [0, 1], got {self.alpha}")
+            raise InputError(f"smoothquant.alpha must be in [0, 1], got {self.alpha}")
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,10 @@ class CalibrationArgs:
     def __post_init__(self):
         for k in ("num_samples", "seq_len", "batch_size"):
             if getattr(self, k) <= 0:
-                raise ValueError(f"calibration.{k} must be positive, got {getattr(self, k)}")
+                raise InputError(f"calibration.{k} must be positive, got {getattr(self, k)}")
 
 
-CALIBRATION_DTYPES = ("bfloat16", "float32")
+CALIBRATION_DTYPES = ("auto", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -75,28 +76,33 @@ class Recipe:
     smoothquant: SmoothQuantArgs = field(default_factory=SmoothQuantArgs)
     calibration: CalibrationArgs = field(default_factory=CalibrationArgs)
     device: str = "cpu"
-    dtype: str = "bfloat16"  # the model's dtype while calibrating (blocks run in it; solves stay float32)
+    # the model's dtype while calibrating (blocks run in it; solves stay float32); auto: bf16 where the
+    # device has bf16 units, float32 elsewhere (qtk.device.choose_dtype)
+    dtype: str = "auto"
+    # the group size is the scheme's default, not the user's: the pipeline lowers it to the largest
+    # power of two that divides every quantized layer (an explicit group size that does not is an error)
+    auto_group_size: bool = False
 
     def __post_init__(self):
         if self.dtype not in CALIBRATION_DTYPES:
-            raise ValueError(f"dtype must be one of {CALIBRATION_DTYPES}, got {self.dtype!r}")
+            raise InputError(f"dtype must be one of {CALIBRATION_DTYPES}, got {self.dtype!r}")
         if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+            raise InputError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.weights not in ("rtn", "gptq"):
-            raise ValueError(f"weights must be 'rtn' or 'gptq', got {self.weights!r}")
+            raise InputError(f"weights must be 'rtn' or 'gptq', got {self.weights!r}")
         if self.smoothing not in (None, "awq", "smoothquant"):
-            raise ValueError(f"smoothing must be 'awq' or 'smoothquant', got {self.smoothing!r}")
+            raise InputError(f"smoothing must be 'awq' or 'smoothquant', got {self.smoothing!r}")
         w, act = self.scheme.weights, self.scheme.input_activations
         if self.smoothing == "awq" and (act is not None or w.type != "int"):
-            raise ValueError("awq protects salient weights of weight-only int schemes (w4a16, w4a16_asym, w8a16); "
+            raise InputError("awq protects salient weights of weight-only int schemes (w4a16, w4a16_asym, w8a16); "
                              f"scheme has weights {w.type}{w.num_bits} and activations {act and act.type}")
         if self.smoothing == "smoothquant" and act is None:
-            raise ValueError("smoothquant migrates activation outliers into weights; it needs an activation-quantized "
+            raise InputError("smoothquant migrates activation outliers into weights; it needs an activation-quantized "
                              "scheme (w8a8, fp8, fp8_static)")
         if self.weights == "gptq" and w.type == "float":
-            raise ValueError("gptq solves for integer weights; use --method fp8 for fp8 schemes")
+            raise InputError("gptq solves for integer weights; use --method fp8 for fp8 schemes")
         if "lm_head" not in self.ignore:
-            raise ValueError("qtk quantizes the decoder blocks only: keep 'lm_head' in ignore")
+            raise InputError("qtk quantizes the decoder blocks only: keep 'lm_head' in ignore")
 
     @property
     def needs_data(self) -> bool:
@@ -120,11 +126,11 @@ def from_flags(method: str, scheme: str | None = None, group_size: int | None = 
                ignore: tuple[str, ...] = (), **sections) -> Recipe:
     """Build a Recipe the way the CLI does; `sections` are method args (gptq=..., awq=...)."""
     if method not in METHOD_DEFAULTS:
-        raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHOD_DEFAULTS)}")
+        raise InputError(f"unknown method {method!r}; choose one of {sorted(METHOD_DEFAULTS)}")
     default_scheme, default_weights, smoothing = METHOD_DEFAULTS[method]
     sch = preset(scheme or default_scheme, group_size)
     if method == "fp8" and sch.weights.type != "float":
-        raise ValueError(f"--method fp8 takes an fp8 scheme (fp8, fp8_static), got {scheme!r}")
+        raise InputError(f"--method fp8 takes an fp8 scheme (fp8, fp8_static), got {scheme!r}")
     return Recipe(method=method, scheme=sch, weights=weights or default_weights, smoothing=smoothing,
                   ignore=("lm_head", *[i for i in ignore if i != "lm_head"]),
                   kv_cache=kv_cache_scheme(kv_cache, kv_strategy), **sections)
@@ -177,15 +183,17 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(fields) - known
         if unknown:
-            raise ValueError(f"unknown key(s) {sorted(unknown)} in recipe section {name!r}; known: {sorted(known)}")
+            raise InputError(f"unknown key(s) {sorted(unknown)} in recipe section {name!r}; known: {sorted(known)}")
         sections[name] = cls(**fields)
     if "method" not in data:
-        raise ValueError("no method: pass --method or give 'method:' in the recipe")
+        raise InputError("no method: pass --method or give 'method:' in the recipe")
     recipe = from_flags(data["method"], scheme=data.get("scheme"), group_size=data.get("group_size"),
                         weights=data.get("weights"), kv_cache=data.get("kv_cache"),
                         kv_strategy=data.get("kv_strategy") or "tensor", ignore=tuple(data.get("ignore") or ()),
                         **sections)
-    return dataclasses.replace(recipe, device=data.get("device") or "cpu", dtype=data.get("dtype") or "bfloat16")
+    auto_group = data.get("group_size") is None and recipe.scheme.weights.strategy == "group"
+    return dataclasses.replace(recipe, device=data.get("device") or "cpu", dtype=data.get("dtype") or "auto",
+                               auto_group_size=auto_group)
 
 
 def load_yaml(path: str) -> dict:
@@ -195,14 +203,14 @@ def load_yaml(path: str) -> dict:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"recipe file {path} not found") from e
+        raise NotFoundError(f"recipe file {path} not found") from e
     except yaml.YAMLError as e:
-        raise ValueError(f"recipe file {path} is not valid YAML: {e}") from e
+        raise InputError(f"recipe file {path} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
-        raise ValueError(f"recipe file {path} must be a mapping of keys to values")
+        raise InputError(f"recipe file {path} must be a mapping of keys to values")
     unknown = set(data) - _TOP
     if unknown:
-        raise ValueError(f"unknown key(s) {sorted(unknown)} in recipe {path}; known: {sorted(_TOP)}")
+        raise InputError(f"unknown key(s) {sorted(unknown)} in recipe {path}; known: {sorted(_TOP)}")
     return data
 
 
@@ -221,7 +229,7 @@ def to_yaml(recipe: Recipe) -> str:
                      and v.with_group_size(group_size) == recipe.scheme), None)
     d = {"method": recipe.method, "scheme": name, "weights": recipe.weights, "ignore": list(recipe.ignore),
          "device": recipe.device, "dtype": recipe.dtype}
-    if w.strategy == "group" or (name is not None and PRESETS[name] != recipe.scheme):
+    if (w.strategy == "group" and not recipe.auto_group_size) or (name is not None and PRESETS[name] != recipe.scheme):
         d["group_size"] = group_size
     if recipe.kv_cache is not None:
         d["kv_cache"] = {v: k for k, v in KV_CACHE.items()}[recipe.kv_cache.type]

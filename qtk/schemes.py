@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from .errors import InputError
 
 TYPES = ("int", "float")
 STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group", "attn_head")
@@ -33,24 +34,24 @@ class QuantArgs:
 
     def __post_init__(self):
         if self.type not in TYPES:
-            raise ValueError(f"QuantArgs.type must be one of {TYPES}, got {self.type!r}")
+            raise InputError(f"QuantArgs.type must be one of {TYPES}, got {self.type!r}")
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"QuantArgs.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+            raise InputError(f"QuantArgs.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.type == "int" and not 1 <= self.num_bits <= 8:
-            raise ValueError(f"QuantArgs.num_bits must be 1..8 for int, got {self.num_bits}")
+            raise InputError(f"QuantArgs.num_bits must be 1..8 for int, got {self.num_bits}")
         if self.type == "float" and self.num_bits != 8:
-            raise ValueError(f"QuantArgs.num_bits must be 8 for float (fp8 e4m3), got {self.num_bits}")
+            raise InputError(f"QuantArgs.num_bits must be 8 for float (fp8 e4m3), got {self.num_bits}")
         if self.type == "float" and not self.symmetric:
-            raise ValueError("QuantArgs.symmetric must be true for float (fp8) quantization")
+            raise InputError("QuantArgs.symmetric must be true for float (fp8) quantization")
         if self.strategy == "group":
             if not self.group_size or self.group_size <= 0:
-                raise ValueError(f"QuantArgs.group_size must be a positive integer for strategy 'group', got {self.group_size!r}")
+                raise InputError(f"QuantArgs.group_size must be a positive integer for strategy 'group', got {self.group_size!r}")
         elif self.group_size not in (None, -1):
-            raise ValueError(f"QuantArgs.group_size is only valid with strategy 'group' (strategy is {self.strategy!r})")
+            raise InputError(f"QuantArgs.group_size is only valid with strategy 'group' (strategy is {self.strategy!r})")
         if self.strategy == "token" and not self.dynamic:
-            raise ValueError("QuantArgs.strategy 'token' requires dynamic=True")
+            raise InputError("QuantArgs.strategy 'token' requires dynamic=True")
         if self.actorder not in (None, "static", "group", "weight"):
-            raise ValueError(f"QuantArgs.actorder must be null, 'static', 'group' or 'weight', got {self.actorder!r}")
+            raise InputError(f"QuantArgs.actorder must be null, 'static', 'group' or 'weight', got {self.actorder!r}")
 
     @property
     def qmin(self) -> int:
@@ -74,10 +75,10 @@ class QuantArgs:
             return None
         unknown = set(d) - set(ARG_KEYS)
         if unknown:
-            raise ValueError(f"unknown quantization arg key(s) {sorted(unknown)}; known: {list(ARG_KEYS)}")
+            raise InputError(f"unknown quantization arg key(s) {sorted(unknown)}; known: {list(ARG_KEYS)}")
         strategy = d.get("strategy") or ("group" if d.get("group_size") else "tensor")
         if strategy not in ("tensor", "channel", "group", "token", "attn_head"):
-            raise ValueError(f"quantization strategy {strategy!r} is not supported by qtk "
+            raise InputError(f"quantization strategy {strategy!r} is not supported by qtk "
                              "(supported: tensor, channel, group, token, attn_head)")
         actorder = d.get("actorder")
         return cls(
@@ -102,16 +103,16 @@ class Scheme:
     def __post_init__(self):
         if self.stored_format not in (None, "pack-quantized", "int-quantized", "float-quantized",
                                       "naive-quantized", "mixed-precision"):
-            raise ValueError(f"format {self.stored_format!r} is not supported (pack-quantized, int-quantized, "
+            raise InputError(f"format {self.stored_format!r} is not supported (pack-quantized, int-quantized, "
                              "float-quantized, naive-quantized)")
         a = self.input_activations
         if a is not None:
             if a.strategy not in ("tensor", "token"):
-                raise ValueError(f"input_activations.strategy must be 'tensor' or 'token', got {a.strategy!r}")
+                raise InputError(f"input_activations.strategy must be 'tensor' or 'token', got {a.strategy!r}")
             if a.num_bits != 8 or self.weights.num_bits != 8:
-                raise ValueError("activation quantization is supported for 8-bit weights and activations (W8A8) only")
+                raise InputError("activation quantization is supported for 8-bit weights and activations (W8A8) only")
             if a.type != self.weights.type:
-                raise ValueError(f"weights are {self.weights.type} but activations {a.type}: W8A8 needs both int or both float")
+                raise InputError(f"weights are {self.weights.type} but activations {a.type}: W8A8 needs both int or both float")
 
     @property
     def format(self) -> str:
@@ -131,7 +132,7 @@ class Scheme:
             w = dataclasses.replace(self.weights, strategy="channel", group_size=None)
         else:
             if self.input_activations is not None or self.weights.type == "float":
-                raise ValueError("--group-size applies to weight-only int schemes (w4a16, w4a16_asym, w8a16)")
+                raise InputError("--group-size applies to weight-only int schemes (w4a16, w4a16_asym, w8a16)")
             w = dataclasses.replace(self.weights, strategy="group", group_size=group_size)
         return dataclasses.replace(self, weights=w)
 
@@ -148,11 +149,11 @@ class Scheme:
     def from_dict(cls, d: dict) -> Scheme:
         unknown = set(d) - {"targets", "weights", "input_activations", "output_activations", "format"}
         if unknown:
-            raise ValueError(f"unknown key(s) {sorted(unknown)} in a config group")
+            raise InputError(f"unknown key(s) {sorted(unknown)} in a config group")
         if d.get("weights") is None:
-            raise ValueError("config group has no 'weights' args; qtk reads weight-quantized checkpoints only")
+            raise InputError("config group has no 'weights' args; qtk reads weight-quantized checkpoints only")
         if d.get("output_activations") is not None:
-            raise ValueError("output activation quantization is not supported by qtk")
+            raise InputError("output activation quantization is not supported by qtk")
         return cls(weights=QuantArgs.from_dict(d["weights"]),
                    input_activations=QuantArgs.from_dict(d.get("input_activations")),
                    targets=tuple(d.get("targets") or ("Linear",)), stored_format=d.get("format"))
@@ -167,9 +168,9 @@ class KVCacheScheme:
 
     def __post_init__(self):
         if self.type not in TYPES:
-            raise ValueError(f"kv cache type must be 'float' (fp8) or 'int' (int8), got {self.type!r}")
+            raise InputError(f"kv cache type must be 'float' (fp8) or 'int' (int8), got {self.type!r}")
         if self.strategy not in ("tensor", "attn_head"):
-            raise ValueError(f"kv cache strategy must be 'tensor' or 'attn_head' (per head), got {self.strategy!r}")
+            raise InputError(f"kv cache strategy must be 'tensor' or 'attn_head' (per head), got {self.strategy!r}")
 
     @property
     def args(self) -> QuantArgs:
@@ -184,7 +185,7 @@ class KVCacheScheme:
             return None
         a = QuantArgs.from_dict(d)
         if a.num_bits != 8 or not a.symmetric or a.dynamic:
-            raise ValueError(f"kv_cache_scheme must be static symmetric 8-bit, got {d}")
+            raise InputError(f"kv_cache_scheme must be static symmetric 8-bit, got {d}")
         return cls(type=a.type, strategy=a.strategy)
 
 
@@ -217,7 +218,7 @@ def preset(name: str, group_size: int | None = None) -> Scheme:
     """The preset `name` (case-insensitive), with an optional group size override."""
     key = name.lower().replace("-", "_")
     if key not in PRESETS:
-        raise ValueError(f"unknown scheme {name!r}; choose one of {sorted(PRESETS)}")
+        raise InputError(f"unknown scheme {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[key].with_group_size(group_size)
 
 
@@ -225,11 +226,20 @@ def kv_cache_scheme(kind: str | None, strategy: str = "tensor") -> KVCacheScheme
     if kind is None or kind == "none":
         return None
     if kind not in KV_CACHE:
-        raise ValueError(f"kv_cache {kind!r} is not supported; choose one of {sorted(KV_CACHE)}")
+        raise InputError(f"kv_cache {kind!r} is not supported; choose one of {sorted(KV_CACHE)}")
     if strategy not in KV_STRATEGIES:
-        raise ValueError(f"kv_strategy {strategy!r} cannot be expressed for a KV cache; choose one of "
+        raise InputError(f"kv_strategy {strategy!r} cannot be expressed for a KV cache; choose one of "
                          f"{sorted(KV_STRATEGIES)} (per tensor or per KV head)")
     return KVCacheScheme(type=KV_CACHE[kind], strategy=KV_STRATEGIES[strategy])
+
+
+GROUP_SIZES = (256, 128, 64, 32, 16, 8)  # power-of-two group sizes qtk proposes, largest first
+
+
+def dividing_group_size(in_features: dict[str, int], at_most: int | None = None) -> int | None:
+    """The largest group size of GROUP_SIZES (at most `at_most`) that divides every input size."""
+    sizes = set(in_features.values())
+    return next((g for g in GROUP_SIZES if (at_most is None or g <= at_most) and all(k % g == 0 for k in sizes)), None)
 
 
 def check_group_divides(scheme: Scheme, in_features: dict[str, int]) -> None:
@@ -245,10 +255,9 @@ def check_group_divides(scheme: Scheme, in_features: dict[str, int]) -> None:
     bad = {n: k for n, k in in_features.items() if k % w.group_size}
     if not bad:
         return
-    sizes = sorted(set(in_features.values()))
-    fit = next((g for g in (256, 128, 64, 32, 16, 8) if all(k % g == 0 for k in sizes)), None)
+    fit = dividing_group_size(in_features)
     shown = ", ".join(f"{n} (in_features={k})" for n, k in list(bad.items())[:4])
     more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
     hint = f"use --group-size {fit}" if fit else "use --group-size -1 (per-channel)"
-    raise ValueError(f"group size {w.group_size} does not divide the input size of {len(bad)} layer(s): "
+    raise InputError(f"group size {w.group_size} does not divide the input size of {len(bad)} layer(s): "
                      f"{shown}{more}; {hint}")

@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # The peer, llm-compressor, in a venv of its own: it pins transformers<=5.17 and
-# compressed-tensors 0.19, which must not replace the test env's. The venv sees the system
-# site-packages, so it reuses the installed CPU torch (pinned below, so pip never swaps in a
-# multi-GB CUDA build); its own transformers / compressed-tensors shadow the system ones.
+# compressed-tensors 0.19, which must not replace the test env's. The venv sees the site-packages
+# of the active Python (system, venv or conda alike: a .pth file lists them after the venv's own),
+# so it reuses the installed CPU torch (pinned below, so pip never swaps in a multi-GB CUDA build);
+# its own transformers / compressed-tensors shadow the active ones. (`python -m venv
+# --system-site-packages` would not do: run from inside a venv, it sees the base interpreter's
+# site-packages, not the venv's, and the peer venv would have no torch.)
 #   bash scripts/peer_env.sh fixtures      build build/peer_fixtures (once; fast when up to date)
 #   bash scripts/peer_env.sh python ARGS   run python in the peer venv (e.g. for benchmarks)
-# QTK_PEER_VENV moves the venv (default ~/.cache/qtk/peer-venv, shared by clones on a machine).
+# QTK_PEER_VENV moves the venv (default ~/.cache/qtk/peer-venv-HASH, one per active Python, shared
+# by the clones on a machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV=${QTK_PEER_VENV:-$HOME/.cache/qtk/peer-venv}
 PEER="llmcompressor==0.14.0.1"
+LAYOUT=2  # bump when the venv's construction changes: existing venvs are rebuilt
 OUT=build/peer_fixtures
+# the active interpreter (a venv's python, conda's, the system's): the peer venv is built over it
+PY_ID=$("$PY" -c 'import sys; print(sys.prefix)' 2>/dev/null || echo none)
+VENV=${QTK_PEER_VENV:-$HOME/.cache/qtk/peer-venv-$(echo "$PY_ID" | sha256sum | cut -c1-10)}
 
 with_lock() {  # with_lock FILE CMD...: one builder at a time (CI and engineers share the machine)
     local lock=$1
@@ -21,7 +28,7 @@ with_lock() {  # with_lock FILE CMD...: one builder at a time (CI and engineers 
 }
 
 make_venv() {
-    if [ -f "$VENV/.qtk-peer" ] && [ "$(cat "$VENV/.qtk-peer")" = "$PEER" ]; then
+    if [ -f "$VENV/.qtk-peer" ] && [ "$(cat "$VENV/.qtk-peer")" = "$PEER layout $LAYOUT $PY_ID" ]; then
         return
     fi
     local torch_version
@@ -29,9 +36,12 @@ make_venv() {
         echo "peer_env: $PY has no torch; run scripts/setup.sh first" >&2
         return 1
     fi
-    echo "peer_env: creating $VENV ($PEER, reusing torch $torch_version)"
+    echo "peer_env: creating $VENV ($PEER, reusing torch $torch_version from $PY_ID)"
     rm -rf "$VENV"
-    "$PY" -m venv --system-site-packages "$VENV"
+    "$PY" -m venv "$VENV"
+    # the active Python's site dirs (and what they import), after the venv's own on sys.path
+    "$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+        >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_qtk_active_env.pth"
     "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$PEER" "torch==$torch_version"
     # the venv must still use the system torch: a torch inside it would be a fresh download
     "$VENV/bin/python" - "$VENV" <<'EOF'
@@ -39,7 +49,7 @@ import sys, torch
 if torch.__file__.startswith(sys.argv[1]):
     sys.exit(f"peer_env: pip installed a torch into the venv ({torch.__file__})")
 EOF
-    echo "$PEER" >"$VENV/.qtk-peer"
+    echo "$PEER layout $LAYOUT $PY_ID" >"$VENV/.qtk-peer"
 }
 
 build_fixtures() {

@@ -76,7 +76,18 @@ def test_symmetric_int4_layout_is_gptq_qweight():
 
 # -- dispatch on CPU ---------------------------------------------------------------------------
 
-# (scheme, group, x dtype, runtime class expected on CPU; None = reference)
+@pytest.fixture(params=["units", "no units"])
+def cpu_units(request, monkeypatch):
+    """Run as a CPU with bf16 and int8 dot-product units, then as one without (AVX2): the torch CPU ops
+    run on either (slowly where emulated), so both sides of each dispatch rule are checked anywhere."""
+    on = request.param == "units"
+    monkeypatch.setenv("QTK_CPU_BF16", "1" if on else "0")
+    monkeypatch.setenv("QTK_CPU_VNNI", "1" if on else "0")
+    return on
+
+
+# (scheme, group, x dtype, runtime class expected on a CPU with bf16/int8 units; None = reference).
+# Without the units every row runs the reference (the float32 matmul, measured faster there).
 DISPATCH = [
     ("w4a16", 32, torch.bfloat16, dispatch.CpuInt4),
     ("w4a16_asym", 64, torch.bfloat16, dispatch.CpuInt4),
@@ -94,17 +105,18 @@ DISPATCH = [
 
 
 @pytest.mark.parametrize("scheme,group,dtype,expected", DISPATCH)
-def test_cpu_dispatch_agrees_with_reference(scheme, group, dtype, expected):
+def test_cpu_dispatch_agrees_with_reference(scheme, group, dtype, expected, cpu_units):
     layer = quant_linear(scheme, group=group, dtype=dtype)
     x = torch.randn(2, 5, 128).to(dtype)
     y = layer(x)
+    expected = expected if cpu_units else None
     assert type(dispatch.runtime_for(layer, x.reshape(-1, 128))) is (type(None) if expected is None else expected)
     ref = reference.quant_linear_ref(x, layer)
     assert y.shape == (2, 5, 48) and y.dtype == dtype
     assert rel_err(y, ref) < (1.5e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_static_w8a8_on_cpu():
+def test_static_w8a8_on_cpu(cpu_units):
     from dataclasses import replace
 
     scheme = preset("w8a8")
@@ -113,7 +125,7 @@ def test_static_w8a8_on_cpu():
     q, scale, zp = quantize_weight(w, scheme.weights)
     layer = QuantLinear.from_codes(q, scale, zp, scheme, input_scale=torch.tensor([2.0 / 127]), dtype=torch.float32)
     x = torch.randn(7, 64)
-    assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuW8A8Int)
+    assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuW8A8Int if cpu_units else type(None))
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-5
 
 
@@ -125,14 +137,14 @@ def test_int8_cpu_op_needs_k_multiple_of_16():
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-2
 
 
-def test_act_order_on_cpu():
+def test_act_order_on_cpu(cpu_units):
     """g_idx layers are served with columns sorted by group (x gathered the same way)."""
     n, k, g = 32, 128, 32
     layer = quant_linear("w4a16", n=n, k=k, group=g, dtype=torch.bfloat16)
     layer.register_buffer("weight_g_idx", (torch.randperm(k) // g).to(torch.int32))
     x = torch.randn(4, k).bfloat16()
     rt = dispatch.runtime_for(layer, x)
-    assert isinstance(rt, dispatch.CpuInt4) and rt.perm is not None
+    assert (isinstance(rt, dispatch.CpuInt4) and rt.perm is not None) if cpu_units else rt is None
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1.5e-2
 
 
@@ -151,7 +163,9 @@ def test_runtime_cache_is_not_state_and_follows_the_weights():
     assert rel_err(layer(x.float()), reference.quant_linear_ref(x.float(), layer)) < 1e-6
 
 
-def test_prepare_builds_every_runtime():
+def test_prepare_builds_every_runtime(monkeypatch):
+    monkeypatch.setenv("QTK_CPU_BF16", "1")
+    monkeypatch.setenv("QTK_CPU_VNNI", "1")
     model = torch.nn.Sequential(quant_linear("w4a16", group=64, dtype=torch.bfloat16),
                                 quant_linear("w8a8", k=48, dtype=torch.bfloat16))
     kernels.prepare(model, "cpu", torch.bfloat16)

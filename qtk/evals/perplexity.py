@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from ..attention import chunked_attention
 from ..data import load_texts, token_stream
+from ..errors import InputError
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def eval_windows(tokenizer, dataset: str = "builtin", seq_len: int = 2048, limit
     stream = token_stream(tokenizer, load_texts(dataset, "evaluation"))
     n = len(stream) // seq_len
     if n == 0:
-        raise ValueError(f"dataset {dataset!r} has {len(stream)} evaluation tokens, fewer than one window of "
+        raise InputError(f"dataset {dataset!r} has {len(stream)} evaluation tokens, fewer than one window of "
                          f"{seq_len}; lower --seq-len")
     if limit is not None:
         n = min(n, limit)

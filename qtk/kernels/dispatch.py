@@ -6,17 +6,26 @@ buffer: state_dict and checkpoints are unchanged). The cache is rebuilt when the
 tensors are replaced or modified in place (.to(), load_state_dict) or x's device/dtype change.
 
     scheme                     CUDA (fp16/bf16 x)               CPU
-    int4/int8 weight-only      Triton woq_gemm (repacked)       bf16 x: torch._weight_int4pack_mm_for_cpu
+    int4/int8 weight-only      Triton woq_gemm (repacked)       bf16 x on a CPU with bf16 units:
+                                                                torch._weight_int4pack_mm_for_cpu
                                                                 (int4, G in 32..256, N % 16 == 0) or
                                                                 torch._weight_int8pack_mm (int8 sym per
                                                                 channel, K % 16 == 0); else reference
-    W8A8 int8                  Triton act_quant + scaled_mm     act_quant twin + torch._int_mm + fp32 epilogue
+    W8A8 int8                  Triton act_quant + scaled_mm     CPU with int8 dot products (VNNI, AMX):
+                                                                act_quant twin + torch._int_mm + fp32
+                                                                epilogue; else reference
     W8A8 fp8 (sm_89+)          Triton act_quant + fp8_gemm      reference
     anything else              reference (quant_linear_ref)     reference
-The reference's runtime is REFERENCE (None): quant_linear_ref reads the layer itself.
-On CPU the int4/int8 weight ops are used for bf16 only: measured here (2 cores) they beat the
-reference (fp32 matmul on the cached dequantized weight) by 2-6x for bf16 activations and lose
-by 10-100x for fp16/fp32, which they have no fast kernel for.
+The reference's runtime is REFERENCE (None): quant_linear_ref reads the layer itself (a float32
+matmul on the layer's cached decoded weight).
+
+CPU rows, measured (benchmarks/cpu_dtype.py, figures in benchmarks/results/cpu_dtype.md; N=1536,
+K=576, 2 threads). On a CPU with AVX512-BF16 the int4/int8 weight ops beat the reference by 2-6x
+for bf16 activations and lose by 10-100x for fp16/fp32, which they have no fast kernel for. On an
+AVX2-only CPU (bf16 emulated) they lose in bf16 too: int4 g64 0.71 ms vs the reference's 0.42 ms at
+M=16, 156 vs 87 ms at M=4096 (a tie at M=1, 0.08 vs 0.09 ms); there torch._int_mm took 9.0 ms at
+M=16 and 1856 ms at M=4096 against the reference's 0.47 and 83 ms. Hence the capability tests
+(qtk.device) in the CPU column.
 """
 from __future__ import annotations
 
@@ -24,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import cpu_has_int8_dot, cpu_has_native_bf16
 from . import ops  # noqa: F401  registers torch.ops.qtk.*
 from .common import ACT_DTYPES
 from .fp8 import fp8_supported
@@ -124,7 +134,7 @@ def _woq(layer, device: torch.device, dtype: torch.dtype):
     if device.type == "cuda" and dtype in ACT_DTYPES:
         w = pack_woq(codes, layer.weight_scale, zp, args.num_bits, group, dtype, perm)
         return WOQTriton(w, layer.bias)
-    if device.type == "cpu" and dtype == torch.bfloat16:
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_native_bf16():
         if args.num_bits == 4 and group in CPU_INT4_GROUPS and n % 16 == 0:
             u = (codes.to(torch.int32) + 8).contiguous()
             s = layer.weight_scale.float().reshape(n, -1).t()  # [K/G, N]
@@ -147,7 +157,7 @@ def _w8a8(layer, device: torch.device, dtype: torch.dtype):
     parts = (layer.weight, w_scale.contiguous(), static, act.dynamic and act.strategy == "token", layer.bias)
     if device.type == "cuda" and dtype in ACT_DTYPES and (w.type == "int" or fp8_supported(device)):
         return W8A8(*parts)
-    if device.type == "cpu" and w.type == "int":
+    if device.type == "cpu" and w.type == "int" and cpu_has_int8_dot():
         return CpuW8A8Int(*parts)
     return REFERENCE
 

@@ -1,0 +1,113 @@
+"""What the compute device is fast at: the one place qtk asks, so every fast path chooses alike.
+
+On CUDA, bf16 is native. On a CPU it depends on the chip: with AVX512-BF16 or AMX (x86) or the
+BF16 extension (Arm) a bf16 matmul runs on hardware units and is 2-3x faster than float32; without
+them (AVX2-only x86, common on AMD EPYC and desktop CPUs) torch emulates it and it ran 80x slower
+than float32 (benchmarks/cpu_dtype.py; figures in benchmarks/results/cpu_dtype.md). So
+`--dtype auto`, the default of every command, is bf16 where native and float32 elsewhere.
+
+The same holds for int8 dot products (AVX512-VNNI, AVX-VNNI, AMX): torch._int_mm ran 20x slower
+than a float32 matmul on an AVX2-only CPU, so W8A8's integer GEMM is used on CPUs that have them.
+
+QTK_CPU_BF16=0 makes detection answer "no native bf16" (to run the whole suite as an AVX2 CPU
+would, on any machine); QTK_CPU_BF16=1 answers "native" (only to test the bf16 path's logic: it
+is slow on a CPU that lacks the units). QTK_CPU_VNNI=0|1 does the same for int8 dot products.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InputError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPE_CHOICES = ("auto", *DTYPES)
+OVERRIDE = "QTK_CPU_BF16"
+VNNI_OVERRIDE = "QTK_CPU_VNNI"
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_bf16_hardware() -> tuple[bool, str]:
+    """(native, what the CPU has) from torch's cpuinfo probes."""
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        found = [name for name, probe in (("AVX512-BF16", torch.cpu._is_avx512_bf16_supported),
+                                          ("AMX", torch.cpu._is_amx_tile_supported)) if probe()]
+        if found:
+            return True, " and ".join(found)
+        return False, f"no AVX512-BF16 or AMX (torch CPU capability {torch.backends.cpu.get_cpu_capability()})"
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return native, f"{platform.machine()} {'with' if native else 'without'} bf16 instructions"
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls on hardware units (QTK_CPU_BF16=0|1 overrides)."""
+    return cpu_bf16_reason()[0]
+
+
+def cpu_bf16_reason() -> tuple[bool, str]:
+    return _forced(OVERRIDE) or _cpu_bf16_hardware()
+
+
+def cpu_has_int8_dot() -> bool:
+    """Whether this CPU has int8 dot-product instructions (VNNI or AMX; QTK_CPU_VNNI=0|1 overrides)."""
+    forced = _forced(VNNI_OVERRIDE)
+    if forced:
+        return forced[0]
+    return torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def _forced(var: str) -> tuple[bool, str] | None:
+    forced = os.environ.get(var)
+    if forced in ("0", "1"):
+        return forced == "1", f"{var}={forced}"
+    if forced not in (None, ""):
+        raise InputError(f"{var} must be 0 or 1 (or unset), got {forced!r}")
+    return None
+
+
+def native_bf16(device: torch.device | str) -> bool:
+    """bf16 matmuls are fast on `device` (CUDA always; a CPU only with the hardware units)."""
+    return torch.device(device).type != "cpu" or cpu_has_native_bf16()
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def choose_dtype(requested: str | torch.dtype | None, device: torch.device | str = "cpu") -> DtypeChoice:
+    """The compute dtype for `requested` ("auto", "bfloat16", "float32" or a torch dtype) on `device`,
+    with the reason; logged once per call. An explicit bf16 on a CPU without bf16 units is kept,
+    with a warning."""
+    device = torch.device(device)
+    if isinstance(requested, torch.dtype):
+        requested = str(requested).removeprefix("torch.")
+    requested = requested or "auto"
+    if requested not in DTYPE_CHOICES:
+        raise InputError(f"dtype must be one of {DTYPE_CHOICES}, got {requested!r}")
+    if device.type != "cpu":
+        native, why = True, f"{device.type} runs bf16 natively"
+    else:
+        native, why = cpu_bf16_reason()
+        why = f"CPU: {why}"
+    if requested == "auto":
+        choice = DtypeChoice(torch.bfloat16 if native else torch.float32, f"auto: {why}")
+        log.info("dtype %s (%s)", choice.name, choice.reason)
+        return choice
+    choice = DtypeChoice(DTYPES[requested], f"requested ({why})")
+    if choice.dtype == torch.bfloat16 and not native:
+        log.warning("dtype bfloat16 was requested, but this CPU has no bf16 matmul units (%s): bf16 is emulated "
+                    "there and runs many times slower than float32; --dtype auto picks float32", why)
+    return choice
