@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class _Stop(Exception):
-    """Raised at block 0's input: capturing the calibration inputs needs nothing after it."""
+    """Raised at the input of the last module a pass needs (block 0 when capturing the calibration
+    inputs, a block's last hooked Linear when collecting statistics): nothing after it is needed."""
 
 
 # Every device move of the driver goes through these two, so "one block on the calibration
@@ -70,6 +71,9 @@ class Block:
     device: torch.device
     targets: tuple[str, ...]  # relative names of the Linear layers to quantize
     errors: dict[str, float] = field(default_factory=dict)
+    # (linear names sharing an input, H = 2/n sum x x^T) left by a smoothing pass that saw every
+    # input, kept exact under its scale folds, for the weight quantizer (GPTQ) to reuse
+    hessians: list[tuple[tuple[str, ...], torch.Tensor]] | None = None
 
     def linear(self, name: str) -> nn.Module:
         return get_module(self.layer, name)
@@ -84,6 +88,26 @@ class Block:
                 y = self.layer(h.to(self.device), **kw)
                 outs.append((y[0] if isinstance(y, tuple) else y).to("cpu"))
         return outs
+
+    def feed(self, until: str, between_batches=None) -> None:
+        """Run the layer on every input batch only as far as the input of submodule `until` (the
+        hooks see what they need; the rest of the block is skipped)."""
+
+        def stop(*_):
+            raise _Stop
+
+        handle = get_module(self.layer, until).register_forward_pre_hook(stop)
+        try:
+            with torch.no_grad():
+                for h, kw in zip(self.inputs.hidden, self.inputs.kwargs):
+                    try:
+                        self.layer(h.to(self.device), **kw)
+                    except _Stop:
+                        pass
+                    if between_batches is not None:
+                        between_batches()
+        finally:
+            handle.remove()
 
     @contextlib.contextmanager
     def hooks(self, names, fn):

@@ -30,10 +30,15 @@ class AWQArgs:
     grid: int = 20  # points of the ratio grid r in [0, 1)
     duo_scaling: bool = True  # s = x_mean^r / w_mean^(1-r) rather than x_mean^r
     clip: bool = True  # weight-clipping search after scaling
+    # the attention / mlp losses (a forward per ratio) are tried at every coarse-th ratio first, then
+    # at the ratios around the best of those; 1 = every ratio (the gram losses always try every one)
+    coarse: int = 4
 
     def __post_init__(self):
         if self.grid < 1:
             raise InputError(f"awq.grid must be >= 1, got {self.grid}")
+        if self.coarse < 1:
+            raise InputError(f"awq.coarse must be >= 1 (1 = try every ratio), got {self.coarse}")
 
 
 @dataclass(frozen=True)

@@ -124,3 +124,25 @@ def test_awq_end_to_end_beats_rtn(outlier, ratio):
         quantize_model(m, from_flags(method, scheme="w4a16_asym", group_size=32), calib, progress=False)
         errors[method] = (logits(m, held_out) - ref).pow(2).mean().item()
     assert errors["awq"] < ratio * errors["rtn"], errors
+
+
+def test_coarse_search_finds_the_grids_best_with_fewer_losses():
+    """Coarse to fine (every 4th ratio, then around the best) picks what trying all 20 picks on a
+    loss with one wide valley (the outlier linear's output MSE: its minimum at r = 0.3, one small
+    bump at r = 0.1), in 11 losses (+ the identity's)."""
+    lin, x = outlier_linear()
+    args = preset("w4a16", 32).weights
+    w = {"fc": lin.weight.detach()}
+    gram = awq.gram_loss(w, x.T @ x, len(x))
+    calls = []
+
+    def loss(w_hats):
+        calls.append(1)
+        return gram(w_hats)
+
+    x_mean, w_mean = x.abs().mean(0), awq.weight_mean([w["fc"]], 32)
+    s_all, best_all, _ = awq.search_scale(x_mean, w_mean, w, args, loss, grid=20, coarse=1)
+    assert len(calls) == 21
+    calls.clear()
+    s, best, _ = awq.search_scale(x_mean, w_mean, w, args, loss, grid=20, coarse=4)
+    assert len(calls) <= 12 and torch.equal(s, s_all) and best == best_all

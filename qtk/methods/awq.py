@@ -29,10 +29,11 @@ from ..models import SmoothPair
 from ..quant import dequantize, dequantize_weight, grouped, qparams, quantize, quantize_weight
 from ..schemes import QuantArgs
 from .fold import fold_scale, folds
+from .gptq import HessianSum
 
 log = logging.getLogger(__name__)
 
-LOSS_TOKENS = 4096  # tokens the attention / mlp losses run on
+LOSS_TOKENS = 2048  # tokens the attention / mlp losses run on (whole sequences for attention)
 GRAM_TOKENS = 8192  # random tokens behind the Gram matrices (x_mean uses every token)
 CLIP_GRID, CLIP_MAX_SHRINK = 20, 0.5  # clip factors 1, 0.95, ..., 0.5
 NO_CLIP = ("q_proj", "k_proj")  # their error shows in attention scores, not in their outputs (AutoAWQ)
@@ -67,23 +68,36 @@ def candidate_scale(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, du
 
 
 def search_scale(x_mean: torch.Tensor, w_mean: torch.Tensor, weights: dict[str, torch.Tensor],
-                 args: QuantArgs, loss: Loss, grid: int = 20, duo: bool = True):
+                 args: QuantArgs, loss: Loss, grid: int = 20, duo: bool = True, coarse: int = 1):
     """(s [in], its loss, the identity's loss): the grid's best scale, or s = 1 if none beats it.
 
-    weights: the pair's float weights [out_k, in]; a candidate s turns them into Q(W s) / s."""
+    weights: the pair's float weights [out_k, in]; a candidate s turns them into Q(W s) / s.
+    coarse > 1: the ratios i/grid are tried at every coarse-th i first, then at every i within
+    coarse - 1 of the best of those (the whole grid's pick wherever loss(r) has one valley, which
+    is the usual shape; 11 losses instead of 20 at grid 20, coarse 4)."""
 
     def scaled(s):
         return {n: fake_quant(w * s, args) / s for n, w in weights.items()}
 
     ones = torch.ones_like(x_mean)
-    identity = best = loss(scaled(ones))
-    best_s, best_r = ones, None
-    for i in range(grid):
-        s = candidate_scale(x_mean, w_mean, i / grid, duo)
-        err = loss(scaled(s))
-        if err < best:
-            best, best_s, best_r = err, s, i / grid
-    log.debug("awq ratio %s loss %.4g (identity %.4g)", best_r, best, identity)
+    identity = loss(scaled(ones))
+    tried: dict[int, tuple[float, torch.Tensor]] = {}
+
+    def attempt(i):
+        if i not in tried:
+            s = candidate_scale(x_mean, w_mean, i / grid, duo)
+            tried[i] = (loss(scaled(s)), s)
+        return tried[i][0]
+
+    best_coarse = min(range(0, grid, coarse), key=attempt)
+    for i in range(max(0, best_coarse - coarse + 1), min(grid, best_coarse + coarse)):
+        attempt(i)
+    best_i = min(tried, key=lambda i: (tried[i][0], i))
+    best, best_s = tried[best_i]
+    if not best < identity:
+        best, best_s, best_i = identity, ones, None
+    log.debug("awq ratio %s loss %.4g (identity %.4g, %d of %d ratios tried)", None if best_i is None else best_i / grid,
+              best, identity, len(tried), grid)
     return best_s, best, identity
 
 
@@ -152,6 +166,7 @@ class PairStats:
     gram_tokens: int = 0
     samples: list[torch.Tensor] = field(default_factory=list)  # random tokens [n, in] (mlp loss)
     calls: list[tuple] = field(default_factory=list)  # (args, kwargs) of the inspect module (attention loss)
+    hessian: HessianSum | None = None  # every token's x x^T, for GPTQ after AWQ (keep_hessians)
 
     def add(self, x: torch.Tensor, sampled: torch.Tensor) -> None:
         # x [tokens, in], sampled [n, in] a random subset of its rows
@@ -173,12 +188,13 @@ def loss_kind(block, pair: SmoothPair) -> str:
     return "sequences" if pair.inspect == block.arch.attention else "tokens"
 
 
-def observe(block, pairs: list[SmoothPair]) -> dict[SmoothPair, PairStats]:
-    """One forward of the block on the calibration inputs, collecting every pair's statistics."""
-    stats = {p: PairStats() for p in pairs}
+def observe(block, pairs: list[SmoothPair], keep_hessians: bool = False) -> dict[SmoothPair, PairStats]:
+    """One forward of the block on the calibration inputs (as far as the last pair's input),
+    collecting every pair's statistics; with keep_hessians also each input's full Hessian."""
+    stats = {p: PairStats(hessian=HessianSum() if keep_hessians else None) for p in pairs}
     by_input = {p.linears[0]: p for p in pairs}  # a pair's linears share their input
-    tokens_per_batch = block.inputs.hidden[0].shape[0] * block.inputs.hidden[0].shape[1]
-    n_seq_batches = max(1, math.ceil(LOSS_TOKENS / tokens_per_batch))
+    seq_len = block.inputs.hidden[0].shape[1]
+    n_seqs = max(1, math.ceil(LOSS_TOKENS / seq_len))  # whole sequences for the attention loss
     per_batch = math.ceil(LOSS_TOKENS / len(block.inputs))
     gram_per_batch = math.ceil(GRAM_TOKENS / len(block.inputs))
     gen = torch.Generator().manual_seed(0)
@@ -188,24 +204,48 @@ def observe(block, pairs: list[SmoothPair]) -> dict[SmoothPair, PairStats]:
         x = x.detach().reshape(-1, x.shape[-1])
         sampled = x[torch.randperm(x.shape[0], generator=gen)[:max(per_batch, gram_per_batch)].to(x.device)]
         stats[pair].add(x.float(), sampled[:gram_per_batch].float())
+        if stats[pair].hessian is not None:
+            stats[pair].hessian.add(x)
         if loss_kind(block, pair) == "tokens":
             stats[pair].samples.append(sampled[:per_batch])  # in the block's dtype: the mlp runs on them
 
+    seqs_kept = {p: 0 for p in pairs}
+
     def keep_call(pair):
         def hook(_, args, kwargs):
-            if len(stats[pair].calls) < n_seq_batches:
-                stats[pair].calls.append((args, dict(kwargs)))
+            if seqs_kept[pair] < n_seqs:
+                args, kwargs = first_sequences(args, dict(kwargs), n_seqs - seqs_kept[pair])
+                stats[pair].calls.append((args, kwargs))
+                seqs_kept[pair] += (args[0] if args else kwargs["hidden_states"]).shape[0]
         return hook
 
     handles = [block.linear(p.inspect).register_forward_pre_hook(keep_call(p), with_kwargs=True)
                for p in pairs if loss_kind(block, p) == "sequences"]
     try:
         with block.hooks(list(by_input), on_input):
-            block.run()
+            block.feed(until=list(by_input)[-1])
     finally:
         for h in handles:
             h.remove()
     return stats
+
+
+def first_sequences(args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
+    """A module call (hidden [B, L, ...] first) cut to its first n sequences: every tensor argument
+    (or tuple of them, e.g. rotary (cos, sin)) with at least 2 dims and B rows is cut; the rest
+    (cache positions, flags) is kept as is."""
+    batch = args[0].shape[0] if args else kwargs["hidden_states"].shape[0]
+    if n >= batch:
+        return args, kwargs
+
+    def cut(v):
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == batch:
+            return v[:n]
+        if isinstance(v, tuple) and v and all(isinstance(t, torch.Tensor) for t in v):
+            return tuple(cut(t) for t in v)
+        return v
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
 def _forward(module, calls) -> list[torch.Tensor]:
@@ -253,10 +293,16 @@ def pair_loss(block, pair: SmoothPair, st: PairStats, weights: dict[str, torch.T
 
 @torch.no_grad()
 def smooth_block(block, recipe) -> None:
-    """SMOOTHING["awq"]: scale search per pair, folding, then the clipping search."""
+    """SMOOTHING["awq"]: scale search per pair, folding, then the clipping search.
+
+    When GPTQ follows, the observing forward also sums every input's Hessian, scaled with each
+    fold (the linears read x / s), and leaves them in block.hessians: GPTQ then needs no forward
+    of its own. Those Hessians are of the inputs before the clipping search, which changes the
+    inputs of o_proj, gate/up and down_proj slightly (through v, o, up, gate); measured on SmolLM2
+    it changes nothing visible (see benchmarks/results/cpu_dtype.md)."""
     args, awq = recipe.scheme.weights, recipe.awq
     pairs = [p for p in block.arch.smooth if any(n in block.targets for n in p.linears)]
-    stats = observe(block, pairs)
+    stats = observe(block, pairs, keep_hessians=recipe.weights == "gptq")
     for pair in pairs:
         if not folds(block, pair):
             log.debug("awq %s: %s -> %s does not fold (GQA), skipped", block.name, pair.prev, pair.linears)
@@ -264,11 +310,16 @@ def smooth_block(block, recipe) -> None:
         st = stats[pair]
         weights = {n: block.linear(n).weight.detach().float() for n in pair.linears if n in block.targets}
         w_mean = weight_mean(list(weights.values()), group_size(args, st.gram.shape[0]))
+        coarse = 1 if loss_kind(block, pair) == "gram" else awq.coarse
         s, err, identity = search_scale(st.x_mean, w_mean, weights, args, pair_loss(block, pair, st, weights),
-                                        awq.grid, awq.duo_scaling)
+                                        awq.grid, awq.duo_scaling, coarse)
         log.debug("awq %s %s: loss %.4g (identity %.4g)", block.name, pair.prev, err, identity)
         fold_scale(block, pair, s)
         st.gram = st.gram / s[:, None] / s[None, :]  # the linears now read x / s
+        if st.hessian is not None:
+            st.hessian.scale_inputs(s)
+    if recipe.weights == "gptq":
+        block.hessians = [(tuple(n for n in p.linears if n in block.targets), stats[p].hessian.H) for p in pairs]
     if awq.clip:
         for pair in pairs:
             for name in pair.linears:

@@ -176,8 +176,30 @@ def bf16_products(enabled: bool):
         flag.fp32_precision = saved
 
 
-class _Seen(Exception):
-    """Raised once the last targeted Linear's input is seen: the rest of the block is not needed."""
+class HessianSum:
+    """sum x^T x (upper triangle, float32) and the token count of one Linear input, from activations
+    [..., in] in any float dtype; `H` is 2/n sum x x^T."""
+
+    def __init__(self):
+        self.upper: torch.Tensor | None = None
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        exact_in_bf16 = x.dtype == torch.bfloat16
+        x = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+        if self.upper is None:
+            self.upper = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+        with bf16_products(exact_in_bf16 and x.device.type == "cpu" and cpu_has_native_bf16()):
+            accumulate_upper(self.upper, x)
+        self.tokens += x.shape[0]
+
+    def scale_inputs(self, s: torch.Tensor) -> None:
+        """The Linear now reads x / s (a smoothing scale folded into the op before it): H -> H / (s s^T)."""
+        self.upper /= s[:, None] * s[None, :]
+
+    @property
+    def H(self) -> torch.Tensor:
+        return symmetric(self.upper) * (2 / self.tokens)
 
 
 def collect_hessians(block, names) -> list[tuple[tuple[str, ...], torch.Tensor]]:
@@ -185,36 +207,21 @@ def collect_hessians(block, names) -> list[tuple[tuple[str, ...], torch.Tensor]]
 
     Linears receiving the same tensor object (q/k/v, gate/up) share one H. `names` must be in
     execution order: each forward stops at the last one's input."""
-    sums: dict[str, torch.Tensor] = {}
-    tokens: dict[str, int] = {}
+    sums: dict[str, HessianSum] = {}
     owner: dict[str, str] = {}  # Linear -> first Linear that received the same input tensor
     last = {"x": None, "name": None}
 
     def accumulate(name, x):
         if x is last["x"]:
             owner[name] = owner[last["name"]]
-        else:
-            last.update(x=x, name=name)
-            owner[name] = name
-            exact_in_bf16 = x.dtype == torch.bfloat16
-            x = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
-            if name not in sums:
-                sums[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
-                tokens[name] = 0
-            with bf16_products(exact_in_bf16 and x.device.type == "cpu" and cpu_has_native_bf16()):
-                accumulate_upper(sums[name], x)
-            tokens[name] += x.shape[0]
-        if name == names[-1]:
-            raise _Seen
+            return
+        last.update(x=x, name=name)
+        owner[name] = name
+        sums.setdefault(name, HessianSum()).add(x)
 
-    with block.hooks(names, accumulate), torch.no_grad():
-        for h, kw in zip(block.inputs.hidden, block.inputs.kwargs):
-            try:
-                block.layer(h.to(block.device), **kw)
-            except _Seen:
-                pass
-            last.update(x=None, name=None)
-    return [(tuple(n for n in names if owner[n] == key), symmetric(sums[key]) * (2 / tokens[key])) for key in sums]
+    with block.hooks(names, accumulate):
+        block.feed(until=names[-1], between_batches=lambda: last.update(x=None, name=None))
+    return [(tuple(n for n in names if owner[n] == key), h.H) for key, h in sums.items()]
 
 
 HESSIAN_BAND = 384  # columns per band of the upper-triangle accumulation
@@ -240,10 +247,13 @@ def quantize_block(block, recipe) -> None:
 
     All Hessians come from one forward of the float block, as llm-compressor does (measured: the
     "true sequential" order, each stage seeing already-quantized sublayers, is not worth its extra
-    forwards here; see the report)."""
+    forwards here; see the report). A smoothing pass that already saw every input (AWQ) leaves
+    them in block.hessians, and that forward is saved."""
     act = recipe.scheme.input_activations
     absmax = rtn.static_input_scales(block, block.targets) if act is not None and not act.dynamic else {}
-    for names, H in collect_hessians(block, block.targets):
+    kept = block.hessians
+    covered = kept is not None and {n for names, _ in kept for n in names} == set(block.targets)
+    for names, H in kept if covered else collect_hessians(block, block.targets):
         quantize_linears(block, names, H, recipe, absmax)
 
 
