@@ -1,4 +1,4 @@
-"""Calibration / evaluation text and the perplexity protocol (shared/bench.md)."""
+"""Calibration / evaluation text and the perplexity protocol (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json

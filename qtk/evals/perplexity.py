@@ -1,4 +1,4 @@
-"""Token-level perplexity (shared/bench.md).
+"""Token-level perplexity (docs/benchmarks.md).
 
 Concatenate the evaluation text, tokenize once, cut into non-overlapping windows of L tokens,
 score every token of a window but its first; ppl = exp(mean NLL over all scored tokens).

@@ -1,5 +1,5 @@
 """`qtk bench kernels`: the quantized GEMMs on a real model's shapes, by the protocol of
-shared/bench.md (Kernels).
+docs/benchmarks.md (Kernels).
 
 For each layer shape (K x N) and M: median time of triton.testing.do_bench, GB/s (weights +
 scales + zero points + activations read once, output written once), TFLOP/s (2*M*N*K), the
