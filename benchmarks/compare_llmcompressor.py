@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from qtk.calibrate import checkpoint_groups, quantize_model  # noqa: E402
 from qtk.checkpoint import save_quantized  # noqa: E402
 from qtk.data import calibration_ids  # noqa: E402
+from qtk.device import choose_dtype  # noqa: E402
 from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
 from qtk.models import BUNDLED, load_model, resolve  # noqa: E402
 from qtk.recipe import SmoothQuantArgs, build, from_flags, replace  # noqa: E402
@@ -46,12 +46,7 @@ def qtk_recipes(group_size: int) -> dict:
     }
 
 
-def peer_python() -> str:
-    venv = Path(os.environ.get("QTK_PEER_VENV", Path.home() / ".cache/qtk/peer-venv"))
-    py = venv / "bin" / "python"
-    if not py.exists():
-        subprocess.run(["bash", str(ROOT / "scripts/peer_env.sh"), "fixtures"], check=True)  # builds the venv
-    return str(py)
+PEER_PYTHON = ["bash", str(ROOT / "scripts/peer_env.sh"), "python"]  # builds the peer venv on first use
 
 
 def run_qtk(name, recipe, ids, out: Path) -> float:
@@ -65,7 +60,7 @@ def run_qtk(name, recipe, ids, out: Path) -> float:
 
 
 def run_peer(name, ids_file: Path, out: Path, group_size: int, dtype: str) -> float:
-    cmd = [peer_python(), str(ROOT / "benchmarks/peer_quantize.py"), name, str(resolve(BUNDLED)), str(ids_file),
+    cmd = [*PEER_PYTHON, str(ROOT / "benchmarks/peer_quantize.py"), name, str(resolve(BUNDLED)), str(ids_file),
            str(out), "--group-size", str(group_size), "--dtype", dtype]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
@@ -88,11 +83,13 @@ def main():
     ap.add_argument("--limit", type=int, default=None, help="evaluation windows (default: all)")
     ap.add_argument("--no-peer", default="", help="methods to run on qtk only (e.g. awq: the peer's AWQ takes "
                     "over an hour on 2 CPU cores)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="model dtype while calibrating, both sides (bfloat16: the checkpoint's)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="model dtype while calibrating, both sides (auto: bfloat16 where the CPU has bf16 units, "
+                         "float32 elsewhere, as qtk chooses)")
     ap.add_argument("--work", default="build/compare")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = ap.parse_args()
+    args.dtype = choose_dtype(args.dtype).name  # one resolved dtype for both sides
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

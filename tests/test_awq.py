@@ -4,7 +4,6 @@ import copy
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from qtk import methods
 from qtk.calibrate import Block, capture_inputs, quantize_model

@@ -1,9 +1,7 @@
 """SmoothQuant: the formula, exact folding into the norms only, and W8A8 end to end vs RTN."""
 import copy
 
-import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from qtk import methods
 from qtk.calibrate import quantize_model
