@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qtk.attention import chunked_causal_attention
+from qtk.chunked_sdpa import chunked_causal_attention
 from qtk.device import cpu_bf16_reason
 from qtk.kernels.dispatch import CpuInt4, CpuInt8, CpuW8A8Int, build_runtime
 from qtk.methods.gptq import accumulate_upper, bf16_products
 from qtk.quant import quantize_weight
-from qtk.runtime.layers import QuantLinear
+from qtk.quant_linear import QuantLinear
 from qtk.schemes import preset
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
@@ -93,7 +93,7 @@ def bench_weight_only(rows):
     for label, layer in (("w4a16 g64", quant_layer("w4a16", 64)), ("w8a16 channel", quant_layer("w8a16", None))):
         for m in (1, 16, 512, 4096):
             x32 = torch.randn(m, HIDDEN)
-            ref32 = layer.cached_weight(torch.float32)
+            ref32 = layer.dequantized_weight(torch.float32)
             paths = {"reference float32 (decoded weight)": lambda: F.linear(x32, ref32)}
             for dt, tag in ((torch.bfloat16, "bf16"), (torch.float32, "float32")):
                 rt = build_runtime_forced(layer, dt)
@@ -101,7 +101,7 @@ def bench_weight_only(rows):
                     x = x32.to(dt)
                     paths[f"torch {type(rt).__name__} {tag}"] = lambda rt=rt, x=x: rt(x)
             xb = x32.bfloat16()
-            refb = layer.cached_weight(torch.bfloat16)
+            refb = layer.dequantized_weight(torch.bfloat16)
             paths["dense bf16 (decoded weight)"] = lambda: F.linear(xb, refb)
             for name, fn in paths.items():
                 s = timed(fn, min_seconds=0.2)
@@ -127,7 +127,7 @@ def bench_w8a8(rows):
     layer = quant_layer("w8a8", None)
     rt = build_runtime(layer, torch.device("cpu"), torch.float32)
     assert isinstance(rt, CpuW8A8Int), rt
-    w = layer.cached_weight(torch.float32)
+    w = layer.dequantized_weight(torch.float32)
     for m in (1, 16, 512, 4096):
         x = torch.randn(m, HIDDEN)
         for name, fn in (("torch._int_mm + per-token act quant", lambda: rt(x)),
@@ -156,7 +156,7 @@ def bench_attention(rows):
 
 
 def bench_block(rows):
-    from qtk.attention import chunked_attention
+    from qtk.chunked_sdpa import chunked_attention
     from qtk.models import BUNDLED, load_model
 
     model, _ = load_model(BUNDLED, dtype=torch.float32)

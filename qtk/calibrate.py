@@ -23,10 +23,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .attention import chunked_attention
+from .chunked_sdpa import chunked_attention
 from .models import Arch, arch_for, get_module, set_module
 from .recipe import Recipe
-from .runtime.layers import QuantLinear
+from .quant_linear import QuantLinear
 from .schemes import check_group_divides
 from .errors import InputError
 
@@ -80,10 +80,10 @@ class Block:
 
     def run(self, module: nn.Module | None = None) -> list[torch.Tensor]:
         """Outputs of the layer on every input batch (moved back to CPU)."""
-        from .kernels import dequantized_weights
+        from .kernels import dense_weights
 
         outs = []
-        with torch.no_grad(), dequantized_weights():
+        with torch.no_grad(), dense_weights():
             for h, kw in zip(self.inputs.hidden, self.inputs.kwargs):
                 y = self.layer(h.to(self.device), **kw)
                 outs.append((y[0] if isinstance(y, tuple) else y).to("cpu"))

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .models import arch_for, get_module, set_module
-from .runtime.layers import QuantLinear
+from .quant_linear import QuantLinear
 from .schemes import KVCacheScheme, Scheme
 from .errors import CheckpointError, OutputExistsError
 
@@ -222,9 +222,11 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device:
         set_module(model, name, QuantLinear(lin.in_features, lin.out_features, scheme, lin.bias is not None,
                                             dtype=dtype, device="meta", g_idx=has_gidx))
     if kv is not None:
-        from .methods.kv_cache import attach_kv_scales
+        from .kv_scales import attach_kv_scales
+        from .methods.kv_cache import enable_kv_quant
 
         attach_kv_scales(model, arch, kv, device="meta")
+        enable_kv_quant(model)  # transformers' attention fake-quantizes K and V with the scales
     _load_state(model, tensors, dtype, path)
     with torch.device("cpu"):
         rotary = get_module(model, arch.rotary)

@@ -29,7 +29,7 @@ BF16_ROUNDING = 2.0 ** -8
 
 
 def quant_linears(model: nn.Module) -> dict[str, nn.Module]:
-    from qtk.runtime.layers import QuantLinear
+    from qtk.quant_linear import QuantLinear
 
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 

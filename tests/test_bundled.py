@@ -14,7 +14,7 @@ from qtk.calibrate import checkpoint_groups, quantize_model
 from qtk.checkpoint import load_quantized, save_quantized
 from qtk.evals.perplexity import eval_windows, perplexity
 from qtk.recipe import from_flags
-from qtk.runtime.layers import QuantLinear
+from qtk.quant_linear import QuantLinear
 
 pytestmark = pytest.mark.slow
 

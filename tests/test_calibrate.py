@@ -9,7 +9,7 @@ import qtk.calibrate as calibrate
 from qtk.calibrate import checkpoint_groups, quantize_model
 from qtk.methods import WEIGHTS
 from qtk.recipe import from_flags, replace
-from qtk.runtime.layers import QuantLinear
+from qtk.quant_linear import QuantLinear
 
 # preset -> (method, group size, band of the mean per-layer relative weight error, bound on the
 # relative logit error vs the float model). Measured on this seed: w4 g32 0.097 / 0.108,
@@ -221,10 +221,10 @@ def test_crash_mid_quantize_writes_nothing(tiny_dir, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("L,heads,kv_heads,masked", [(300, 6, 2, False), (300, 4, 4, True), (128, 2, 1, False)])
 def test_chunked_attention_matches_sdpa(L, heads, kv_heads, masked):
-    """Causal attention in query chunks (qtk/attention.py) gives sdpa's output, with or without a mask."""
+    """Causal attention in query chunks (qtk/chunked_sdpa.py) gives sdpa's output, with or without a mask."""
     from types import SimpleNamespace
 
-    from qtk.attention import chunked_causal_attention, sdpa
+    from qtk.chunked_sdpa import chunked_causal_attention, sdpa
 
     torch.manual_seed(0)
     q = torch.randn(2, heads, L, 32)
@@ -241,11 +241,11 @@ def test_chunked_attention_matches_sdpa(L, heads, kv_heads, masked):
 
 
 @pytest.mark.parametrize("scheme", ["w4a16", "w4a16_asym", "w8a8"])
-def test_dequantized_weights_context_matches_runtime(scheme):
+def test_dense_weights_context_matches_runtime(scheme):
     """Calibration's output pass decodes weight-only layers once and runs a dense matmul: same output
     as the layer's own runtime up to bf16 rounding; activation-quantized layers keep their kernel."""
     from qtk import quant
-    from qtk.kernels import dequantized_weights
+    from qtk.kernels import dense_weights
     from qtk.schemes import preset
 
     torch.manual_seed(0)
@@ -253,7 +253,11 @@ def test_dequantized_weights_context_matches_runtime(scheme):
     w, b, x = torch.randn(96, 128), torch.randn(96), torch.randn(3, 50, 128).bfloat16()
     layer = QuantLinear.from_codes(*quant.quantize_weight(w, sch.weights), sch, bias=b)
     ref = layer(x)
-    with dequantized_weights():
+    with dense_weights():
         got, again = layer(x), layer(x)
+        inside = layer._qtk_runtime  # the one runtime cache, built once for both calls
+    assert inside.dense == (scheme != "w8a8")
+    after = getattr(layer, "_qtk_runtime", None)
+    assert after is None if scheme != "w8a8" else after is inside  # decoded weights dropped on exit
     assert got.dtype == torch.bfloat16 and torch.equal(got, again)
     torch.testing.assert_close(got.float(), ref.float(), atol=0.1, rtol=2e-2)

@@ -12,7 +12,7 @@ import qtk.checkpoint as ckpt
 from qtk.calibrate import checkpoint_groups, quantize_model
 from qtk.checkpoint import CheckpointError, load_quantized, save_quantized
 from qtk.recipe import from_flags
-from qtk.runtime.layers import QuantLinear
+from qtk.quant_linear import QuantLinear
 
 CASES = {  # name -> from_flags arguments
     "w4a16": dict(method="rtn", scheme="w4a16", group_size=32),

@@ -186,7 +186,7 @@ def test_static_activation_scheme_gets_input_scales(tiny):
     from transformers import LlamaForCausalLM
 
     from qtk.recipe import Recipe
-    from qtk.runtime.layers import QuantLinear
+    from qtk.quant_linear import QuantLinear
     from qtk.schemes import Scheme
 
     state, cfg, calib, held_out, ref = tiny

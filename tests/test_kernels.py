@@ -11,7 +11,7 @@ import qtk.kernels as kernels
 from qtk.kernels import act_quant, dispatch, reference, w4a16, w8a8
 from qtk.kernels.layout import dequant_woq, pack_woq, unpack_woq
 from qtk.quant import quantize_weight
-from qtk.runtime.layers import QuantLinear
+from qtk.quant_linear import QuantLinear
 from qtk.schemes import preset
 
 
@@ -86,8 +86,9 @@ def cpu_units(request, monkeypatch):
     return on
 
 
-# (scheme, group, x dtype, runtime class expected on a CPU with bf16/int8 units; None = reference).
-# Without the units every row runs the reference (the float32 matmul, measured faster there).
+# (scheme, group, x dtype, runtime class expected on a CPU with bf16/int8 units; None = Dense, the
+# reference's float32 matmul on a decoded weight). Without the units every row runs Dense (measured
+# faster there).
 DISPATCH = [
     ("w4a16", 32, torch.bfloat16, dispatch.CpuInt4),
     ("w4a16_asym", 64, torch.bfloat16, dispatch.CpuInt4),
@@ -109,8 +110,8 @@ def test_cpu_dispatch_agrees_with_reference(scheme, group, dtype, expected, cpu_
     layer = quant_linear(scheme, group=group, dtype=dtype)
     x = torch.randn(2, 5, 128).to(dtype)
     y = layer(x)
-    expected = expected if cpu_units else None
-    assert type(dispatch.runtime_for(layer, x.reshape(-1, 128))) is (type(None) if expected is None else expected)
+    expected = expected if cpu_units and expected is not None else dispatch.Dense
+    assert type(dispatch.runtime_for(layer, x.reshape(-1, 128))) is expected
     ref = reference.quant_linear_ref(x, layer)
     assert y.shape == (2, 5, 48) and y.dtype == dtype
     assert rel_err(y, ref) < (1.5e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -125,7 +126,7 @@ def test_static_w8a8_on_cpu(cpu_units):
     q, scale, zp = quantize_weight(w, scheme.weights)
     layer = QuantLinear.from_codes(q, scale, zp, scheme, input_scale=torch.tensor([2.0 / 127]), dtype=torch.float32)
     x = torch.randn(7, 64)
-    assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuW8A8Int if cpu_units else type(None))
+    assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuW8A8Int if cpu_units else dispatch.Dense)
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-5
 
 
@@ -133,7 +134,7 @@ def test_int8_cpu_op_needs_k_multiple_of_16():
     """torch._weight_int8pack_mm is wrong (or crashes) for K % 16 != 0: the reference runs then."""
     layer = quant_linear("w8a16", k=40, dtype=torch.bfloat16)
     x = torch.randn(3, 40).bfloat16()
-    assert dispatch.runtime_for(layer, x) is None
+    assert isinstance(dispatch.runtime_for(layer, x), dispatch.Dense)
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-2
 
 
@@ -144,7 +145,7 @@ def test_act_order_on_cpu(cpu_units):
     layer.register_buffer("weight_g_idx", (torch.randperm(k) // g).to(torch.int32))
     x = torch.randn(4, k).bfloat16()
     rt = dispatch.runtime_for(layer, x)
-    assert (isinstance(rt, dispatch.CpuInt4) and rt.perm is not None) if cpu_units else rt is None
+    assert (isinstance(rt, dispatch.CpuInt4) and rt.perm is not None) if cpu_units else isinstance(rt, dispatch.Dense)
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1.5e-2
 
 

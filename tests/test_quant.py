@@ -197,7 +197,7 @@ def test_pack_rejects_wrong_dtypes():
 
 
 def test_quant_linear_load_state_dict_drops_the_cached_decode():
-    from qtk.runtime.layers import QuantLinear
+    from qtk.quant_linear import QuantLinear
     from qtk.schemes import preset
 
     scheme = preset("w4a16", 16)
@@ -213,7 +213,7 @@ def test_quant_linear_load_state_dict_drops_the_cached_decode():
 
 def test_quant_linear_from_codes_keeps_leaf_tensors():
     """Built from a Linear whose bias requires grad, the QuantLinear holds no autograd graph."""
-    from qtk.runtime.layers import QuantLinear
+    from qtk.quant_linear import QuantLinear
     from qtk.schemes import preset
 
     lin = torch.nn.Linear(32, 8)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..attention import chunked_attention
+from ..chunked_sdpa import chunked_attention
 from ..data import load_texts, token_stream
 from ..errors import InputError
 

@@ -2,8 +2,10 @@
 
 `runtime_for(layer, x)` picks a Runtime by scheme, device and activation dtype (the first rule
 that applies wins) and caches it on the layer as the plain attribute `_qtk_runtime` (not a
-buffer: state_dict and checkpoints are unchanged). The cache is rebuilt when the layer's
-tensors are replaced or modified in place (.to(), load_state_dict) or x's device/dtype change.
+buffer: state_dict and checkpoints are unchanged). It is the one cache of anything derived from
+a layer's tensors (repacked or decoded weights). It is rebuilt when the layer's tensors are
+replaced or modified in place (.to(), load_state_dict), x's device/dtype change, or
+`dense_weights()` is entered or left.
 
     scheme                     CUDA (fp16/bf16 x)               CPU
     int4/int8 weight-only      Triton woq_gemm (repacked)       bf16 x on a CPU with bf16 units:
@@ -15,9 +17,11 @@ tensors are replaced or modified in place (.to(), load_state_dict) or x's device
                                                                 act_quant twin + torch._int_mm + fp32
                                                                 epilogue; else reference
     W8A8 fp8 (sm_89+)          Triton act_quant + fp8_gemm      reference
-    anything else              reference (quant_linear_ref)     reference
-The reference's runtime is REFERENCE (None): quant_linear_ref reads the layer itself (a float32
-matmul on the layer's cached decoded weight).
+    anything else              Dense (float32)                  Dense (float32)
+Dense is the reference's math (reference.quant_linear_ref: activations fake-quantized as the
+scheme's kernel sees them, a float32 matmul) on a weight decoded once. Inside `dense_weights()`
+(calibration) every weight-only layer is Dense in the activations' dtype instead (float32 for bf16
+activations on a CPU without bf16 units).
 
 CPU rows, measured (benchmarks/cpu_dtype.py, figures in benchmarks/results/cpu_dtype.md; N=1536,
 K=576, 2 threads). On a CPU with AVX512-BF16 the int4/int8 weight ops beat the reference by 2-6x
@@ -29,11 +33,16 @@ M=16 and 1856 ms at M=4096 against the reference's 0.47 and 83 ms. Hence the cap
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from ..device import cpu_has_int8_dot, cpu_has_native_bf16
+from ..device import cpu_has_int8_dot, cpu_has_native_bf16, native_bf16
+from ..quant import quantize_activation
+from ..schemes import QuantArgs
 from . import ops  # noqa: F401  registers torch.ops.qtk.*
 from .common import ACT_DTYPES
 from .fp8 import fp8_supported
@@ -41,7 +50,38 @@ from .layout import WOQ_BITS, WOQWeights, pack_woq
 from .reference import act_quant_ref
 
 CPU_INT4_GROUPS = (32, 64, 128, 256)
-REFERENCE = None  # the runtime of a layer served by quant_linear_ref (it reads the layer itself)
+
+
+@dataclass(frozen=True)
+class Dense:
+    """y = x @ W^T + b on W decoded once into weight.dtype; activations fake-quantized first as the
+    scheme's kernel sees them (act, input_scale), in float32, as reference.quant_linear_ref does."""
+
+    weight: torch.Tensor  # [N, K]
+    bias: torch.Tensor | None  # [N] in weight.dtype
+    act: QuantArgs | None = None
+    input_scale: torch.Tensor | None = None  # float32 [1] for static activation scales
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(self.weight.dtype)
+        if self.act is not None:
+            q, s = quantize_activation(x.float(), self.act, self.input_scale)
+            xc = (q.float() * s.float()).to(self.weight.dtype)
+        return F.linear(xc, self.weight, self.bias).to(x.dtype)
+
+
+def reference_runtime(layer, device: torch.device) -> Dense:
+    act = layer.scheme.input_activations
+    static = None if act is None or act.dynamic else layer.input_scale.float().to(device)
+    bias = None if layer.bias is None else layer.bias.float().to(device)
+    return Dense(layer.dequantized_weight(torch.float32).to(device), bias, act, static)
+
+
+def dense_runtime(layer, device: torch.device, dtype: torch.dtype) -> Dense:
+    """A weight-only layer as a plain matmul in `dtype` (float32 where bf16 is emulated)."""
+    dtype = dtype if native_bf16(device) or dtype != torch.bfloat16 else torch.float32
+    bias = None if layer.bias is None else layer.bias.to(device, dtype)
+    return Dense(layer.dequantized_weight(dtype).to(device), bias)
 
 
 @dataclass(frozen=True)
@@ -130,7 +170,7 @@ def _woq(layer, device: torch.device, dtype: torch.dtype):
     perm, codes, zp, ok = _act_order(layer)
     n, k = codes.shape
     if not ok or (group is not None and (group % 16 or k % group)):
-        return REFERENCE
+        return reference_runtime(layer, device)
     if device.type == "cuda" and dtype in ACT_DTYPES:
         w = pack_woq(codes, layer.weight_scale, zp, args.num_bits, group, dtype, perm)
         return WOQTriton(w, layer.bias)
@@ -144,14 +184,14 @@ def _woq(layer, device: torch.device, dtype: torch.dtype):
         if args.num_bits == 8 and group is None and zp is None and perm is None and k % 16 == 0:
             s = layer.weight_scale.reshape(-1).to(dtype).expand(n).contiguous()
             return CpuInt8(codes.contiguous(), s, layer.bias)
-    return REFERENCE
+    return reference_runtime(layer, device)
 
 
 def _w8a8(layer, device: torch.device, dtype: torch.dtype):
     scheme = layer.scheme
     w, act = scheme.weights, scheme.input_activations
     if not w.symmetric or w.strategy not in ("channel", "tensor") or hasattr(layer, "weight_g_idx"):
-        return REFERENCE
+        return reference_runtime(layer, device)
     static = None if act.dynamic else layer.input_scale.float().reshape(1)
     w_scale = layer.weight_scale.reshape(-1, 1) if w.strategy == "channel" else layer.weight_scale.reshape(1)
     parts = (layer.weight, w_scale.contiguous(), static, act.dynamic and act.strategy == "token", layer.bias)
@@ -159,36 +199,66 @@ def _w8a8(layer, device: torch.device, dtype: torch.dtype):
         return W8A8(*parts)
     if device.type == "cpu" and w.type == "int" and cpu_has_int8_dot():
         return CpuW8A8Int(*parts)
-    return REFERENCE
+    return reference_runtime(layer, device)
 
 
-def build_runtime(layer, device: torch.device, dtype: torch.dtype):
+def build_runtime(layer, device: torch.device, dtype: torch.dtype, dense: bool = False):
     """The Runtime for `layer` given activations on `device` in `dtype` (rules in the docstring)."""
     scheme = layer.scheme
     w = scheme.weights
+    if dense and scheme.input_activations is None:
+        return dense_runtime(layer, device, dtype)
     if scheme.input_activations is None and w.type == "int" and w.num_bits in WOQ_BITS \
             and w.strategy in ("group", "channel", "tensor"):
         return _woq(layer, device, dtype)
     if scheme.input_activations is not None and hasattr(layer, "weight"):
         return _w8a8(layer, device, dtype)
-    return REFERENCE
+    return reference_runtime(layer, device)
 
 
 @dataclass(frozen=True)
 class _Cached:
     """A runtime and what it was built from: the layer's tensors (held, so identity is safe),
-    their in-place version counters, and the activations' device and dtype."""
+    their in-place version counters, the activations' device and dtype, and the dense mode."""
 
     sources: tuple
     versions: tuple
     device: torch.device
     dtype: torch.dtype
+    dense: bool
     runtime: object
 
-    def fresh(self, sources: tuple, x: torch.Tensor) -> bool:
-        return (x.device == self.device and x.dtype == self.dtype and len(sources) == len(self.sources)
-                and all(a is b for a, b in zip(sources, self.sources))
+    def fresh(self, sources: tuple, x: torch.Tensor, dense: bool) -> bool:
+        return (x.device == self.device and x.dtype == self.dtype and dense == self.dense
+                and len(sources) == len(self.sources) and all(a is b for a, b in zip(sources, self.sources))
                 and all(t._version == v for t, v in zip(sources, self.versions)))
+
+
+class _DenseMode(threading.local):
+    layers: list | None = None  # layers given a dense runtime inside dense_weights()
+
+
+_dense_mode = _DenseMode()
+
+
+@contextlib.contextmanager
+def dense_weights():
+    """Weight-only QuantLinears compute x @ dequant(W)^T with a plain matmul in x's dtype (float32
+    where bf16 is emulated), each weight decoded once, the decoded weights dropped on exit.
+
+    For calibration, which runs one block over thousands of tokens per batch: there a dense bf16
+    matmul is about 3x faster on CPU than the int4 kernel, and the decoded block fits in memory.
+    Activation-quantized schemes keep their kernels (their integer matmul is part of the scheme)."""
+    saved = _dense_mode.layers
+    _dense_mode.layers = []
+    try:
+        yield
+    finally:
+        for layer in _dense_mode.layers:
+            cached = getattr(layer, "_qtk_runtime", None)
+            if cached is not None and cached.dense:
+                del layer._qtk_runtime
+        _dense_mode.layers = saved
 
 
 def runtime_for(layer, x: torch.Tensor):
@@ -196,12 +266,15 @@ def runtime_for(layer, x: torch.Tensor):
     cached = getattr(layer, "_qtk_runtime", None)
     if cached is not None and torch.compiler.is_compiling():
         return cached.runtime
+    dense = _dense_mode.layers is not None and layer.scheme.input_activations is None
     sources = tuple(t for t in (*layer._buffers.values(), *layer._parameters.values()) if t is not None)
-    if cached is None or not cached.fresh(sources, x):
+    if cached is None or not cached.fresh(sources, x, dense):
         with torch.no_grad():
-            runtime = build_runtime(layer, x.device, x.dtype)
-        cached = _Cached(sources, tuple(t._version for t in sources), x.device, x.dtype, runtime)
+            runtime = build_runtime(layer, x.device, x.dtype, dense)
+        cached = _Cached(sources, tuple(t._version for t in sources), x.device, x.dtype, dense, runtime)
         layer._qtk_runtime = cached
+        if dense:
+            _dense_mode.layers.append(layer)
     return cached.runtime
 
 

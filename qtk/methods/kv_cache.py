@@ -1,40 +1,22 @@
 """FP8 / INT8 KV-cache scales: observe |K| (after RoPE) and |V| during calibration, write k_scale/v_scale.
 
-Scales live on the attention module as `k_scale` / `v_scale` ([1] per tensor, or [kv_heads, 1, 1]
-per head, as compressed-tensors lays out strategy attn_head). The same attention hook that
-observes during calibration fake-quantizes K and V at evaluation time, so perplexity measured
-on CPU includes the KV-cache error.
+Where the scales live and how they are computed is qtk.kv_scales (shared with the runtime). The
+same attention hook that observes during calibration fake-quantizes K and V when a checkpoint is
+evaluated through transformers, so that perplexity includes the KV-cache error.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..attention import chunked_causal_attention, set_implementation
+from ..chunked_sdpa import chunked_causal_attention, set_implementation
+from ..kv_scales import kv_scale
 from ..models import Arch, get_module
-from ..quant import qparams, quantize, dequantize
+from ..quant import dequantize, quantize
 from ..schemes import KVCacheScheme
 
 OBSERVE = "qtk_kv_observe"
 FAKE_QUANT = "qtk_kv_quant"
-
-
-def scale_shape(model_config, kv: KVCacheScheme) -> tuple[int, ...]:
-    if kv.strategy == "attn_head":
-        return (model_config.num_key_value_heads, 1, 1)
-    return (1,)
-
-
-def attach_kv_scales(model: nn.Module, arch: Arch, kv: KVCacheScheme, device="cpu", dtype=None) -> None:
-    """Register k_scale / v_scale buffers on every attention module (values filled by calibration or a load)."""
-    dtype = dtype or next(model.parameters()).dtype
-    shape = scale_shape(model.config, kv)
-    for layer in get_module(model, arch.layers):
-        attn = get_module(layer, arch.attention)
-        attn.register_buffer("k_scale", torch.ones(shape, dtype=dtype, device=device))
-        attn.register_buffer("v_scale", torch.ones(shape, dtype=dtype, device=device))
-        attn.kv_scheme = kv
-    enable_kv_quant(model)
 
 
 def _absmax(x: torch.Tensor, kv: KVCacheScheme) -> torch.Tensor:
@@ -43,10 +25,6 @@ def _absmax(x: torch.Tensor, kv: KVCacheScheme) -> torch.Tensor:
     if kv.strategy == "attn_head":
         return x.amax(dim=(0, 2, 3)).reshape(-1, 1, 1)
     return x.amax().reshape(1)
-
-
-def kv_scale(absmax: torch.Tensor, kv: KVCacheScheme) -> torch.Tensor:
-    return qparams(-absmax, absmax, kv.args)[0]
 
 
 def _fake_quant(x: torch.Tensor, scale: torch.Tensor, kv: KVCacheScheme) -> torch.Tensor:

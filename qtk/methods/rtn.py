@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import dequantize_weight, qparams, quantize_weight
-from ..runtime.layers import QuantLinear
+from ..quant_linear import QuantLinear
 
 
 def weight_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:

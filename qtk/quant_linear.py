@@ -2,7 +2,12 @@
 
 Its state_dict keys are exactly the checkpoint's (weight_packed, weight_scale, weight_zero_point,
 weight_shape, weight_g_idx, weight, input_scale, bias), so writing a checkpoint is saving the
-model and reading one is loading it. The forward dispatches to qtk.kernels by scheme.
+model and reading one is loading it. The forward dispatches to qtk.kernels by scheme; what a
+kernel needs beyond these tensors (a repacked or decoded weight) is built once and cached by
+qtk.kernels.dispatch, never stored here.
+
+Calibration and the runtime both import this module (calibration writes QuantLinears, the
+runtime's models run them); it imports neither.
 """
 from __future__ import annotations
 
@@ -11,9 +16,9 @@ import math
 import torch
 from torch import nn
 
-from .. import kernels
-from ..quant import FP8_DTYPE, dequantize_weight, pack_int32, unpack_int32
-from ..schemes import QuantArgs, Scheme
+from . import kernels
+from .quant import FP8_DTYPE, dequantize_weight, pack_int32, unpack_int32
+from .schemes import QuantArgs, Scheme
 
 
 def scale_shape(args: QuantArgs, out_features: int, in_features: int) -> tuple[int, ...]:
@@ -51,8 +56,6 @@ class QuantLinear(nn.Module):
         if a is not None and not a.dynamic:
             self.register_buffer("input_scale", torch.empty(1, dtype=torch.float32 if w.type == "float" else dtype, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, **kw), requires_grad=False) if bias else None
-        self._dequantized: torch.Tensor | None = None
-        self.cache_dequantized = True
 
     @classmethod
     @torch.no_grad()  # bias / scales may come from tensors that require grad: keep them leaves
@@ -103,21 +106,6 @@ class QuantLinear(nn.Module):
             zpf = 0.0 if zp is None else zp.float()[:, g]
             return ((q - zpf) * scale.float()[:, g]).to(dtype)
         return dequantize_weight(self.codes(), scale, zp, w, dtype)
-
-    def cached_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        if not self.cache_dequantized:
-            return self.dequantized_weight(dtype)
-        if self._dequantized is None or self._dequantized.dtype != dtype or self._dequantized.device != self.weight_scale.device:
-            self._dequantized = self.dequantized_weight(dtype)
-        return self._dequantized
-
-    def _apply(self, fn, recurse=True):
-        self._dequantized = None
-        return super()._apply(fn, recurse)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._dequantized = None  # new codes or scales: the cached decode is stale
-        super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.quant_linear(x, self)
