@@ -1,0 +1,81 @@
+"""Sequence: one generation passing through the engine (tokens, status, block table, progress)."""
+from __future__ import annotations
+
+import itertools
+from enum import Enum
+
+from .sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (its KV blocks freed; recomputed on readmission)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids (prompt, then generated), the KV blocks holding them, and how many are computed.
+
+    num_computed_tokens counts tokens whose K/V are in the cache: a prompt is computed in chunks,
+    then one token per decode step. A cached prefix (prefix caching) counts as computed at
+    admission. block_hashes[i] is the prefix-cache hash of full block i (the chain over the
+    tokens up to its end, with cache_salt)."""
+
+    def __init__(self, token_ids: list[int], params: SamplingParams | None = None, block_size: int = 16,
+                 cache_salt: str | None = None, request_id: str | None = None):
+        if not token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params or SamplingParams()
+        self.block_size = block_size
+        self.cache_salt = cache_salt
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at admission
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Prompt tokens remain to be computed (a chunked prefill in progress)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def block_tokens(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: the KV blocks are gone; everything is recomputed on readmission (the
+        generated tokens so far are kept and recomputed with the prompt)."""
+        self.status = Status.WAITING
+        self.block_table = []
+        self.block_hashes = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.status.value}, tokens={len(self)} "
+                f"(prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, blocks={self.block_table})")
