@@ -1,0 +1,145 @@
+"""Iteration-level scheduling (continuous batching with chunked prefill), as in vLLM v1.
+
+Each step spends a token budget (max_num_batched_tokens):
+    1. running sequences that decode: one token each;
+    2. running sequences still in their prompt: the next chunk of it;
+    3. waiting sequences, first come first served, while the budget, max_num_seqs and the KV pool
+       allow: a cached prefix first (prefix caching), then a chunk of the rest of the prompt.
+So a long prompt is cut into chunks and never stalls the decodes. When the pool cannot give a
+running sequence its slots, the most recently admitted running sequence is preempted: its blocks
+are freed and it goes back to the front of the queue, to be recomputed (prompt and generated
+tokens so far) when it is admitted again. Nothing crashes and no request is lost.
+
+The engine runs the step's Batch, then calls `finish_step` with the sampled tokens.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass
+class Batch:
+    """One step: each sequence with the number of its tokens the step computes (from
+    seq.num_computed_tokens on), the KV block copies to make first, and who was preempted."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def samples(self, i: int) -> bool:
+        """The step ends sequence i's known tokens, so its last logits give a new token."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_tokens[i] == len(seq)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.config.max_num_batched_tokens
+        decodes = [s for s in self.running if not s.is_prefill]
+        prefills = [s for s in self.running if s.is_prefill]
+        for seq in decodes + prefills:
+            if seq.status is not Status.RUNNING:  # preempted earlier in this step
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n == 0:
+                break
+            if self._allocate_or_preempt(seq, n, batch):
+                batch.add(seq, n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.bm.lookup_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.bm.allocate_slots(seq, n):
+                self.bm.free(seq)  # give back a cached prefix it took; it stays first in line
+                seq.reset_for_recompute()
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.add(seq, n)
+            budget -= n
+        batch.copies = self.bm.take_copies()
+        return batch
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, batch: Batch) -> bool:
+        """Slots for seq, preempting the most recently admitted others as needed; False if seq
+        itself had to be preempted."""
+        while not self.bm.allocate_slots(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, batch: Batch) -> None:
+        if seq in batch.seqs:  # already scheduled this step: unschedule it
+            i = batch.seqs.index(seq)
+            del batch.seqs[i], batch.num_tokens[i]
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def finish_step(self, batch: Batch, sampled: dict[int, int]) -> None:
+        """After the forward: the computed tokens count, full blocks enter the prefix cache, and
+        each sequence whose known tokens are all computed gets its sampled token (seq_id -> token)."""
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.bm.commit(seq)
+            if seq.seq_id in sampled:
+                seq.append_token(sampled[seq.seq_id])
+
+    def finish(self, seq: Sequence) -> None:
+        """seq is done (a stop condition, or aborted): free its blocks and forget it."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status = Status.FINISHED
