@@ -1,0 +1,19 @@
+"""qtk: quantize Hugging Face causal LMs, gate their quality, serve them.
+
+    from qtk import LLM, SamplingParams      # the runtime (imported on first use)
+"""
+from __future__ import annotations
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from .runtime.engine import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from .runtime.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'qtk' has no attribute {name!r}")

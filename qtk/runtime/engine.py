@@ -1,0 +1,180 @@
+"""LLM: the offline engine (vLLM's `LLM` API) over Scheduler -> ModelRunner -> Sampler.
+
+    llm = LLM("smollm2-135m")                      # any model qtk reads: HF dir, .gguf, qtk checkpoint
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    outs[0].outputs[0].text
+
+One step: the scheduler picks the sequences and how many tokens of each to compute, the runner
+runs one packed forward over them, the sampler picks a token for each sequence whose known tokens
+are all computed, and finished sequences give back their KV blocks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..device import choose_dtype
+from ..errors import InputError
+from .block_manager import BlockManager
+from .model_runner import ModelRunner, kv_bytes_per_token
+from .models.llama import LlamaModel
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" (EOS or a stop token) or "length"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 kv_cache_memory: int | None = None, enable_prefix_caching: bool = True):
+        from ..models import load_model
+
+        t0 = time.perf_counter()
+        self.dtype = choose_dtype(dtype, device).dtype
+        hf_model, self.tokenizer = load_model(model, dtype=self.dtype, device=device)
+        self.model = LlamaModel(hf_model)
+        limit = getattr(hf_model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(max_model_len or limit, limit)
+        per_token = kv_bytes_per_token(self.model, self.dtype)
+        memory = kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = memory // (per_token * block_size)
+        if num_blocks * block_size < self.max_model_len:
+            raise InputError(f"the KV cache ({memory} bytes, {per_token} per token) holds "
+                             f"{num_blocks * block_size} tokens, fewer than max_model_len {self.max_model_len}: "
+                             "raise kv_cache_memory or lower max_model_len")
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len),
+                                   self.block_manager)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, device=device)
+        self.sampler = Sampler()
+        self.eos_token_ids = self._eos_ids(hf_model)
+        self._requests: dict[str, tuple[RequestOutput, list[Sequence]]] = {}
+        self._next_id = 0
+        log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), max_model_len %d",
+                 time.perf_counter() - t0, num_blocks, block_size, num_blocks * block_size, self.max_model_len)
+
+    def _eos_ids(self, hf_model) -> set[int]:
+        ids = set()
+        for source in (getattr(hf_model, "generation_config", None), hf_model.config, self.tokenizer):
+            e = getattr(source, "eos_token_id", None)
+            ids.update(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
+        return ids
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if params.stop:
+            raise InputError("stop strings are not supported by this engine yet; use stop_token_ids")
+        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InputError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InputError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        request_id = request_id or str(self._next_id)
+        self._next_id += 1
+        out = RequestOutput(request_id, ids, [CompletionOutput(i, "", []) for i in range(params.n)])
+        seqs = [Sequence(ids, params, self.block_manager.block_size, request_id=request_id) for _ in range(params.n)]
+        self._requests[request_id] = (out, seqs)
+        for s in seqs:
+            self.scheduler.add(s)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        out, seqs = self._requests.pop(request_id)
+        for s in seqs:
+            self.scheduler.finish(s)
+            self.sampler.forget(s)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        logits = self.runner.run(batch)
+        tokens = self.sampler(logits, sampling) if sampling else []
+        self.scheduler.finish_step(batch, {s.seq_id: t for s, t in zip(sampling, tokens)})
+        finished = []
+        for seq in sampling:
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                self._finish(seq, reason, finished)
+        return finished
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        p = seq.params
+        last = seq.token_ids[-1]
+        if seq.num_generated_tokens >= p.min_tokens:
+            if (last in self.eos_token_ids and not p.ignore_eos) or last in p.stop_token_ids:
+                return "stop"
+        if (p.max_tokens is not None and seq.num_generated_tokens >= p.max_tokens) or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, finished: list[RequestOutput]) -> None:
+        out, seqs = self._requests[seq.request_id]
+        self.scheduler.finish(seq)
+        self.sampler.forget(seq)
+        completion = out.outputs[seqs.index(seq)]
+        completion.token_ids = seq.generated_token_ids
+        completion.finish_reason = reason
+        stop_tokens = self.eos_token_ids | set(seq.params.stop_token_ids)
+        text_ids = completion.token_ids[:-1] if reason == "stop" and completion.token_ids[-1] in stop_tokens \
+            else completion.token_ids
+        completion.text = self.tokenizer.decode(text_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        if out.finished:
+            del self._requests[seq.request_id]
+            finished.append(out)
+
+    # -- offline API -------------------------------------------------------------------------
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Outputs in the order of the prompts."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):
+        """One conversation (a list of {"role", "content"}) or several, through the chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InputError("this model has no chat template; use generate()")
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"] for c in convs]
+        return self.generate([list(p) for p in prompts], sampling_params)

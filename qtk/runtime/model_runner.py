@@ -1,0 +1,78 @@
+"""ModelRunner: owns the KV cache tensors, turns a scheduled Batch into one packed forward, returns
+the logits of the sequences that sample this step."""
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata, PrefillChunk
+from .scheduler import Batch
+from .sequence import Sequence
+
+
+def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
+    """K and V of one token in every layer."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * len(model.layers) * model.num_kv_heads * model.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
+                 device: torch.device | str = "cpu"):
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        kv_dtype = kv_dtype or model.dtype
+        shape = (num_blocks * block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in model.layers]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        bs = self.block_size
+        for src, dst in copies:
+            for k, v in self.kv_caches:
+                k[dst * bs:(dst + 1) * bs] = k[src * bs:(src + 1) * bs]
+                v[dst * bs:(dst + 1) * bs] = v[src * bs:(src + 1) * bs]
+
+    def slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Cache slots of seq's positions [start, end)."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """(input_ids [T], positions [T], attention metadata, packed index of each sampling token)."""
+        ids, positions, slot_mapping, sample_index = [], [], [], []
+        decode_index, decode_slots, prefills = [], [], []
+        t = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            positions.append(torch.arange(start, start + n))
+            context = self.slots(seq, 0, start + n)
+            slot_mapping.append(context[start:])
+            if n == 1:
+                decode_index.append(t)
+                decode_slots.append(context)
+            else:
+                prefills.append(PrefillChunk(t, n, context.to(self.device)))
+            t += n
+            if batch.samples(i):
+                sample_index.append(t - 1)
+        longest = max((s.numel() for s in decode_slots), default=0)
+        padded = torch.zeros(len(decode_slots), longest, dtype=torch.long)
+        mask = torch.zeros(len(decode_slots), longest, dtype=torch.bool)
+        for j, s in enumerate(decode_slots):
+            padded[j, :s.numel()] = s
+            mask[j, :s.numel()] = True
+        dev = self.device
+        meta = AttentionMetadata(torch.cat(slot_mapping).to(dev), torch.tensor(decode_index, dtype=torch.long, device=dev),
+                                 padded.to(dev), mask.to(dev), prefills)
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(positions).to(dev), meta, sample_index)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Logits [number of sampling sequences, vocab] in float32, in batch order."""
+        self.copy_blocks(batch.copies)
+        ids, positions, meta, sample_index = self.prepare(batch)
+        hidden = self.model(ids, positions, meta, self.kv_caches)
+        return self.model.logits(hidden[torch.tensor(sample_index, dtype=torch.long, device=self.device)])

@@ -1,0 +1,85 @@
+"""The Llama family over a packed, ragged batch (no padding): Llama 2/3, SmolLM, Mistral, Qwen2
+(q/k/v bias), Qwen3 (q/k RMSNorm per head).
+
+    h = embed(tokens)                                             [T, hidden]
+    per layer:  x = rmsnorm(h); q, k, v = x Wq, x Wk, x Wv (+ bias)   [T, heads | kv_heads, D]
+                (qwen3: q, k = rmsnorm_head(q), rmsnorm_head(k))
+                q, k = rope(q, k, positions)
+                h = h + Wo paged_attention(q, k, v)                   (writes k, v to the cache)
+                h = h + W_down (silu(x W_gate) * x W_up),  x = rmsnorm(h)
+    logits = lm_head(rmsnorm(h)[last token of each sampling sequence])
+
+The weights are those of the loaded Hugging Face model (a float checkpoint, or one qtk's loader
+filled with QuantLinear layers): this module shares its Linear / QuantLinear, norm and embedding
+modules, and its rotary module computes cos/sin for every RoPE scaling type the config names.
+What is ours is the packing and the paged attention. Adding a family is a row in FAMILIES plus
+what is truly new about it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..attention import AttentionMetadata, paged_attention
+
+
+@dataclass(frozen=True)
+class Family:
+    qk_norm: bool = False  # q_norm / k_norm over head_dim before RoPE (Qwen3)
+
+
+FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm=True)}
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        cfg = hf_model.config
+        if cfg.model_type not in FAMILIES:
+            raise ValueError(f"the qtk runtime runs model_type {sorted(FAMILIES)}, not {cfg.model_type!r}")
+        self.config = cfg
+        self.family = FAMILIES[cfg.model_type]
+        base = hf_model.model
+        self.embed_tokens, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
+        self.rotary_emb, self.lm_head = base.rotary_emb, hf_model.lm_head
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.head_dim ** -0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(h[None], positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, meta, k_cache, v_cache)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def _attention(self, attn, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
+        T = x.shape[0]
+        q = attn.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.family.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return attn.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

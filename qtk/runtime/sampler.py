@@ -1,0 +1,65 @@
+"""The sampler: logits of the step's sampling sequences -> one token each, by each one's SamplingParams.
+
+Order, as vLLM applies them: penalties (repetition on prompt and output, presence and frequency on
+output), then greedy argmax or temperature, top-k, top-p, min-p and a draw. A request with a seed
+draws from its own generator, so its tokens are the same alone or in any batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sequence import Sequence
+
+
+def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+        x = logits[seen]
+        logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.num_generated_tokens:
+        out = torch.tensor(seq.generated_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out, minlength=logits.numel()).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """logits [V] (already divided by the temperature) with the excluded tokens at -inf."""
+    if top_k and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self):
+        self.generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        out = []
+        for row, seq in zip(logits, seqs):
+            p = seq.params
+            row = apply_penalties(row.clone(), seq)
+            if p.greedy:
+                out.append(int(row.argmax()))
+                continue
+            row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
+            gen = None
+            if p.seed is not None:
+                gen = self.generators.get(seq.seq_id)
+                if gen is None:
+                    gen = self.generators[seq.seq_id] = torch.Generator(device=row.device).manual_seed(p.seed)
+            out.append(int(torch.multinomial(row.softmax(-1), 1, generator=gen)))
+        return out
+
+    def forget(self, seq: Sequence) -> None:
+        self.generators.pop(seq.seq_id, None)
