@@ -22,8 +22,10 @@ and a table to stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 
 from qtk.chunked_sdpa import chunked_causal_attention
 from qtk.device import cpu_bf16_reason
-from qtk.kernels.dispatch import CpuInt4, CpuInt8, CpuW8A8Int, build_runtime
+from qtk.kernels.dispatch import CpuInt4, CpuInt8, CpuW8A8Int, Dense, build_runtime
 from qtk.methods.gptq import accumulate_upper, bf16_products
 from qtk.quant import quantize_weight
 from qtk.quant_linear import QuantLinear
@@ -125,15 +127,31 @@ def build_runtime_forced(layer, dtype):
 
 def bench_w8a8(rows):
     layer = quant_layer("w8a8", None)
-    rt = build_runtime(layer, torch.device("cpu"), torch.float32)
-    assert isinstance(rt, CpuW8A8Int), rt
-    w = layer.dequantized_weight(torch.float32)
+    cpu = torch.device("cpu")
+    with forced_capability("QTK_CPU_VNNI", "1"):
+        int_mm = build_runtime(layer, cpu, torch.float32)
+    with forced_capability("QTK_CPU_VNNI", "0"):
+        dense = build_runtime(layer, cpu, torch.float32)
+    assert isinstance(int_mm, CpuW8A8Int) and isinstance(dense, Dense), (int_mm, dense)
     for m in (1, 16, 512, 4096):
         x = torch.randn(m, HIDDEN)
-        for name, fn in (("torch._int_mm + per-token act quant", lambda: rt(x)),
-                         ("reference float32 (decoded weight)", lambda: F.linear(x, w))):
+        for name, fn in (("torch._int_mm + per-token act quant", lambda: int_mm(x)),
+                         ("Dense: act fake-quant + float32 matmul (decoded weight)", lambda: dense(x))):
             s = timed(fn, min_seconds=0.2)
             rows.append({"bench": "w8a8 int8", "case": f"M={m} {name}", "m": m, "path": name, "ms": s * 1e3})
+
+
+@contextlib.contextmanager
+def forced_capability(var: str, value: str):
+    saved = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[var]
+        else:
+            os.environ[var] = saved
 
 
 class _Attn:

@@ -4,10 +4,10 @@ A causal query chunk [q0, q1) cannot see keys at or after q1, so each chunk is g
 only: for 512 tokens in chunks of 128 that is 10/16 of the score work, for 2048 tokens 136/256.
 The result is sdpa's up to the order of the softmax sums.
 
-Used only where it measured faster: on a CPU with bf16 units, in bf16 (the previous session's
-calibration measurements). On an AVX2-only CPU, in float32, torch's sdpa was as fast at 8 x 512
-tokens (56.0 vs 56.4 ms) and faster at 1 x 2048 (67 vs 96 ms) (benchmarks/cpu_dtype.py), so
-there the model keeps sdpa.
+Used where it measured faster (benchmarks/cpu_dtype.py, benchmarks/results/cpu_dtype.md): on a CPU
+with bf16 units, and elsewhere for sequences of at most 512 tokens (calibration's). On an AVX2-only
+CPU in float32 the chunks took 46.0 ms against sdpa's 52.2 ms at 8 x 512 tokens (a tie, 56.4 vs
+56.0, in another run), but 80.6 against 60.5 ms at 1 x 2048 (perplexity's windows): there sdpa runs.
 
 Registered with transformers' AttentionInterface as "qtk_chunked"; `chunked_attention(model)`
 switches a model to it for the duration of a with-block.
@@ -23,6 +23,7 @@ from .device import cpu_has_native_bf16
 
 NAME = "qtk_chunked"
 CHUNK = 128  # queries per sdpa call
+LONGEST_WITHOUT_BF16 = 512  # without bf16 units, longer sequences go to sdpa (measured faster)
 
 
 def sdpa(*args, **kwargs):
@@ -38,7 +39,8 @@ def chunked_causal_attention(module, query, key, value, attention_mask, scaling=
     anything else (decoding, a cache, softcap, sinks, dropout, a GPU, whose flash kernels skip masked
     blocks themselves) goes to sdpa unchanged."""
     L = query.shape[2]
-    plain = (query.device.type == "cpu" and L > CHUNK and key.shape[2] == L and dropout == 0.0 and getattr(module, "is_causal", True)
+    plain = (query.device.type == "cpu" and L > CHUNK and (L <= LONGEST_WITHOUT_BF16 or cpu_has_native_bf16())
+             and key.shape[2] == L and dropout == 0.0 and getattr(module, "is_causal", True)
              and kwargs.get("is_causal", True) is not False and not kwargs.get("softcap")
              and kwargs.get("cache") is None and getattr(module, "sinks", None) is None
              and not (attention_mask is None and kwargs.get("sliding_window"))
@@ -75,17 +77,11 @@ def set_implementation(model, name: str) -> str:
     return old
 
 
-def chunks_pay_off(model) -> bool:
-    """Chunked attention is faster than sdpa for this model: sdpa, on a CPU with bf16 units, in bf16."""
-    p = next(model.parameters())
-    return (model.config._attn_implementation == "sdpa" and p.device.type == "cpu" and p.dtype == torch.bfloat16
-            and cpu_has_native_bf16())
-
-
 @contextlib.contextmanager
 def chunked_attention(model):
-    """Run `model` with chunked causal attention where that pays off (chunks_pay_off); a no-op otherwise."""
-    if not chunks_pay_off(model):
+    """Run `model` with chunked causal attention on CPU when it uses sdpa (each call still goes to sdpa
+    where that measured faster); a no-op otherwise."""
+    if model.config._attn_implementation != "sdpa" or next(model.parameters()).device.type != "cpu":
         yield
         return
     register()

@@ -94,3 +94,18 @@ def test_no_bf16_compute_on_a_cpu_without_bf16_units(tiny_dir, tmp_path, monkeyp
     assert {"mm", "addmm_", "_scaled_dot_product_flash_attention_for_cpu"} <= set(mode.seen), mode.seen  # linears, H, sdpa
     assert all(dtypes <= {torch.float32, torch.int8, torch.int32, torch.int64} for dtypes in mode.seen.values()), mode.seen
     assert not {"_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm", "_int_mm"} & set(mode.seen)
+
+
+@pytest.mark.parametrize("bf16,L,chunked", [("0", 512, True), ("0", 600, False), ("1", 600, True), ("1", 100, False)])
+def test_chunked_attention_only_where_it_measured_faster(monkeypatch, bf16, L, chunked):
+    """Query chunks beat sdpa on CPUs with bf16 units and, without them, up to 512 tokens only."""
+    from types import SimpleNamespace
+
+    from qtk import chunked_sdpa
+
+    monkeypatch.setenv("QTK_CPU_BF16", bf16)
+    calls = []
+    monkeypatch.setattr(chunked_sdpa, "sdpa", lambda *a, **k: calls.append(1) or (None, None))
+    q, kv = torch.randn(1, 4, L, 16), torch.randn(1, 2, L, 16)
+    chunked_sdpa.chunked_causal_attention(SimpleNamespace(is_causal=True), q, kv, kv, None, scaling=0.25)
+    assert (calls == []) == chunked

@@ -26,10 +26,10 @@ activations on a CPU without bf16 units).
 CPU rows, measured (benchmarks/cpu_dtype.py, figures in benchmarks/results/cpu_dtype.md; N=1536,
 K=576, 2 threads). On a CPU with AVX512-BF16 the int4/int8 weight ops beat the reference by 2-6x
 for bf16 activations and lose by 10-100x for fp16/fp32, which they have no fast kernel for. On an
-AVX2-only CPU (bf16 emulated) they lose in bf16 too: int4 g64 0.71 ms vs the reference's 0.42 ms at
-M=16, 156 vs 87 ms at M=4096 (a tie at M=1, 0.08 vs 0.09 ms); there torch._int_mm took 9.0 ms at
-M=16 and 1856 ms at M=4096 against the reference's 0.47 and 83 ms. Hence the capability tests
-(qtk.device) in the CPU column.
+AVX2-only CPU (bf16 emulated) they lose in bf16 too: int4 g64 0.62 ms against the reference's
+0.45 ms at M=16, 148 against 57 ms at M=4096 (0.078 against 0.089 ms at M=1, a wash next to the
+bf16 model around it); torch._int_mm took 7.7 ms at M=16 and 1778 ms at M=4096 against Dense's
+0.59 and 56 ms. Hence the capability tests (qtk.device) in the CPU column.
 """
 from __future__ import annotations
 

@@ -164,7 +164,7 @@ def bf16_products(enabled: bool):
 
     Only for operands that are bf16 values (activations of a bf16 block): rounding them to bf16 is
     then exact, every product is exact in float32 and the sum is float32 as before; about 2x faster
-    on CPUs with bf16 dot-product instructions (and no faster without them: 15.2 vs 15.5 ms for
+    on CPUs with bf16 dot-product instructions (and no faster without them: 17.1 vs 17.9 ms for
     4096 x 576 on an AVX2 CPU, benchmarks/cpu_dtype.py), so only used where qtk.device finds them."""
     flag = torch.backends.mkldnn.matmul
     saved = flag.fp32_precision
