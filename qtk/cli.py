@@ -138,15 +138,26 @@ def eval_(model, task, dataset, seq_len, limit, batch_size, device, dtype, json_
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="New tokens to generate.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k likeliest (0 = all).")
+@click.option("--seed", type=int, default=None, help="Seed of this request's sampling.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help=DTYPE_HELP)
-def generate(model, prompt, max_tokens, chat, temperature, device, dtype):
-    """Generate a continuation of --prompt with MODEL (float or quantized)."""
+@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV-cache block.")
+@click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Sequences per step at most.")
+@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
+              help="Tokens per step at most (longer prompts are prefilled in chunks).")
+@click.option("--max-model-len", type=int, default=None, help="Context length (default: the model's).")
+@click.option("--kv-cache-memory", type=int, default=None, help="Bytes for the KV cache on CPU (default 2 GiB).")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="Reuse the KV blocks of a prompt prefix already computed.")
+def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, device, dtype, **engine_args):
+    """Generate a continuation of --prompt with MODEL (float or quantized) on qtk's runtime."""
     from .generate import generate as gen
 
-    click.echo(gen(model, prompt, max_tokens=max_tokens, chat=chat, temperature=temperature, device=device,
-                   dtype=dtype))
+    click.echo(gen(model, prompt, max_tokens=max_tokens, chat=chat, temperature=temperature, top_p=top_p, top_k=top_k,
+                   seed=seed, device=device, dtype=dtype, **engine_args))
 
 
 @main.group()

@@ -101,7 +101,7 @@ def test_generate(quantized):
     from qtk.models import load_model
 
     out, _ = quantized
-    result = run("generate", out, "--prompt", "hi", "--max-tokens", 4)
+    result = run("generate", out, "--prompt", "hi", "--max-tokens", 4, "--dtype", "float32")
     assert result.exit_code == 0, result.output
     model, tok = load_model(str(out))
     ids = tok("hi", return_tensors="pt").input_ids
@@ -184,4 +184,14 @@ def test_generate_chat(quantized):
     from qtk.generate import generate
 
     assert result.stdout == generate(str(out), "hi", max_tokens=3, chat=True) + "\n"
+    # the transformers referee, in float32 through the chat template
+    from qtk.models import load_model
+
+    model, tok = load_model(str(out))
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                             pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+    assert generate(str(out), "hi", max_tokens=3, chat=True, dtype="float32") == tok.decode(new, skip_special_tokens=True)
     _one_line_error(run("generate", out, "--prompt", "hi", "--max-tokens", 0), r"--max-tokens must be positive, got 0")

@@ -86,7 +86,8 @@ def test_engine_greedy_equals_transformers_generate(tiny_dir):
 
     from qtk import LLM, SamplingParams
 
-    llm = LLM(str(tiny_dir), max_model_len=256, kv_cache_memory=2**22, block_size=8, max_num_batched_tokens=20)
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, kv_cache_memory=2**22, block_size=8,
+              max_num_batched_tokens=20)
     ref = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
     prompts = ["Hello there", "The capital of France is a city that", "a"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
