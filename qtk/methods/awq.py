@@ -33,7 +33,7 @@ from .gptq import HessianSum
 
 log = logging.getLogger(__name__)
 
-LOSS_TOKENS = 2048  # tokens the attention / mlp losses run on (whole sequences for attention)
+LOSS_TOKENS = 4096  # tokens the attention / mlp losses run on (whole sequences for attention)
 GRAM_TOKENS = 8192  # random tokens behind the Gram matrices (x_mean uses every token)
 CLIP_GRID, CLIP_MAX_SHRINK = 20, 0.5  # clip factors 1, 0.95, ..., 0.5
 NO_CLIP = ("q_proj", "k_proj")  # their error shows in attention scores, not in their outputs (AutoAWQ)
