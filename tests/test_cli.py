@@ -86,7 +86,7 @@ def test_eval_json(quantized, tmp_path):
 
     out, _ = quantized
     f = tmp_path / "ppl.json"
-    result = run("eval", out, "--task", "ppl", "--seq-len", 64, "--limit", 2, "--json", f)
+    result = run("eval", out, "--task", "ppl", "--seq-len", 64, "--limit", 2, "--json", f, "--dtype", "float32")
     assert result.exit_code == 0, result.output
     res = json.loads(f.read_text())
     assert (res["task"], res["scored_tokens"], res["windows"], res["seq_len"]) == ("ppl", 126, 2, 64)
