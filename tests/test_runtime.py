@@ -129,3 +129,36 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dir):
                         [SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True), p,
                          SamplingParams(max_tokens=5, temperature=0.5, ignore_eos=True)])
     assert busy[1].outputs[0].token_ids == alone
+
+
+def test_incremental_detokenization_is_the_whole_decode_and_never_half_a_character(tokenizer):
+    """Random token ids of the bundled byte-level BPE tokenizer (multi-byte characters split over
+    several tokens included): the pieces add up to the full decode, and no piece ends inside a
+    character."""
+    from qtk.runtime.detokenizer import IncrementalDetokenizer
+
+    g = torch.Generator().manual_seed(0)
+    text = "Grüße, 東京 👋 naïve café — ok"
+    for trial in range(20):
+        prompt = tokenizer(text).input_ids[: trial % 5 + 1]
+        out = tokenizer(text[trial % 7:]).input_ids + torch.randint(0, len(tokenizer), (30,), generator=g).tolist()
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        ids, pieces = list(prompt), []
+        for i, t in enumerate(out):
+            ids.append(t)
+            pieces.append(detok.step(ids, final=i == len(out) - 1))
+        assert "".join(pieces) == tokenizer.decode(out, skip_special_tokens=True)
+        assert not any(p.endswith("\ufffd") for p in pieces[:-1])
+
+
+def test_stop_strings_cut_the_text_exactly(tiny_dir):
+    from qtk import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=128, kv_cache_memory=2**22)
+    full = llm.generate(["Hello"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].outputs[0]
+    stop = full.text[5:8]
+    assert len(stop) == 3 and full.finish_reason == "length"
+    cut = llm.generate(["Hello"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop, "\x00"]))[0]
+    done = cut.outputs[0]
+    assert done.finish_reason == "stop" and done.text == full.text[:full.text.index(stop)]
+    assert full.token_ids[:len(done.token_ids)] == done.token_ids and len(done.token_ids) < 24

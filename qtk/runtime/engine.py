@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..device import choose_dtype
 from ..errors import InputError
 from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer, find_stop
 from .model_runner import ModelRunner, kv_bytes_per_token
 from .models.llama import LlamaModel
 from .sampler import Sampler
@@ -74,6 +75,7 @@ class LLM:
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids(hf_model)
         self._requests: dict[str, tuple[RequestOutput, list[Sequence]]] = {}
+        self._detok: dict[int, IncrementalDetokenizer] = {}
         self._next_id = 0
         log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), max_model_len %d",
                  time.perf_counter() - t0, num_blocks, block_size, num_blocks * block_size, self.max_model_len)
@@ -89,8 +91,6 @@ class LLM:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
-        if params.stop:
-            raise InputError("stop strings are not supported by this engine yet; use stop_token_ids")
         ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InputError("the prompt is empty")
@@ -100,6 +100,8 @@ class LLM:
         self._next_id += 1
         out = RequestOutput(request_id, ids, [CompletionOutput(i, "", []) for i in range(params.n)])
         seqs = [Sequence(ids, params, self.block_manager.block_size, request_id=request_id) for _ in range(params.n)]
+        for s in seqs:
+            self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self._requests[request_id] = (out, seqs)
         for s in seqs:
             self.scheduler.add(s)
@@ -110,6 +112,7 @@ class LLM:
         for s in seqs:
             self.scheduler.finish(s)
             self.sampler.forget(s)
+            self._detok.pop(s.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -132,26 +135,31 @@ class LLM:
         return finished
 
     def _stop_reason(self, seq: Sequence) -> str | None:
+        """After seq got a new token: "stop" (EOS, a stop token, a stop string: the text ends
+        before it), "length", or None; the token's text is added to seq.text unless it stops."""
         p = seq.params
         last = seq.token_ids[-1]
-        if seq.num_generated_tokens >= p.min_tokens:
-            if (last in self.eos_token_ids and not p.ignore_eos) or last in p.stop_token_ids:
-                return "stop"
-        if (p.max_tokens is not None and seq.num_generated_tokens >= p.max_tokens) or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+        may_stop = seq.num_generated_tokens >= p.min_tokens
+        if may_stop and ((last in self.eos_token_ids and not p.ignore_eos) or last in p.stop_token_ids):
+            return "stop"
+        at_length = (p.max_tokens is not None and seq.num_generated_tokens >= p.max_tokens) or len(seq) >= self.max_model_len
+        delta = self._detok[seq.seq_id].step(seq.token_ids, final=at_length)
+        seq.text += delta
+        cut = find_stop(seq.text, p.stop, len(delta)) if may_stop else None
+        if cut is not None:
+            seq.text = seq.text[:cut]
+            return "stop"
+        return "length" if at_length else None
 
     def _finish(self, seq: Sequence, reason: str, finished: list[RequestOutput]) -> None:
         out, seqs = self._requests[seq.request_id]
         self.scheduler.finish(seq)
         self.sampler.forget(seq)
+        self._detok.pop(seq.seq_id, None)
         completion = out.outputs[seqs.index(seq)]
         completion.token_ids = seq.generated_token_ids
         completion.finish_reason = reason
-        stop_tokens = self.eos_token_ids | set(seq.params.stop_token_ids)
-        text_ids = completion.token_ids[:-1] if reason == "stop" and completion.token_ids[-1] in stop_tokens \
-            else completion.token_ids
-        completion.text = self.tokenizer.decode(text_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        completion.text = seq.text
         if out.finished:
             del self._requests[seq.request_id]
             finished.append(out)

@@ -40,6 +40,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at admission
+        self.text = ""  # the generated text so far (the engine's detokenizer appends to it)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,42 @@
+"""Incremental detokenization: each new token's text, without re-decoding the whole output and
+without ever emitting half of a multi-byte character.
+
+As vLLM does it: decode a short window ending at the new token, ids[prefix_offset:], and the same
+window without the new tokens, ids[prefix_offset:read_offset]; the new text is the difference. A
+window whose text ends in U+FFFD is a multi-byte character still being spelled out by byte
+tokens: nothing is emitted until it completes. Starting the window a few tokens back lets the
+tokenizer's joining rules (spaces, merges) see their context.
+"""
+from __future__ import annotations
+
+CONTEXT = 5  # tokens of context before the first new one
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.prefix_offset = max(len(prompt_ids) - CONTEXT, 0)
+        self.read_offset = len(prompt_ids)
+
+    def step(self, ids: list[int], final: bool = False) -> str:
+        """The text that the tokens after read_offset add (ids: the whole sequence so far); final:
+        the sequence ends here, so an unfinished character is emitted as it is."""
+        decode = self.tokenizer.decode
+        prefix = decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special_tokens)
+        full = decode(ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return full[len(prefix):]
+
+
+def find_stop(text: str, stops: tuple[str, ...], new: int) -> int | None:
+    """Where the first stop string in text starts, looking only where the last `new` characters
+    could complete one; None if none."""
+    if not stops:
+        return None
+    longest = max(len(s) for s in stops)
+    start = max(len(text) - new - longest + 1, 0)
+    hits = [i for i in (text.find(s, start) for s in stops) if i != -1]
+    return min(hits) if hits else None
