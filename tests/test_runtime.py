@@ -162,3 +162,21 @@ def test_stop_strings_cut_the_text_exactly(tiny_dir):
     done = cut.outputs[0]
     assert done.finish_reason == "stop" and done.text == full.text[:full.text.index(stop)]
     assert full.token_ids[:len(done.token_ids)] == done.token_ids and len(done.token_ids) < 24
+
+
+def test_logprobs_of_sampled_tokens_are_the_models(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    from qtk import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=128, kv_cache_memory=2**22)
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3))[0]
+    done = out.outputs[0]
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    with torch.no_grad():
+        lp = ref(torch.tensor([out.prompt_token_ids + done.token_ids])).logits[0].log_softmax(-1)
+    for i, (token, entry) in enumerate(zip(done.token_ids, done.logprobs)):
+        row = lp[len(out.prompt_token_ids) - 1 + i]
+        assert set(entry) == set(row.topk(3).indices.tolist()) and token in entry  # greedy: the top one
+        for t, v in entry.items():
+            assert abs(v - row[t].item()) < 1e-4

@@ -36,6 +36,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" (EOS or a stop token) or "length"
+    logprobs: list[dict[int, float]] | None = None  # per token: the sampled one's and the top-k's
 
 
 @dataclass
@@ -126,6 +127,9 @@ class LLM:
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         logits = self.runner.run(batch)
         tokens = self.sampler(logits, sampling) if sampling else []
+        for seq, row, token in zip(sampling, logits, tokens):
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(self.sampler.logprobs(row, token, seq.params.logprobs))
         self.scheduler.finish_step(batch, {s.seq_id: t for s, t in zip(sampling, tokens)})
         finished = []
         for seq in sampling:
@@ -160,6 +164,8 @@ class LLM:
         completion.token_ids = seq.generated_token_ids
         completion.finish_reason = reason
         completion.text = seq.text
+        if seq.params.logprobs is not None:
+            completion.logprobs = seq.logprobs
         if out.finished:
             del self._requests[seq.request_id]
             finished.append(out)

@@ -61,5 +61,14 @@ class Sampler:
             out.append(int(torch.multinomial(row.softmax(-1), 1, generator=gen)))
         return out
 
+    @staticmethod
+    def logprobs(logits: torch.Tensor, token: int, top: int) -> dict[int, float]:
+        """log p of the sampled token and of the `top` likeliest, under the model's own distribution
+        (before penalties and temperature, as vLLM reports them)."""
+        lp = logits.float().log_softmax(-1)
+        out = {int(t): float(v) for v, t in zip(*lp.topk(top))} if top else {}
+        out[token] = float(lp[token])
+        return out
+
     def forget(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
