@@ -73,8 +73,8 @@ class LLM:
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len),
                                    self.block_manager)
         self.runner = ModelRunner(self.model, num_blocks, block_size, device=device)
-        self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids(hf_model)
+        self.sampler = Sampler(self.eos_token_ids)
         self._requests: dict[str, tuple[RequestOutput, list[Sequence]]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._next_id = 0

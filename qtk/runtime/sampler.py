@@ -1,7 +1,7 @@
 """The sampler: logits of the step's sampling sequences -> one token each, by each one's SamplingParams.
 
 Order, as vLLM applies them: penalties (repetition on prompt and output, presence and frequency on
-output), then greedy argmax or temperature, top-k, top-p, min-p and a draw. A request with a seed
+output), min_tokens (EOS and stop tokens masked until then), then greedy argmax or temperature, top-k, top-p, min-p and a draw. A request with a seed
 draws from its own generator, so its tokens are the same alone or in any batch.
 """
 from __future__ import annotations
@@ -41,7 +41,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 
 
 class Sampler:
-    def __init__(self):
+    def __init__(self, eos_token_ids: set[int] = frozenset()):
+        self.eos_token_ids = set(eos_token_ids)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -49,6 +50,9 @@ class Sampler:
         for row, seq in zip(logits, seqs):
             p = seq.params
             row = apply_penalties(row.clone(), seq)
+            if seq.num_generated_tokens < p.min_tokens:  # EOS and stop tokens cannot come yet
+                banned = (set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)
+                row[list(banned)] = float("-inf")
             if p.greedy:
                 out.append(int(row.argmax()))
                 continue
