@@ -42,7 +42,7 @@ def greedy_through_runtime(model, prompts, new_tokens, budget=7, num_blocks=64, 
     while sched.has_unfinished():
         batch = sched.schedule()
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
-        out = runner.run(batch)
+        out, _ = runner.run(batch)
         for s, row in zip(sampling, out):
             logits[s.seq_id].append(row)
         sched.finish_step(batch, {s.seq_id: int(row.argmax()) for s, row in zip(sampling, out)})
@@ -214,3 +214,47 @@ def test_bundled_model_greedy_chat_matches_transformers(bundled_dir):
                 break
             agreed += 1
     assert agreed >= 48  # most of the 72 tokens agree exactly
+
+
+def test_prompt_logprobs_through_chunks_are_the_models(tiny_dir):
+    """prompt_logprobs over a prompt prefilled in 16-token chunks: log p(token_i | before) for
+    every i >= 1, transformers' within 1e-4, and the same again for a second, identical prompt
+    (which must not take the first one's cached prefix: it has no logits)."""
+    from transformers import AutoModelForCausalLM
+
+    from qtk import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, kv_cache_memory=2**22, block_size=8,
+              max_num_batched_tokens=16)
+    prompt = list(range(300, 370))
+    outs = llm.generate([prompt, prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    with torch.no_grad():
+        lp = ref(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for out in outs:
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            assert abs(entry[prompt[i]] - lp[i - 1, prompt[i]].item()) < 1e-4
+            assert set(lp[i - 1].topk(2).indices.tolist()) <= set(entry)
+
+
+def test_prompt_logprobs_survive_preemption(tiny_dir):
+    """Three 30-token prompts growing to 70 tokens in a pool of 96 token slots: requests get
+    preempted and recomputed, and each prompt's logprobs are still reported once per position,
+    equal to transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from qtk import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=96, kv_cache_memory=96 * 512, block_size=8,
+              max_num_batched_tokens=32)
+    prompts = [list(range(100 + 7 * k, 130 + 7 * k)) for k in range(3)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, prompt_logprobs=0))
+    assert llm.scheduler.num_preemptions > 0
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            lp = ref(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        assert len(out.prompt_logprobs) == len(prompt) and len(out.outputs[0].token_ids) == 40
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            assert list(entry) == [prompt[i]] and abs(entry[prompt[i]] - lp[i - 1, prompt[i]].item()) < 1e-4

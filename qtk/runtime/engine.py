@@ -44,6 +44,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first token, as vLLM
 
     @property
     def finished(self) -> bool:
@@ -125,7 +126,12 @@ class LLM:
         if not batch.seqs:
             return []
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
-        logits = self.runner.run(batch)
+        logits, prompt_hidden = self.runner.run(batch)
+        for seq in batch.seqs:
+            if seq.seq_id in prompt_hidden and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
+                # a recompute after preemption repeats positions already recorded: keep the first
+                new = self.runner.prompt_logprobs(seq, prompt_hidden[seq.seq_id], seq.params.prompt_logprobs)
+                seq.prompt_logprobs.extend(new[max(0, len(seq.prompt_logprobs) - seq.num_computed_tokens):])
         tokens = self.sampler(logits, sampling) if sampling else []
         for seq, row, token in zip(sampling, logits, tokens):
             if seq.params.logprobs is not None:
@@ -166,6 +172,8 @@ class LLM:
         completion.text = seq.text
         if seq.params.logprobs is not None:
             completion.logprobs = seq.logprobs
+        if seq.params.prompt_logprobs is not None and out.prompt_logprobs is None:
+            out.prompt_logprobs = [None, *seq.prompt_logprobs]
         if out.finished:
             del self._requests[seq.request_id]
             finished.append(out)

@@ -70,9 +70,31 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(positions).to(dev), meta, sample_index)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
-        """Logits [number of sampling sequences, vocab] in float32, in batch order."""
+    def run(self, batch: Batch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """(logits [number of sampling sequences, vocab] in float32, in batch order;
+        seq_id -> final hidden states [n, hidden] of the prompt tokens this step computed, for
+        the sequences that asked for prompt logprobs)."""
         self.copy_blocks(batch.copies)
         ids, positions, meta, sample_index = self.prepare(batch)
         hidden = self.model(ids, positions, meta, self.kv_caches)
-        return self.model.logits(hidden[torch.tensor(sample_index, dtype=torch.long, device=self.device)])
+        prompt_hidden, t = {}, 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.params.prompt_logprobs is not None and seq.is_prefill:
+                prompt_hidden[seq.seq_id] = hidden[t:t + n]
+            t += n
+        return self.model.logits(hidden[torch.tensor(sample_index, dtype=torch.long, device=self.device)]), prompt_hidden
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, seq, hidden: torch.Tensor, top: int, chunk: int = 256) -> list[dict[int, float]]:
+        """For prompt positions computed from seq.num_computed_tokens on (hidden [n, hidden]): the
+        logprob of each next prompt token (and the top ones), in chunks of `chunk` tokens."""
+        start = seq.num_computed_tokens
+        targets = seq.token_ids[start + 1:min(start + 1 + hidden.shape[0], seq.num_prompt_tokens)]
+        out = []
+        for i in range(0, len(targets), chunk):
+            lp = self.model.logits(hidden[i:i + chunk][:len(targets) - i]).log_softmax(-1)
+            for row, target in zip(lp, targets[i:i + chunk]):
+                entry = {int(t): float(v) for v, t in zip(*row.topk(top))} if top else {}
+                entry[target] = float(row[target])
+                out.append(entry)
+        return out

@@ -42,6 +42,7 @@ class Sequence:
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at admission
         self.text = ""  # the generated text so far (the engine's detokenizer appends to it)
         self.logprobs: list[dict[int, float]] = []  # per generated token, when params.logprobs is set
+        self.prompt_logprobs: list[dict[int, float]] = []  # per prompt token after the first (prompt_logprobs)
 
     def __len__(self) -> int:
         return len(self.token_ids)
