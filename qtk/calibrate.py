@@ -89,7 +89,7 @@ class Block:
                 outs.append((y[0] if isinstance(y, tuple) else y).to("cpu"))
         return outs
 
-    def feed(self, until: str, between_batches=None) -> None:
+    def feed(self, until: str) -> None:
         """Run the layer on every input batch only as far as the input of submodule `until` (the
         hooks see what they need; the rest of the block is skipped)."""
 
@@ -100,12 +100,8 @@ class Block:
         try:
             with torch.no_grad():
                 for h, kw in zip(self.inputs.hidden, self.inputs.kwargs):
-                    try:
+                    with contextlib.suppress(_Stop):
                         self.layer(h.to(self.device), **kw)
-                    except _Stop:
-                        pass
-                    if between_batches is not None:
-                        between_batches()
         finally:
             handle.remove()
 
@@ -142,10 +138,8 @@ def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torc
     try:
         with torch.no_grad():
             for i in range(0, len(ids), batch_size):
-                try:
+                with contextlib.suppress(_Stop):
                     model(input_ids=ids[i:i + batch_size].to(device), use_cache=False)
-                except _Stop:
-                    pass
     finally:
         handle.remove()
         for m in pre:

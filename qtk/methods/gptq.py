@@ -209,7 +209,7 @@ def collect_hessians(block, names) -> list[tuple[tuple[str, ...], torch.Tensor]]
     execution order: each forward stops at the last one's input."""
     sums: dict[str, HessianSum] = {}
     owner: dict[str, str] = {}  # Linear -> first Linear that received the same input tensor
-    last = {"x": None, "name": None}
+    last = {"x": None, "name": None}  # (held, so a later tensor can never reuse its identity)
 
     def accumulate(name, x):
         if x is last["x"]:
@@ -220,7 +220,7 @@ def collect_hessians(block, names) -> list[tuple[tuple[str, ...], torch.Tensor]]
         sums.setdefault(name, HessianSum()).add(x)
 
     with block.hooks(names, accumulate):
-        block.feed(until=names[-1], between_batches=lambda: last.update(x=None, name=None))
+        block.feed(until=names[-1])
     return [(tuple(n for n in names if owner[n] == key), h.H) for key, h in sums.items()]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, PrefillChunk
+from .sampler import logprob_entry
 from .scheduler import Batch
 from .sequence import Sequence
 
@@ -93,8 +94,5 @@ class ModelRunner:
         out = []
         for i in range(0, len(targets), chunk):
             lp = self.model.logits(hidden[i:i + chunk][:len(targets) - i]).log_softmax(-1)
-            for row, target in zip(lp, targets[i:i + chunk]):
-                entry = {int(t): float(v) for v, t in zip(*row.topk(top))} if top else {}
-                entry[target] = float(row[target])
-                out.append(entry)
+            out.extend(logprob_entry(row, target, top) for row, target in zip(lp, targets[i:i + chunk]))
         return out

@@ -40,6 +40,13 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
+def logprob_entry(logprobs: torch.Tensor, token: int, top: int) -> dict[int, float]:
+    """{token: log p} for `token` and the `top` likeliest, from one row of log-probabilities [V]."""
+    out = {int(t): float(v) for v, t in zip(*logprobs.topk(top))} if top else {}
+    out[token] = float(logprobs[token])
+    return out
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int] = frozenset()):
         self.eos_token_ids = set(eos_token_ids)
@@ -69,10 +76,7 @@ class Sampler:
     def logprobs(logits: torch.Tensor, token: int, top: int) -> dict[int, float]:
         """log p of the sampled token and of the `top` likeliest, under the model's own distribution
         (before penalties and temperature, as vLLM reports them)."""
-        lp = logits.float().log_softmax(-1)
-        out = {int(t): float(v) for v, t in zip(*lp.topk(top))} if top else {}
-        out[token] = float(lp[token])
-        return out
+        return logprob_entry(logits.float().log_softmax(-1), token, top)
 
     def forget(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
