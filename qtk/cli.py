@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from .errors import InputError
+
 MODEL_HELP = "an HF model directory, a .gguf file, a qtk/compressed-tensors checkpoint, or 'smollm2-135m' (bundled)"
 
 
@@ -112,20 +114,25 @@ def inspect(model, json_out):
               help="Evaluation text: builtin (pydoc topics, evaluation split), FILE.txt, FILE.jsonl, hf:NAME.")
 @click.option("--seq-len", type=int, default=2048, show_default=True, help="Window length in tokens.")
 @click.option("--limit", type=int, default=None, help="Score at most N windows.")
-@click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward.")
+@click.option("--batch-size", type=int, default=1, show_default=True,
+              help="Windows the runtime computes per step (its token budget is batch-size x seq-len).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help=DTYPE_HELP)
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
+              help="KV cache as the runtime would serve it (auto: the model dtype).")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON here.")
-def eval_(model, task, dataset, seq_len, limit, batch_size, device, dtype, json_path):
-    """Measure MODEL's quality (perplexity by the protocol in docs/benchmarks.md)."""
-    from .device import choose_dtype
-    from .evals.perplexity import eval_windows, perplexity
-    from .models import load_model
+def eval_(model, task, dataset, seq_len, limit, batch_size, device, dtype, kv_cache_dtype, json_path):
+    """Measure MODEL's quality through qtk's runtime (perplexity by the protocol in docs/benchmarks.md)."""
+    from .evals.perplexity import engine_perplexity, eval_windows
+    from .runtime.engine import LLM
 
-    m, tok = load_model(model, dtype=choose_dtype(dtype, device).dtype, device=device)
-    windows = eval_windows(tok, dataset, seq_len, limit)
-    res = perplexity(m, windows, batch_size=batch_size, dataset=dataset)
+    if batch_size < 1 or seq_len < 2:
+        raise InputError("--batch-size must be at least 1 and --seq-len at least 2")
+    llm = LLM(model, dtype=dtype, device=device, max_model_len=seq_len + 1, kv_cache_dtype=kv_cache_dtype,
+              max_num_batched_tokens=batch_size * seq_len, enable_prefix_caching=False)
+    windows = eval_windows(llm.tokenizer, dataset, seq_len, limit)
+    res = engine_perplexity(llm, windows, batch_size=batch_size, dataset=dataset)
     click.echo(f"{model}: {res}")
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -176,6 +183,32 @@ def bench_kernels(shapes, ms, out, dtype):
 
     _, summary = run(shapes=shapes, ms=[int(m) for m in ms.split(",")], out=out, dtype=dtype)
     click.echo(summary)
+
+
+@bench.command("engine")
+@click.argument("model")
+@click.option("--num-prompts", type=int, default=64, show_default=True, help="Chat requests, all submitted at once.")
+@click.option("--output-len", type=int, default=128, show_default=True, help="Output tokens per request (EOS ignored).")
+@click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens of the batch-1 request.")
+@click.option("--batch1-output-len", type=int, default=256, show_default=True, help="Output tokens of the batch-1 request.")
+@click.option("--peer", "peers", multiple=True, type=click.Choice(["transformers", "vllm", "llama.cpp"]),
+              default=("transformers",), show_default=True, help="Engines to run beside qtk (repeat the option).")
+@click.option("--sequential", type=int, default=16, show_default=True,
+              help="Requests transformers runs one at a time (the rate is per token, so fewer suffice).")
+@click.option("--gguf", default=None, help="GGUF for llama.cpp (default: the bundled Q4_1 file).")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
+              help=DTYPE_HELP)
+@click.option("--out", type=click.Path(), default="benchmarks/results", show_default=True, help="Directory for the JSON.")
+@click.option("--name", default=None, help="JSON file name (default engine-MODEL-DTYPE).")
+def bench_engine(model, num_prompts, output_len, input_len, batch1_output_len, peers, sequential, gguf, dtype,
+                 out, name):
+    """qtk's runtime against transformers generate, vLLM's CPU build and llama.cpp (CPU protocol)."""
+    from .runtime.bench import run
+
+    _, text = run(model, num_prompts=num_prompts, output_len=output_len, batch1_input_len=input_len,
+                  batch1_output_len=batch1_output_len, dtype=dtype, peers=peers, sequential=sequential, gguf=gguf,
+                  out=out, name=name)
+    click.echo(text)
 
 
 if __name__ == "__main__":

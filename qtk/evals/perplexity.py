@@ -2,6 +2,9 @@
 
 Concatenate the evaluation text, tokenize once, cut into non-overlapping windows of L tokens,
 score every token of a window but its first; ppl = exp(mean NLL over all scored tokens).
+`engine_perplexity` scores through qtk's runtime (prompt logprobs: what `qtk eval` and the gates
+measure is what `qtk serve` runs); `perplexity` through a loaded transformers model (calibration's
+own checks and the tests' referee).
 """
 from __future__ import annotations
 
@@ -43,6 +46,23 @@ def eval_windows(tokenizer, dataset: str = "builtin", seq_len: int = 2048, limit
     if limit is not None:
         n = min(n, limit)
     return stream[: n * seq_len].view(n, seq_len)
+
+
+def engine_perplexity(llm, windows: torch.Tensor, batch_size: int = 1, progress: bool = True,
+                      dataset: str = "builtin") -> PerplexityResult:
+    """Every window as one request of prompt logprobs (log p of each prompt token after the first)
+    through the engine `llm` (qtk.LLM), `batch_size` windows submitted together."""
+    from ..runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    total_nll, scored = 0.0, 0
+    for i in tqdm(range(0, len(windows), batch_size), desc="ppl", unit="win", disable=not progress):
+        group = windows[i:i + batch_size].tolist()
+        for ids, out in zip(group, llm.generate(group, params)):
+            total_nll -= sum(entry[token] for token, entry in zip(ids[1:], out.prompt_logprobs[1:]))
+            scored += len(ids) - 1
+    mean = total_nll / scored
+    return PerplexityResult(math.exp(mean), mean, scored, len(windows), windows.shape[1], dataset)
 
 
 @torch.no_grad()

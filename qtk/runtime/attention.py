@@ -1,20 +1,43 @@
-"""Attention over the paged KV cache, CPU path in torch.
+"""Attention over the paged KV cache, CPU path in torch (Triton kernels for CUDA:
+triton_attention.py, same layout).
 
-The cache of one layer is two tensors [num_slots, kv_heads, head_dim] (num_slots = num_blocks *
-block_size); a token's slot is block_table[pos // block_size] * block_size + pos % block_size.
-Each step first writes the new tokens' K and V at their slots, then:
-    decodes   (one new token per sequence): batched over the sequences, keys gathered into
-              [B, L_max] with a padding mask, one pair of einsums for the whole group
+The cache of one layer (KVCache) is two tensors [kv_heads, num_slots, head_dim], num_slots =
+num_blocks * block_size, so one block of one head is a contiguous [block_size, head_dim] tile; a
+token's slot is block_table[pos // block_size] * block_size + pos % block_size. The cache holds
+the model's dtype, or FP8 e4m3 / INT8 with static scales per tensor or per KV head (stored =
+K / k_scale, rounded and clamped to the grid; read back as stored * k_scale).
+Each step first writes the new tokens' K and V at their slots (quantizing on the way), then:
+    decodes   (one new token per sequence): whole blocks copied through the block tables into
+              [kv_heads, B, blocks * block_size, D] (one buffer per step, reused by every layer),
+              a padding mask by context length, and one pair of batched matmuls for the group
     prefills  (a chunk of n tokens at the end of a context of L): per sequence, sdpa of the n
               queries over the L cached keys with the causal offset mask j <= L - n + i
 GQA: query head h reads KV head h // (heads / kv_heads), as transformers' repeat_kv lays it out.
+A k_scale is applied to the scores and a v_scale to the output, not to the gathered tensors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+
+
+@dataclass
+class KVCache:
+    """One layer's K and V; scales (float32, [kv_heads, 1, 1] or [1, 1, 1]) for an FP8/INT8 cache."""
+
+    k: torch.Tensor  # [kv_heads, num_slots, D]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
 
 @dataclass
@@ -30,46 +53,87 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # long [T]: where each new token's K/V go
     decode_index: torch.Tensor  # long [B]: packed-batch index of each decoding sequence's token
-    decode_slots: torch.Tensor  # long [B, L_max]: their context slots (0 where padded)
-    decode_mask: torch.Tensor  # bool [B, L_max]: True for a real context token
+    block_tables: torch.Tensor  # long [B, max_blocks]: their block tables (0 where padded)
+    decode_mask: torch.Tensor  # bool [B, max_blocks * block_size]: True for a real context token
     prefills: list[PrefillChunk]
+    block_size: int
+    _buffers: dict = field(default_factory=dict, repr=False)
+
+    def gather_buffers(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [kv_heads, B * max_blocks, block_size * D] tensors for the decodes' keys and values,
+        allocated once per step and reused by every layer."""
+        key = (cache.k.dtype, cache.k.shape[0], cache.k.shape[2])
+        if key not in self._buffers:
+            kv_heads, _, D = cache.k.shape
+            shape = (kv_heads, self.block_tables.numel(), self.block_size * D)
+            self._buffers[key] = tuple(torch.empty(shape, dtype=cache.k.dtype, device=cache.k.device) for _ in "kv")
+        return self._buffers[key]
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor) -> None:
-    """k, v [T, kv_heads, D] into the cache at slots [T]."""
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [kv_heads, T, D] onto the FP8 / INT8 grid of `scale` (round to nearest, saturate)."""
+    y = x.float() / scale
+    if dtype == torch.int8:
+        return y.round().clamp(-128, 127).to(dtype)
+    return y.clamp(-QMAX[dtype], QMAX[dtype]).to(dtype)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [T, kv_heads, D] into the cache at slots [T] (the fused quantize-and-store of the CPU path)."""
+    k, v = k.transpose(0, 1), v.transpose(0, 1)
+    if cache.quantized:
+        k, v = quantize_kv(k, cache.k_scale, cache.k.dtype), quantize_kv(v, cache.v_scale, cache.v.dtype)
+    for dst, src in ((cache.k, k), (cache.v, v)):
+        _bytes(dst).index_copy_(1, slots, _bytes(src.to(dst.dtype)))
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """FP8 as uint8: the same bytes, for the copy kernels torch has no FP8 version of."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] of the step's tokens -> attention output [T, heads, D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_index.numel():
-        out[meta.decode_index] = _decode(q[meta.decode_index], k_cache, v_cache, meta, scale)
+        out[meta.decode_index] = _decode(q[meta.decode_index], cache, meta, scale)
     for p in meta.prefills:
-        out[p.start:p.start + p.length] = _prefill(q[p.start:p.start + p.length], k_cache, v_cache, p, scale)
+        out[p.start:p.start + p.length] = _prefill(q[p.start:p.start + p.length], cache, p, scale)
     return out
 
 
-def _decode(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     B, H, D = q.shape
-    kv_heads = k_cache.shape[1]
-    keys = k_cache[meta.decode_slots].to(q.dtype)  # [B, L, kv_heads, D]
-    values = v_cache[meta.decode_slots].to(q.dtype)
-    qg = q.view(B, kv_heads, H // kv_heads, D)  # head h -> kv head h // group
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, keys).float() * scale
-    scores.masked_fill_(~meta.decode_mask[:, None, None, :], float("-inf"))
-    p = scores.softmax(dim=-1).to(q.dtype)
-    return torch.einsum("bkgl,blkd->bkgd", p, values).reshape(B, H, D)
+    kv_heads = cache.k.shape[0]
+    keys, values = meta.gather_buffers(cache)
+    block_ids = meta.block_tables.view(-1)
+    for src, dst in ((cache.k, keys), (cache.v, values)):
+        blocks = _bytes(src).view(kv_heads, -1, meta.block_size * D)
+        for h in range(kv_heads):  # whole blocks: row copies, 4x faster than indexing [kv, B, L] slots
+            torch.index_select(blocks[h], 0, block_ids, out=_bytes(dst)[h])
+    keys = keys.view(kv_heads, B, -1, D).to(q.dtype)  # [kv, B, L, D]
+    values = values.view(kv_heads, B, -1, D).to(q.dtype)
+    qg = q.view(B, kv_heads, H // kv_heads, D).transpose(0, 1)  # [kv, B, group, D]: head h -> kv head h // group
+    scores = (qg @ keys.transpose(-1, -2)).float() * scale  # [kv, B, group, L]
+    if cache.quantized:
+        scores *= cache.k_scale[..., None]
+    scores.masked_fill_(~meta.decode_mask[None, :, None, :], float("-inf"))
+    o = scores.softmax(dim=-1).to(q.dtype) @ values  # [kv, B, group, D]
+    if cache.quantized:
+        o = o * cache.v_scale[..., None].to(o.dtype)
+    return o.transpose(0, 1).reshape(B, H, D)
 
 
-def _prefill(q: torch.Tensor, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+def _dequantized(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype) if scale is None else (x.float() * scale).to(dtype)
+
+
+def _prefill(q: torch.Tensor, cache: KVCache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
     n, L = chunk.length, chunk.slots.numel()
-    keys = k_cache[chunk.slots].to(q.dtype).transpose(0, 1)  # [kv_heads, L, D]
-    values = v_cache[chunk.slots].to(q.dtype).transpose(0, 1)
+    keys = _dequantized(cache.k[:, chunk.slots], cache.k_scale, q.dtype)  # [kv_heads, L, D]
+    values = _dequantized(cache.v[:, chunk.slots], cache.v_scale, q.dtype)
     # query i sits at context position L - n + i and sees keys 0 .. L - n + i
     mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
     o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,

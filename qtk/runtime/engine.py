@@ -14,11 +14,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ..device import choose_dtype
 from ..errors import InputError
+from .attention import KV_DTYPES, QMAX
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, find_stop
-from .model_runner import ModelRunner, kv_bytes_per_token
+from .model_runner import ModelRunner, kv_bytes_per_token, measure_kv_scales
 from .models.llama import LlamaModel
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -54,7 +57,8 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 kv_cache_memory: int | None = None, enable_prefix_caching: bool = True):
+                 kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
+                 kv_cache_dtype: str = "auto"):
         from ..models import load_model
 
         t0 = time.perf_counter()
@@ -63,7 +67,8 @@ class LLM:
         self.model = LlamaModel(hf_model)
         limit = getattr(hf_model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or limit, limit)
-        per_token = kv_bytes_per_token(self.model, self.dtype)
+        self.kv_dtype, kv_scales = self._kv_cache(kv_cache_dtype, device)
+        per_token = kv_bytes_per_token(self.model, self.kv_dtype)
         memory = kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = memory // (per_token * block_size)
         if num_blocks * block_size < self.max_model_len:
@@ -73,14 +78,40 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len),
                                    self.block_manager)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, device=device)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.kv_dtype, kv_scales, device=device)
         self.eos_token_ids = self._eos_ids(hf_model)
         self.sampler = Sampler(self.eos_token_ids)
         self._requests: dict[str, tuple[RequestOutput, list[Sequence]]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._next_id = 0
-        log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), max_model_len %d",
-                 time.perf_counter() - t0, num_blocks, block_size, num_blocks * block_size, self.max_model_len)
+        log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %s), max_model_len %d",
+                 time.perf_counter() - t0, num_blocks, block_size, num_blocks * block_size,
+                 str(self.kv_dtype).removeprefix("torch."), self.max_model_len)
+
+    def _kv_cache(self, kv_cache_dtype: str, device) -> tuple[torch.dtype, list | None]:
+        """(cache dtype, per layer (k_scale, v_scale) float32 [kv_heads | 1, 1, 1] for FP8 / INT8).
+        As vLLM: "auto" is the model dtype; fp8 / int8 take the checkpoint's calibrated scales
+        (rescaled to the asked grid when the checkpoint calibrated the other one), or scales
+        measured at load on built-in text, with a warning."""
+        if kv_cache_dtype == "auto":
+            return self.dtype, None
+        if kv_cache_dtype not in KV_DTYPES:
+            raise InputError(f"kv_cache_dtype must be auto, fp8 or int8, not {kv_cache_dtype!r}")
+        dtype = KV_DTYPES[kv_cache_dtype]
+        attns = [layer.self_attn for layer in self.model.layers]
+        if all(hasattr(a, "k_scale") and hasattr(a, "kv_scheme") for a in attns):
+            scales = []
+            for a in attns:
+                rescale = (448.0 if a.kv_scheme.type == "float" else 127.0) / QMAX[dtype]  # absmax = scale * qmax
+                scales.append(tuple((getattr(a, n).float() * rescale).reshape(-1, 1, 1).to(device)
+                                    for n in ("k_scale", "v_scale")))
+            return dtype, scales
+        log.warning("the checkpoint has no KV-cache scales: measuring them on built-in text at load; "
+                    "calibrated ones are better (qtk quantize --kv-cache %s)", kv_cache_dtype)
+        from ..data import builtin_texts, token_stream
+
+        ids = token_stream(self.tokenizer, builtin_texts("calibration"))[:512].tolist()
+        return dtype, measure_kv_scales(self.model, ids, dtype, device)
 
     def _eos_ids(self, hf_model) -> set[int]:
         ids = set()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, PrefillChunk
+from .attention import QMAX, AttentionMetadata, KVCache, PrefillChunk
 from .sampler import logprob_entry
 from .scheduler import Batch
 from .sequence import Sequence
@@ -16,23 +16,46 @@ def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
     return 2 * len(model.layers) * model.num_kv_heads * model.head_dim * elem
 
 
+@torch.inference_mode()
+def measure_kv_scales(model, ids: list[int], dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k_scale, v_scale) [kv_heads, 1, 1] = absmax / qmax of K (after RoPE) and V over
+    the prompt `ids`, read from a float cache that its prefill filled."""
+    block_size = 16
+    num_blocks = -(-len(ids) // block_size)
+    runner = ModelRunner(model, num_blocks, block_size, device=device)
+    seq = Sequence(ids, block_size=block_size)
+    seq.block_table = list(range(num_blocks))
+    runner.run(Batch([seq], [len(ids)]))
+    qmax = QMAX[dtype]
+    return [tuple((t.float().abs().amax(dim=(1, 2)).clamp_min(1e-8) / qmax).view(-1, 1, 1) for t in (c.k, c.v))
+            for c in runner.kv_caches]
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
+                 kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  device: torch.device | str = "cpu"):
+        """kv_scales: per layer (k_scale, v_scale) for an FP8 / INT8 cache (kv_dtype)."""
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         kv_dtype = kv_dtype or model.dtype
-        shape = (num_blocks * block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in model.layers]
+        shape = (model.num_kv_heads, num_blocks * block_size, model.head_dim)
+        self.kv_caches = []
+        for i in range(len(model.layers)):
+            k_scale, v_scale = kv_scales[i] if kv_scales else (None, None)
+            self.kv_caches.append(KVCache(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                                          torch.zeros(shape, dtype=kv_dtype, device=self.device), k_scale, v_scale))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size
         for src, dst in copies:
-            for k, v in self.kv_caches:
-                k[dst * bs:(dst + 1) * bs] = k[src * bs:(src + 1) * bs]
-                v[dst * bs:(dst + 1) * bs] = v[src * bs:(src + 1) * bs]
+            for cache in self.kv_caches:
+                for t in (cache.k, cache.v):
+                    t[:, dst * bs:(dst + 1) * bs] = t[:, src * bs:(src + 1) * bs]
+
+    def slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Cache slots of seq's positions [start, end)."""
@@ -41,34 +64,39 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """(input_ids [T], positions [T], attention metadata, packed index of each sampling token)."""
+        """(input_ids [T], positions [T], attention metadata, packed index of each sampling token).
+        Decodes cost a few list operations each; a prefill chunk a few tensor operations."""
         ids, positions, slot_mapping, sample_index = [], [], [], []
-        decode_index, decode_slots, prefills = [], [], []
+        decode_index, tables, lens, prefills = [], [], [], []
         t = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
-            positions.append(torch.arange(start, start + n))
-            context = self.slots(seq, 0, start + n)
-            slot_mapping.append(context[start:])
             if n == 1:
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slot_mapping.append(self.slot(seq, start))
                 decode_index.append(t)
-                decode_slots.append(context)
+                tables.append(seq.block_table)
+                lens.append(start + 1)
             else:
+                ids.extend(seq.token_ids[start:start + n])
+                positions.extend(range(start, start + n))
+                context = self.slots(seq, 0, start + n)
+                slot_mapping.extend(context[start:].tolist())
                 prefills.append(PrefillChunk(t, n, context.to(self.device)))
             t += n
             if batch.samples(i):
                 sample_index.append(t - 1)
-        longest = max((s.numel() for s in decode_slots), default=0)
-        padded = torch.zeros(len(decode_slots), longest, dtype=torch.long)
-        mask = torch.zeros(len(decode_slots), longest, dtype=torch.bool)
-        for j, s in enumerate(decode_slots):
-            padded[j, :s.numel()] = s
-            mask[j, :s.numel()] = True
+        width = max(map(len, tables), default=0)
+        block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.long)
+        mask = torch.arange(width * self.block_size)[None, :] < torch.tensor(lens, dtype=torch.long)[:, None]
         dev = self.device
-        meta = AttentionMetadata(torch.cat(slot_mapping).to(dev), torch.tensor(decode_index, dtype=torch.long, device=dev),
-                                 padded.to(dev), mask.to(dev), prefills)
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(positions).to(dev), meta, sample_index)
+        meta = AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+                                 torch.tensor(decode_index, dtype=torch.long, device=dev),
+                                 block_tables.reshape(len(tables), width).to(dev), mask.to(dev), prefills,
+                                 self.block_size)
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+                meta, sample_index)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

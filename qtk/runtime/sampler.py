@@ -53,6 +53,8 @@ class Sampler:
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        if all(s.params.greedy and not self._adjusts(s) for s in seqs):  # one argmax for the batch
+            return logits.argmax(dim=-1).tolist()
         out = []
         for row, seq in zip(logits, seqs):
             p = seq.params
@@ -71,6 +73,13 @@ class Sampler:
                     gen = self.generators[seq.seq_id] = torch.Generator(device=row.device).manual_seed(p.seed)
             out.append(int(torch.multinomial(row.softmax(-1), 1, generator=gen)))
         return out
+
+    @staticmethod
+    def _adjusts(seq: Sequence) -> bool:
+        """Penalties or min_tokens change seq's logits before the choice."""
+        p = seq.params
+        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+                or seq.num_generated_tokens < p.min_tokens)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, token: int, top: int) -> dict[int, float]:

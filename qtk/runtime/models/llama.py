@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..attention import AttentionMetadata, paged_attention
+from ..attention import AttentionMetadata, KVCache, paged_attention
 
 
 @dataclass(frozen=True)
@@ -59,17 +59,17 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(h[None], positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, meta, k_cache, v_cache)
+        for layer, cache in zip(self.layers, kv_caches):
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, meta, cache)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
-    def _attention(self, attn, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
+    def _attention(self, attn, x, cos, sin, meta, cache) -> torch.Tensor:
         T = x.shape[0]
         q = attn.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = attn.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
@@ -78,7 +78,7 @@ class LlamaModel(nn.Module):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = paged_attention(q, k, v, cache, meta, self.scale)
         return attn.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

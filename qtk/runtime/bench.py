@@ -1,0 +1,226 @@
+"""`qtk bench engine`: qtk's runtime against transformers `generate`, vLLM's CPU build and
+llama.cpp on the same weights and requests, in one run (docs/benchmarks.md, Engine on CPU).
+
+    throughput   N chat requests (16 short questions, repeated), M output tokens each, EOS ignored,
+                 all submitted at once, after one warm-up batch: output tokens / wall seconds
+                 (transformers: one request at a time over the first `sequential` requests, and
+                 statically batched 16 at a time over all, left-padded)
+    batch 1      one request, a 128-token prompt, 256 output tokens: output tok/s
+    start-up     process start to the first token of a first request (a fresh process)
+Peers run in venvs of their own (scripts/peer_env.sh vllm | llamacpp): vLLM's CPU build reads the
+same HF directory or qtk checkpoint; llama.cpp reads a GGUF (the bundled Q4_1 file by default),
+its batch-1 figure is the 4-bit CPU anchor. A peer that refuses the model is recorded with its
+own reason. Writes JSON (command, commit, CPU, versions, date, figures) and prints a table.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..device import choose_dtype
+from ..errors import InputError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about autumn leaves falling.",
+    "Explain in one sentence why the sky is blue, for a child.", "List three uses of a paperclip.",
+    "What is 17 times 23?", "Give me a tip for sleeping better.", "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.", "What does a CPU do?", "Name a famous painting by Van Gogh.",
+    "How many legs does a spider have?", "Suggest a name for a pet goldfish.", "What is photosynthesis?",
+    "Write one sentence about the ocean.", "Why do leaves change color in the fall?",
+    "What is the boiling point of water?",
+]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    convs = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
+    return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]) for c in convs]
+
+
+def text_prompt(tokenizer, length: int) -> list[int]:
+    """`length` tokens of the built-in evaluation text (the batch-1 prompt)."""
+    from ..data import load_texts, token_stream
+
+    return token_stream(tokenizer, load_texts("builtin", "evaluation"))[:length].tolist()
+
+
+# -- qtk -------------------------------------------------------------------------------------------
+def qtk_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+    from .sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t
+
+
+STARTUP = """
+import time; t0 = time.perf_counter()
+import json, sys
+from qtk import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype=sys.argv[2])
+llm.generate([json.loads(sys.argv[3])], SamplingParams(max_tokens=1))
+print(json.dumps({"startup_s": time.perf_counter() - t0}))
+"""
+
+
+def qtk_startup(model: str, dtype: str, prompt: list[int]) -> float:
+    out = subprocess.run([sys.executable, "-c", STARTUP, model, dtype, json.dumps(prompt)], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["startup_s"]
+
+
+# -- transformers ----------------------------------------------------------------------------------
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], max_tokens: int, batch: int, pad_id: int) -> tuple[int, float]:
+    """Greedy, EOS ignored (min_new_tokens), `batch` prompts at a time, left-padded."""
+    tokens, t = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        width = max(map(len, group))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False, pad_token_id=pad_id)
+        tokens += (out.shape[1] - width) * len(group)
+    return tokens, time.perf_counter() - t
+
+
+# -- peers -----------------------------------------------------------------------------------------
+def run_peer(kind: str, script: str, job: dict, timeout: int = 1800) -> dict:
+    """Run benchmarks/<script> in the peer's venv on `job`; its JSON result (or {"error": why})."""
+    path = REPO / "benchmarks" / script
+    if not path.is_file():
+        raise NotFoundError(f"{path} is missing: `qtk bench engine --peer` runs from a qtk checkout")
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_file.write_text(json.dumps(job))
+        t = time.perf_counter()
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "peer_env.sh"), kind, str(path), str(job_file),
+                               str(out_file)], capture_output=True, text=True, timeout=timeout)
+        if not out_file.is_file():
+            return {"error": f"{kind} peer exited {proc.returncode}: {proc.stderr[-2000:]}"}
+        result = json.loads(out_file.read_text())
+        result["wall_s"] = time.perf_counter() - t
+        return result
+
+
+def rate(tokens: int, seconds: float) -> dict:
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 2)}
+
+
+def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_len: int = 128,
+        batch1_output_len: int = 256, dtype: str = "auto", peers: tuple[str, ...] = ("transformers",),
+        sequential: int = 16, gguf: str | None = None, out: str | Path = "benchmarks/results",
+        name: str | None = None) -> tuple[dict, str]:
+    from ..models import bundled_gguf, load_model, resolve
+    from .engine import LLM
+
+    if num_prompts < 1 or output_len < 1:
+        raise InputError("--num-prompts and --output-len must be at least 1")
+    torch_dtype = choose_dtype(dtype, "cpu").dtype
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    llm = LLM(model, dtype=dtype_name)
+    prompts = chat_prompts(llm.tokenizer, num_prompts)
+    batch1 = text_prompt(llm.tokenizer, batch1_input_len)
+    res: dict = {"model": model, "dtype": dtype_name, "num_prompts": num_prompts, "output_len": output_len,
+                 "batch1": {"input_len": batch1_input_len, "output_len": batch1_output_len}, "engines": {}}
+
+    log.info("qtk: warm-up, throughput, batch 1, start-up")
+    qtk_generate(llm, prompts[:min(16, num_prompts)], 8)
+    q = res["engines"]["qtk"] = {"throughput": rate(*qtk_generate(llm, prompts, output_len)),
+                                 "batch1": rate(*qtk_generate(llm, [batch1], batch1_output_len))}
+    del llm
+    q["startup_s"] = round(qtk_startup(model, dtype_name, prompts[0]), 2)
+
+    if "transformers" in peers:
+        log.info("transformers: one request at a time (%d), static batches of 16 (%d)", sequential, num_prompts)
+        hf, tok = load_model(model, dtype=torch_dtype)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        hf_generate(hf, prompts[:2], 8, 2, pad)  # warm-up
+        res["engines"]["transformers"] = {
+            "sequential": {**rate(*hf_generate(hf, prompts[:sequential], output_len, 1, pad)), "requests": sequential},
+            "static_16": rate(*hf_generate(hf, prompts, output_len, 16, pad)),
+            "batch1": rate(*hf_generate(hf, [batch1], batch1_output_len, 1, pad))}
+        del hf
+
+    if "vllm" in peers:
+        log.info("vLLM (CPU build, own venv): start-up, throughput, batch 1")
+        job = {"model": str(resolve(model)), "dtype": dtype_name, "max_model_len": 2048, "tasks": [
+            {"kind": "generate", "name": "warmup", "prompts": prompts[:min(16, num_prompts)], "max_tokens": 8,
+             "ignore_eos": True},
+            {"kind": "generate", "name": "throughput", "prompts": prompts, "max_tokens": output_len, "ignore_eos": True},
+            {"kind": "generate", "name": "batch1", "prompts": [batch1], "max_tokens": batch1_output_len,
+             "ignore_eos": True}]}
+        v = run_peer("vllm", "vllm_peer.py", job)
+        res["engines"]["vllm"] = v if "error" in v else {
+            "throughput": rate(v["tasks"]["throughput"]["tokens"], v["tasks"]["throughput"]["seconds"]),
+            "batch1": rate(v["tasks"]["batch1"]["tokens"], v["tasks"]["batch1"]["seconds"]),
+            "startup_s": round(v["startup_s"], 2)}
+
+    if "llama.cpp" in peers:
+        gguf_path = str(gguf or bundled_gguf())
+        log.info("llama.cpp (own venv) on %s: batch 1", gguf_path)
+        v = run_peer("llamacpp", "llamacpp_peer.py", {"gguf": gguf_path, "prompt": batch1,
+                                                       "max_tokens": batch1_output_len})
+        res["engines"]["llama.cpp"] = v if "error" in v else {"gguf": gguf_path,
+                                                              "batch1": rate(v["tokens"], v["seconds"])}
+    return record(res, out, name), summary(res)
+
+
+def record(res: dict, out: str | Path, name: str | None) -> dict:
+    res.update(command=" ".join(sys.argv), commit=_git_commit(), date=datetime.datetime.now().isoformat(),
+               device=_cpu_name(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
+               threads=torch.get_num_threads(), torch=torch.__version__)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = name or f"engine-{Path(res['model']).name}-{res['dtype']}"
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+def summary(res: dict) -> str:
+    lines = [f"{res['model']} ({res['dtype']}, {res.get('device')}, {res.get('threads')} threads)",
+             f"{'engine':<24}{'throughput tok/s':>18}{'batch-1 tok/s':>15}{'start-up s':>12}"]
+    for engine, r in res["engines"].items():
+        if "error" in r:
+            lines.append(f"{engine:<24}refused: {r['error'][:200]}")
+            continue
+        rows = [(engine, r.get("throughput"), r.get("batch1"), r.get("startup_s"))]
+        if engine == "transformers":
+            rows = [(f"transformers 1 at a time", r["sequential"], r["batch1"], None),
+                    ("transformers batch 16", r["static_16"], None, None)]
+        for label, thr, b1, st in rows:
+            cell = lambda x: f"{x['tok_s']:.1f}" if x else "-"  # noqa: E731
+            lines.append(f"{label:<24}{cell(thr):>18}{cell(b1):>15}{(f'{st:.1f}' if st else '-'):>12}")
+    return "\n".join(lines)
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
