@@ -258,3 +258,23 @@ def test_prompt_logprobs_survive_preemption(tiny_dir):
         assert len(out.prompt_logprobs) == len(prompt) and len(out.outputs[0].token_ids) == 40
         for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
             assert list(entry) == [prompt[i]] and abs(entry[prompt[i]] - lp[i - 1, prompt[i]].item()) < 1e-4
+
+
+def test_bench_engine_runs_qtk_and_transformers_on_the_same_requests(tiny_dir, tmp_path):
+    """`qtk bench engine` on the tiny model with transformers as the peer: every engine produced
+    exactly the output tokens asked for (EOS ignored), and the JSON records the run."""
+    import json
+
+    from click.testing import CliRunner
+
+    from qtk.cli import main
+
+    r = CliRunner().invoke(main, ["bench", "engine", str(tiny_dir), "--num-prompts", "4", "--output-len", "5",
+                                  "--input-len", "16", "--batch1-output-len", "6", "--sequential", "2",
+                                  "--dtype", "float32", "--out", str(tmp_path), "--name", "tiny"])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "tiny.json").read_text())
+    qtk, hf = res["engines"]["qtk"], res["engines"]["transformers"]
+    assert qtk["throughput"]["tokens"] == 4 * 5 and qtk["batch1"]["tokens"] == 6 and qtk["startup_s"] > 0
+    assert hf["sequential"]["tokens"] == 2 * 5 and hf["static_16"]["tokens"] == 4 * 5 and hf["batch1"]["tokens"] == 6
+    assert res["cpu_capability"] and res["commit"] and "transformers batch 16" in r.output

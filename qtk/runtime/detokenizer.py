@@ -40,3 +40,11 @@ def find_stop(text: str, stops: tuple[str, ...], new: int) -> int | None:
     start = max(len(text) - new - longest + 1, 0)
     hits = [i for i in (text.find(s, start) for s in stops) if i != -1]
     return min(hits) if hits else None
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of text could begin a stop string (not to be shown yet)."""
+    for n in range(min(max((len(s) for s in stops), default=1) - 1, len(text)), 0, -1):
+        if any(s.startswith(text[-n:]) for s in stops):
+            return n
+    return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -20,7 +20,7 @@ from ..device import choose_dtype
 from ..errors import InputError
 from .attention import KV_DTYPES, QMAX
 from .block_manager import BlockManager
-from .detokenizer import IncrementalDetokenizer, find_stop
+from .detokenizer import IncrementalDetokenizer, find_stop, held_back
 from .model_runner import ModelRunner, kv_bytes_per_token, measure_kv_scales
 from .models.llama import LlamaModel
 from .sampler import Sampler
@@ -52,6 +52,12 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
+
+    def snapshot(self) -> RequestOutput:
+        """A copy the engine will not change afterwards (lists copied, entries shared)."""
+        outs = [replace(o, token_ids=list(o.token_ids), logprobs=None if o.logprobs is None else list(o.logprobs))
+                for o in self.outputs]
+        return replace(self, outputs=outs)
 
 
 class LLM:
@@ -141,7 +147,8 @@ class LLM:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        out, seqs = self._requests.pop(request_id)
+        """Stop a request and free its blocks (nothing happens for an unknown or finished one)."""
+        _, seqs = self._requests.pop(request_id, (None, []))
         for s in seqs:
             self.scheduler.finish(s)
             self.sampler.forget(s)
@@ -152,7 +159,8 @@ class LLM:
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns the requests that finished in it."""
+        """One scheduler step; returns a snapshot of every request that got a token in it (its
+        text and tokens so far; `finished` once every completion has a finish_reason)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -168,12 +176,16 @@ class LLM:
             if seq.params.logprobs is not None:
                 seq.logprobs.append(self.sampler.logprobs(row, token, seq.params.logprobs))
         self.scheduler.finish_step(batch, {s.seq_id: t for s, t in zip(sampling, tokens)})
-        finished = []
+        updated: dict[str, RequestOutput] = {}
         for seq in sampling:
+            if seq.request_id not in self._requests:
+                continue  # a sibling (n > 1) of a request aborted in this step
             reason = self._stop_reason(seq)
-            if reason is not None:
-                self._finish(seq, reason, finished)
-        return finished
+            out = self._update(seq, reason)
+            updated[seq.request_id] = out
+            if out.finished:
+                del self._requests[seq.request_id]
+        return [out.snapshot() for out in updated.values()]
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """After seq got a new token: "stop" (EOS, a stop token, a stop string: the text ends
@@ -192,22 +204,23 @@ class LLM:
             return "stop"
         return "length" if at_length else None
 
-    def _finish(self, seq: Sequence, reason: str, finished: list[RequestOutput]) -> None:
+    def _update(self, seq: Sequence, reason: str | None) -> RequestOutput:
+        """seq's completion after its new token; a finished seq gives back its blocks. Text that
+        may be the start of a stop string is held back until the next tokens decide."""
         out, seqs = self._requests[seq.request_id]
-        self.scheduler.finish(seq)
-        self.sampler.forget(seq)
-        self._detok.pop(seq.seq_id, None)
         completion = out.outputs[seqs.index(seq)]
         completion.token_ids = seq.generated_token_ids
         completion.finish_reason = reason
-        completion.text = seq.text
+        completion.text = seq.text if reason is not None else seq.text[:len(seq.text) - held_back(seq.text, seq.params.stop)]
         if seq.params.logprobs is not None:
             completion.logprobs = seq.logprobs
-        if seq.params.prompt_logprobs is not None and out.prompt_logprobs is None:
-            out.prompt_logprobs = [None, *seq.prompt_logprobs]
-        if out.finished:
-            del self._requests[seq.request_id]
-            finished.append(out)
+        if reason is not None:
+            self.scheduler.finish(seq)
+            self.sampler.forget(seq)
+            self._detok.pop(seq.seq_id, None)
+            if seq.params.prompt_logprobs is not None and out.prompt_logprobs is None:
+                out.prompt_logprobs = [None, *seq.prompt_logprobs]
+        return out
 
     # -- offline API -------------------------------------------------------------------------
     def generate(self, prompts: str | list[str] | list[list[int]],
@@ -220,7 +233,8 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():
-                done[out.request_id] = out
+                if out.finished:
+                    done[out.request_id] = out
         return [done[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):

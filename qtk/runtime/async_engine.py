@@ -1,0 +1,121 @@
+"""AsyncLLM: the engine for an asyncio server (vLLM's AsyncLLM API).
+
+    engine = AsyncLLM(LLM("smollm2-135m"))
+    async for out in engine.generate(prompt, SamplingParams(max_tokens=64), request_id="r1"):
+        out.outputs[0].text            # the text so far; out.finished on the last one
+    engine.abort("r1")                 # or leave the loop: closing the stream aborts the request
+
+The engine steps in a thread of its own, so the event loop stays free to accept requests and
+write responses while a step computes (torch releases the GIL in its kernels). The loop thread
+never touches the engine: requests and aborts go through an inbox the engine thread drains
+between steps, and each step's outputs come back to each request's asyncio queue through
+call_soon_threadsafe. A request the engine rejects (InputError: empty prompt, too long, bad
+parameters) raises that error from its own stream and nothing else is affected.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from .engine import LLM, RequestOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed: no request can be served any more."""
+
+
+class AsyncLLM:
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._ids = itertools.count()
+        self._stopped = False
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="qtk-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's output after each step that gave it tokens, the last one finished."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead!r}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._post(("add", request_id, prompt, params))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the caller left early (client gone, cancelled): free the blocks
+                self._post(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # -- the engine thread -------------------------------------------------------------------------
+    def _post(self, message: tuple) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, request_id, *rest = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "abort":
+                self.llm.abort(request_id)
+                continue
+            try:
+                self.llm.add_request(rest[0], rest[1], request_id=request_id)
+            except Exception as e:  # this request's error (bad input): its stream raises it
+                self._deliver(request_id, e)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._drain_inbox()
+                if not self.llm.has_unfinished_requests():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                for out in self.llm.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # a bug or an out-of-memory: fail every stream, loudly
+            log.exception("the engine thread failed")
+            self.dead = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"the engine stopped: {e!r}"))

@@ -1,0 +1,86 @@
+"""AsyncLLM: concurrent streams give the offline engine's results, every streamed text is a prefix
+of the final one, leaving a stream aborts its request and frees its blocks, and a bad request
+fails alone."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from qtk.errors import InputError
+from qtk.runtime.detokenizer import held_back
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir):
+    from qtk import LLM
+    from qtk.runtime.async_engine import AsyncLLM
+
+    kw = dict(dtype="float32", max_model_len=128, kv_cache_memory=2**20, block_size=8)
+    engine = AsyncLLM(LLM(str(tiny_dir), **kw))
+    yield LLM(str(tiny_dir), **kw), engine
+    engine.shutdown()
+
+
+async def collect(engine, prompt, params, request_id=None):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def test_concurrent_streams_match_the_offline_engine(engines):
+    from qtk import SamplingParams
+
+    offline, engine = engines
+    prompts = [list(range(300, 300 + n)) for n in (5, 17, 9)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, stop=["e"] if i == 1 else None)
+              for i, m in enumerate((12, 7, 20))]
+    want = offline.generate(prompts, params)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, params)))
+
+    for stream, ref in zip(asyncio.run(main()), want):
+        final = stream[-1].outputs[0]
+        assert final.token_ids == ref.outputs[0].token_ids and final.text == ref.outputs[0].text
+        assert final.finish_reason == ref.outputs[0].finish_reason and stream[-1].finished
+        assert not any(o.finished for o in stream[:-1])
+        texts = [o.outputs[0].text for o in stream]
+        assert all(final.text.startswith(t) for t in texts)  # never shows text it takes back
+        assert [len(o.outputs[0].token_ids) for o in stream] == sorted(len(o.outputs[0].token_ids) for o in stream)
+
+
+def test_leaving_a_stream_aborts_it_and_a_bad_request_fails_alone(engines):
+    from qtk import SamplingParams
+
+    _, engine = engines
+    bm = engine.llm.block_manager
+    free_before = bm.num_free_blocks
+
+    async def leave_early():
+        async for out in engine.generate(list(range(300, 340)), SamplingParams(max_tokens=100, ignore_eos=True)):
+            if len(out.outputs[0].token_ids) >= 3:
+                return out
+
+    async def main():
+        bad = collect(engine, [], SamplingParams(max_tokens=4))
+        good = collect(engine, list(range(400, 410)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        return await asyncio.gather(leave_early(), bad, good, return_exceptions=True)
+
+    left, bad, good = asyncio.run(main())
+    assert len(left.outputs[0].token_ids) == 3 and not left.finished
+    assert isinstance(bad, InputError) and "empty" in str(bad)
+    assert good[-1].finished and len(good[-1].outputs[0].token_ids) == 6
+
+    async def settle():  # the abort reaches the engine thread between steps
+        for _ in range(100):
+            if not engine.llm.has_unfinished_requests():
+                return
+            await asyncio.sleep(0.05)
+
+    asyncio.run(settle())
+    assert not engine.llm.has_unfinished_requests() and bm.num_free_blocks == free_before
+
+
+def test_held_back_is_the_longest_suffix_that_could_start_a_stop_string():
+    assert held_back("Hello wor", ("world",)) == 3
+    assert held_back("Hello", ("lo!", "xyz")) == 2
+    assert held_back("Hello", ("abc",)) == 0 and held_back("Hello", ()) == 0
