@@ -157,6 +157,11 @@ def eval_(model, task, dataset, seq_len, limit, batch_size, device, dtype, kv_ca
               help="Tokens per step at most (longer prompts are prefilled in chunks).")
 @click.option("--max-model-len", type=int, default=None, help="Context length (default: the model's).")
 @click.option("--kv-cache-memory", type=int, default=None, help="Bytes for the KV cache on CPU (default 2 GiB).")
+@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
+              help="CUDA: the fraction of the GPU's memory the engine may use (weights + KV cache).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
+              help="KV cache: the model dtype, or FP8 e4m3 / INT8 with the checkpoint's scales (measured at load "
+                   "when it has none).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Reuse the KV blocks of a prompt prefix already computed.")
 def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, device, dtype, **engine_args):

@@ -9,7 +9,7 @@ def generate(model_name: str, prompt: str, max_tokens: int = 64, chat: bool = Fa
              **engine_args) -> str:
     """The completion of `prompt` (wrapped in the chat template with chat=True); engine_args are
     LLM's (block_size, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_memory,
-    enable_prefix_caching)."""
+    enable_prefix_caching, kv_cache_dtype, gpu_memory_utilization)."""
     from .runtime.engine import LLM
     from .runtime.sampling_params import SamplingParams
 

@@ -391,3 +391,42 @@ def test_prefill_compiles_to_tensor_cores(cc, q, cache):
     ops = set(re.findall(MMA, ptx)) | (set(re.findall(WGMMA, ptx)) if cc >= 90 else set())
     assert ops, f"no tensor-core instruction in the sm_{cc} prefill PTX"
     assert re.search(CACHE_TILE_COPY, ptx), "cache tiles are not copied 16 bytes at a time"
+
+
+@interp
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+def test_runtime_steps_through_the_triton_kernels(kv_dtype):
+    """The model runner with attention_backend="triton" (the CUDA default), in the interpreter:
+    prefill chunks beside decodes, over a float or INT8 cache, give the torch path's logits."""
+    from test_runtime import hf_model
+
+    from qtk.runtime.block_manager import BlockManager
+    from qtk.runtime.model_runner import ModelRunner
+    from qtk.runtime.models.llama import LlamaModel
+    from qtk.runtime.scheduler import Scheduler, SchedulerConfig
+    from qtk.runtime.sequence import Sequence
+
+    model = LlamaModel(hf_model("llama"))
+    num_blocks, bs = 32, 4
+    scales = None
+    if kv_dtype is not None:
+        s = torch.full((model.num_kv_heads, 1, 1), 0.05)
+        scales = [(s, s) for _ in model.layers]
+    runners = {b: ModelRunner(model, num_blocks, bs, kv_dtype, scales, attention_backend=b) for b in ("torch", "triton")}
+    prompts = [list(range(10, 21)), list(range(50, 53)), list(range(90, 97))]
+    logits = {}
+    for backend, runner in runners.items():
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), BlockManager(num_blocks, bs))
+        seqs = [Sequence(p, block_size=bs) for p in prompts]
+        for seq in seqs:
+            sched.add(seq)
+        rows = []
+        for _ in range(6):
+            batch = sched.schedule()
+            out, _ = runner.run(batch)
+            rows.append(out)
+            sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+            sched.finish_step(batch, {s.seq_id: 7 + seqs.index(s) for s in sampling})
+        logits[backend] = rows
+    for a, b in zip(logits["torch"], logits["triton"]):
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)

@@ -182,40 +182,6 @@ def test_logprobs_of_sampled_tokens_are_the_models(tiny_dir):
             assert abs(v - row[t].item()) < 1e-4
 
 
-@pytest.mark.slow
-def test_bundled_model_greedy_chat_matches_transformers(bundled_dir):
-    """The bundled SmolLM2 in float32, chat prompts of different lengths in one batch, 24 tokens
-    each (min_tokens keeps EOS out, as min_new_tokens does): qtk's greedy tokens are
-    transformers'; where they part, it is a near-tie by vLLM's
-    check_logprobs_close rule (each side's token among the other's top 5), and the comparison
-    stops there."""
-    from transformers import AutoModelForCausalLM
-
-    from qtk import LLM, SamplingParams
-
-    questions = ["What is the capital of France?", "Write a haiku about autumn leaves falling.",
-                 "Explain in one sentence why the sky is blue, for a child."]
-    llm = LLM(str(bundled_dir), dtype="float32", max_model_len=512, kv_cache_memory=2**27)
-    convs = [[{"role": "user", "content": q}] for q in questions]
-    outs = llm.chat(convs, SamplingParams(max_tokens=24, min_tokens=24, temperature=0, logprobs=5))
-    ref = AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.float32).eval()
-    agreed = 0
-    for out in outs:
-        ids = torch.tensor([out.prompt_token_ids])
-        with torch.no_grad():
-            hf = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
-                              do_sample=False, output_scores=True, return_dict_in_generate=True)
-        want = hf.sequences[0, ids.shape[1]:].tolist()
-        got = out.outputs[0].token_ids
-        for i, (a, b) in enumerate(zip(got, want)):
-            if a != b:
-                hf_top = hf.scores[i][0].topk(5).indices.tolist()
-                assert b in out.outputs[0].logprobs[i] and a in hf_top, (i, a, b)
-                break
-            agreed += 1
-    assert agreed >= 48  # most of the 72 tokens agree exactly
-
-
 def test_prompt_logprobs_through_chunks_are_the_models(tiny_dir):
     """prompt_logprobs over a prompt prefilled in 16-token chunks: log p(token_i | before) for
     every i >= 1, transformers' within 1e-4, and the same again for a second, identical prompt
@@ -278,3 +244,27 @@ def test_bench_engine_runs_qtk_and_transformers_on_the_same_requests(tiny_dir, t
     assert qtk["throughput"]["tokens"] == 4 * 5 and qtk["batch1"]["tokens"] == 6 and qtk["startup_s"] > 0
     assert hf["sequential"]["tokens"] == 2 * 5 and hf["static_16"]["tokens"] == 4 * 5 and hf["batch1"]["tokens"] == 6
     assert res["cpu_capability"] and res["commit"] and "transformers batch 16" in r.output
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_packed_linears_compute_the_same_products():
+    """pack_linears swaps plain float32 Linears for oneDNN-packed ones and marks QuantLinears, whose
+    Dense runtime then holds the packed weight: outputs equal the plain ones to fp32 rounding."""
+    from qtk.kernels import dispatch
+    from qtk.quant_linear import QuantLinear
+    from qtk.runtime.packed_linear import PackedLinear, pack_linears
+    from qtk.schemes import preset
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(64, 48)
+    ql = QuantLinear.from_codes(torch.randint(-8, 8, (40, 64), dtype=torch.int8), torch.rand(40, 2) / 10 + 0.01,
+                                None, preset("w4a16", group_size=32), dtype=torch.float32)
+    model = torch.nn.Sequential(plain, torch.nn.ReLU(), torch.nn.Linear(48, 64, bias=False), ql)
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        want = model(x)
+        del ql._qtk_runtime
+        assert pack_linears(model) == 2 and isinstance(model[0], PackedLinear) and isinstance(model[2], PackedLinear)
+        got = model(x)
+    assert dispatch.runtime_for(ql, x.reshape(-1, 64)).weight.is_mkldnn
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

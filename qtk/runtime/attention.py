@@ -1,5 +1,5 @@
-"""Attention over the paged KV cache, CPU path in torch (Triton kernels for CUDA:
-triton_attention.py, same layout).
+"""Attention over the paged KV cache: the CPU path in torch, below; on CUDA the Triton kernels of
+triton_attention.py over the same layout (`_triton_attention`, chosen by AttentionMetadata.backend).
 
 The cache of one layer (KVCache) is two tensors [kv_heads, num_slots, head_dim], num_slots =
 num_blocks * block_size, so one block of one head is a contiguous [block_size, head_dim] tile; a
@@ -17,6 +17,7 @@ A k_scale is applied to the scores and a v_scale to the output, not to the gathe
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ class PrefillChunk:
     start: int  # first query's index in the packed batch
     length: int  # queries (new tokens)
     slots: torch.Tensor  # long [L]: the slots of the whole context, the new tokens last
+    block_table: list[int] = field(default_factory=list)  # the sequence's (for the Triton kernels)
 
 
 @dataclass
@@ -57,6 +59,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor  # bool [B, max_blocks * block_size]: True for a real context token
     prefills: list[PrefillChunk]
     block_size: int
+    decode_lens: torch.Tensor | None = None  # long [B]: their context lengths (the Triton kernels')
+    backend: str = "torch"  # or "triton" (CUDA; the interpreter in tests)
     _buffers: dict = field(default_factory=dict, repr=False)
 
     def gather_buffers(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +99,8 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] of the step's tokens -> attention output [T, heads, D]."""
+    if meta.backend == "triton":
+        return _triton_attention(q, k, v, cache, meta, scale)
     write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_index.numel():
@@ -139,3 +145,27 @@ def _prefill(q: torch.Tensor, cache: KVCache, chunk: PrefillChunk, scale: float)
     o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
                                        enable_gqa=keys.shape[0] != q.shape[1])
     return o.transpose(0, 1)
+
+
+def _triton_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The same step through triton_attention's kernels: fused quantize-and-store, split-K decode
+    over the decodes' block tables, one varlen prefill launch over all prefill chunks."""
+    from . import triton_attention as ta
+
+    ta.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    out = torch.empty_like(q)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    if meta.decode_index.numel():
+        out[meta.decode_index] = ta.decode_attention(
+            q[meta.decode_index], cache.k, cache.v, meta.block_tables.to(torch.int32), meta.decode_lens.to(torch.int32),
+            scale, meta.block_size, cache.k_scale, cache.v_scale)
+    if meta.prefills:
+        chunks = meta.prefills
+        rows = torch.cat([torch.arange(p.start, p.start + p.length, device=q.device) for p in chunks])
+        width = max(len(p.block_table) for p in chunks)
+        tables = torch.tensor([p.block_table + [0] * (width - len(p.block_table)) for p in chunks], **i32)
+        lens = torch.tensor([p.slots.numel() for p in chunks], **i32)
+        starts = torch.tensor([0, *itertools.accumulate(p.length for p in chunks)], **i32)
+        out[rows] = ta.prefill_attention(q[rows], cache.k, cache.v, tables, lens, starts, scale, meta.block_size,
+                                         cache.k_scale, cache.v_scale)
+    return out

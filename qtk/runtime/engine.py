@@ -23,6 +23,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, find_stop, held_back
 from .model_runner import ModelRunner, kv_bytes_per_token, measure_kv_scales
 from .models.llama import LlamaModel
+from .packed_linear import pack_linears
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -64,18 +65,19 @@ class LLM:
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9):
         from ..models import load_model
 
         t0 = time.perf_counter()
         self.dtype = choose_dtype(dtype, device).dtype
         hf_model, self.tokenizer = load_model(model, dtype=self.dtype, device=device)
+        pack_linears(hf_model)
         self.model = LlamaModel(hf_model)
         limit = getattr(hf_model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or limit, limit)
         self.kv_dtype, kv_scales = self._kv_cache(kv_cache_dtype, device)
         per_token = kv_bytes_per_token(self.model, self.kv_dtype)
-        memory = kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        memory = kv_cache_memory or self._default_kv_memory(device, gpu_memory_utilization)
         num_blocks = memory // (per_token * block_size)
         if num_blocks * block_size < self.max_model_len:
             raise InputError(f"the KV cache ({memory} bytes, {per_token} per token) holds "
@@ -93,6 +95,23 @@ class LLM:
         log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %s), max_model_len %d",
                  time.perf_counter() - t0, num_blocks, block_size, num_blocks * block_size,
                  str(self.kv_dtype).removeprefix("torch."), self.max_model_len)
+
+    @staticmethod
+    def _default_kv_memory(device, utilization: float) -> int:
+        """CPU: 2 GiB. CUDA: what remains of utilization x the device's memory once the weights
+        are loaded, less a margin for the step's activations (vLLM's gpu_memory_utilization)."""
+        if not 0 < utilization <= 1:
+            raise InputError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        if torch.device(device).type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        activations = 2 * 2**30
+        left = int(utilization * total) - used - activations
+        if left <= 0:
+            raise InputError(f"gpu_memory_utilization {utilization} leaves no room for a KV cache "
+                             f"({used / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB); raise it")
+        return left
 
     def _kv_cache(self, kv_cache_dtype: str, device) -> tuple[torch.dtype, list | None]:
         """(cache dtype, per layer (k_scale, v_scale) float32 [kv_heads | 1, 1, 1] for FP8 / INT8).

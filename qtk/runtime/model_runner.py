@@ -34,11 +34,13 @@ def measure_kv_scales(model, ids: list[int], dtype: torch.dtype, device) -> list
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
                  kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 device: torch.device | str = "cpu"):
-        """kv_scales: per layer (k_scale, v_scale) for an FP8 / INT8 cache (kv_dtype)."""
+                 device: torch.device | str = "cpu", attention_backend: str | None = None):
+        """kv_scales: per layer (k_scale, v_scale) for an FP8 / INT8 cache (kv_dtype);
+        attention_backend: "triton" (the default on CUDA) or "torch" (on CPU)."""
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        self.attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         kv_dtype = kv_dtype or model.dtype
         shape = (model.num_kv_heads, num_blocks * block_size, model.head_dim)
         self.kv_caches = []
@@ -83,7 +85,7 @@ class ModelRunner:
                 positions.extend(range(start, start + n))
                 context = self.slots(seq, 0, start + n)
                 slot_mapping.extend(context[start:].tolist())
-                prefills.append(PrefillChunk(t, n, context.to(self.device)))
+                prefills.append(PrefillChunk(t, n, context.to(self.device), seq.block_table))
             t += n
             if batch.samples(i):
                 sample_index.append(t - 1)
@@ -94,7 +96,8 @@ class ModelRunner:
         meta = AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=dev),
                                  torch.tensor(decode_index, dtype=torch.long, device=dev),
                                  block_tables.reshape(len(tables), width).to(dev), mask.to(dev), prefills,
-                                 self.block_size)
+                                 self.block_size, torch.tensor(lens, dtype=torch.long, device=dev),
+                                 self.attention_backend)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, sample_index)
 
