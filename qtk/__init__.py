@@ -4,7 +4,8 @@
 """
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
+__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

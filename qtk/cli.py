@@ -139,6 +139,33 @@ def eval_(model, task, dataset, seq_len, limit, batch_size, device, dtype, kv_ca
         Path(json_path).write_text(json.dumps({"model": model, "task": task, **res.to_dict()}, indent=2) + "\n")
 
 
+ENGINE_OPTIONS = [
+    click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N]."),
+    click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
+                 help=DTYPE_HELP),
+    click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV-cache block."),
+    click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Sequences per step at most."),
+    click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
+                 help="Tokens per step at most (longer prompts are prefilled in chunks)."),
+    click.option("--max-model-len", type=int, default=None, help="Context length (default: the model's)."),
+    click.option("--kv-cache-memory", type=int, default=None, help="Bytes for the KV cache on CPU (default 2 GiB)."),
+    click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
+                 help="CUDA: the fraction of the GPU's memory the engine may use (weights + KV cache)."),
+    click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
+                 help="KV cache: the model dtype, or FP8 e4m3 / INT8 with the checkpoint's scales (measured at "
+                      "load when it has none)."),
+    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+                 help="Reuse the KV blocks of a prompt prefix already computed."),
+]
+
+
+def engine_options(fn):
+    """The engine's flags (vLLM's names), shared by generate and serve."""
+    for option in reversed(ENGINE_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
 @main.command()
 @click.argument("model")
 @click.option("--prompt", required=True, help="Prompt text.")
@@ -148,28 +175,37 @@ def eval_(model, task, dataset, seq_len, limit, batch_size, device, dtype, kv_ca
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k likeliest (0 = all).")
 @click.option("--seed", type=int, default=None, help="Seed of this request's sampling.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
-              help=DTYPE_HELP)
-@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV-cache block.")
-@click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Sequences per step at most.")
-@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
-              help="Tokens per step at most (longer prompts are prefilled in chunks).")
-@click.option("--max-model-len", type=int, default=None, help="Context length (default: the model's).")
-@click.option("--kv-cache-memory", type=int, default=None, help="Bytes for the KV cache on CPU (default 2 GiB).")
-@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
-              help="CUDA: the fraction of the GPU's memory the engine may use (weights + KV cache).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
-              help="KV cache: the model dtype, or FP8 e4m3 / INT8 with the checkpoint's scales (measured at load "
-                   "when it has none).")
-@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
-              help="Reuse the KV blocks of a prompt prefix already computed.")
+@engine_options
 def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, device, dtype, **engine_args):
     """Generate a continuation of --prompt with MODEL (float or quantized) on qtk's runtime."""
     from .generate import generate as gen
 
     click.echo(gen(model, prompt, max_tokens=max_tokens, chat=chat, temperature=temperature, top_p=top_p, top_k=top_k,
                    seed=seed, device=device, dtype=dtype, **engine_args))
+
+
+@main.command()
+@click.argument("model")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--served-model-name", default=None, help="The model name clients send (default: MODEL).")
+@click.option("--api-key", default=None, envvar="QTK_API_KEY", help="Require Authorization: Bearer KEY.")
+@click.option("--max-queue", type=int, default=None, help="Answer 503 (Retry-After) with this many requests waiting.")
+@engine_options
+def serve(model, host, port, served_model_name, api_key, max_queue, device, dtype, **engine_args):
+    """Serve MODEL over the OpenAI API (/v1/completions, /v1/chat/completions) on qtk's runtime."""
+    import uvicorn
+
+    from .runtime.async_engine import AsyncLLM
+    from .runtime.engine import LLM
+    from .runtime.server import build_app
+
+    engine = AsyncLLM(LLM(model, dtype=dtype, device=device, **engine_args))
+    app = build_app(engine, served_model_name or model, api_key=api_key, max_queue=max_queue)
+    try:  # uvicorn stops taking requests on SIGTERM/SIGINT and lets in-flight ones finish
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
+    finally:
+        engine.shutdown()
 
 
 @main.group()

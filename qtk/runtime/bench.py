@@ -181,7 +181,8 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
 
 
 def record(res: dict, out: str | Path, name: str | None) -> dict:
-    res.update(command=" ".join(sys.argv), commit=_git_commit(), date=datetime.datetime.now().isoformat(),
+    argv = sys.argv[1:] if Path(sys.argv[0]).name in ("qtk", "cli.py", "__main__.py") else sys.argv
+    res.update(command=" ".join(["qtk", *argv] if argv is not sys.argv else argv), commit=_git_commit(), date=datetime.datetime.now().isoformat(),
                device=_cpu_name(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
                threads=torch.get_num_threads(), torch=torch.__version__)
     out = Path(out)

@@ -1,0 +1,313 @@
+"""`qtk serve`: the OpenAI-compatible HTTP API over AsyncLLM (FastAPI on uvicorn), shaped as vLLM
+serves it (docs: shared formats, OpenAI API):
+
+    POST /v1/completions, /v1/chat/completions   JSON, or SSE chunks ending `data: [DONE]` (stream)
+    GET  /v1/models, /health, /version
+
+A request is checked at the edge: malformed JSON, a missing or ill-typed field, a parameter out of
+range, an unknown model name, a prompt or max_tokens beyond the context are a 400 in OpenAI's
+error shape naming what is wrong; without the --api-key, a 401 (compared in constant time); with
+--max-queue requests already waiting, a 503 with Retry-After. A client that leaves a stream aborts
+its request (AsyncLLM frees its blocks); an error inside one request fails only that one (500).
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .. import __version__
+from ..errors import InputError
+from .async_engine import AsyncLLM, EngineDeadError
+from .engine import RequestOutput
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+            503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class Server:
+    """The API's handlers around one engine (one model)."""
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
+                 max_queue: int | None = None):
+        self.engine = engine
+        self.model_name = served_model_name
+        self.api_key = api_key
+        self.max_queue = max_queue
+        self.max_model_len = engine.llm.max_model_len
+
+    # -- checks at the edge ------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        want = f"Bearer {self.api_key}"
+        if not hmac.compare_digest(given.encode(), want.encode()):
+            raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)")
+
+    def admit(self, body) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}", "model")
+        waiting = len(self.engine.llm.scheduler.waiting)
+        if self.max_queue is not None and waiting >= self.max_queue:
+            raise ApiError(503, f"{waiting} requests are waiting (--max-queue {self.max_queue}); retry shortly",
+                           headers={"Retry-After": "1"})
+        if self.engine.dead is not None:
+            raise ApiError(503, f"the engine stopped: {self.engine.dead!r}")
+
+    def token_ids(self, prompt: str | list[int]) -> list[int]:
+        ids = self.engine.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        return ids
+
+    def max_tokens(self, requested: int | None, prompt_len: int, field: str) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                f"has {prompt_len}", "messages" if field != "max_tokens" else "prompt")
+        if requested is None:
+            return room
+        if requested < 1:
+            raise ApiError(400, f"{field} must be at least 1, got {requested}", field)
+        if requested > room:
+            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} tokens; you asked "
+                                f"for {prompt_len + requested} ({prompt_len} in the prompt, {requested} in "
+                                f"the completion): lower {field}", field)
+        return requested
+
+    # -- completions -------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest):
+        self.admit(body)
+        if body.echo:
+            raise ApiError(400, "echo is not supported", "echo")
+        prompts = [self.token_ids(p) for p in body.prompts()]
+        if not prompts:
+            raise ApiError(400, "prompt is empty", "prompt")
+        base = f"cmpl-{uuid.uuid4().hex}"
+        streams = []
+        for i, ids in enumerate(prompts):
+            params = self._params(body, self.max_tokens(body.max_tokens, len(ids), "max_tokens"), body.logprobs)
+            streams.append((i, ids, self.engine.generate(ids, params, f"{base}-{i}")))
+        if body.stream:
+            return self._sse(self._stream_completions(base, body, streams))
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+        for i, ids, stream in streams:
+            final = await self._last(stream)
+            usage["prompt_tokens"] += len(ids)
+            for c in final.outputs:
+                usage["completion_tokens"] += len(c.token_ids)
+                choices.append({"index": i * body.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
+                                "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None})
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return {"id": base, "object": "text_completion", "created": _now(), "model": self.model_name,
+                "choices": choices, "usage": usage}
+
+    async def _stream_completions(self, base: str, body: CompletionRequest, streams) -> AsyncIterator[dict]:
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        for i, ids, stream in streams:  # one prompt after another; each prompt's n choices interleaved
+            usage["prompt_tokens"] += len(ids)
+            sent: dict[int, tuple[int, int]] = {}  # choice -> (characters, tokens) already sent
+            async for out in stream:
+                for c in out.outputs:
+                    chars, toks = sent.get(c.index, (0, 0))
+                    if len(c.text) == chars and c.finish_reason is None:
+                        continue
+                    sent[c.index] = (len(c.text), len(c.token_ids))
+                    if c.finish_reason is not None:
+                        usage["completion_tokens"] += len(c.token_ids)
+                    choice = {"index": i * body.n + c.index, "text": c.text[chars:], "finish_reason": c.finish_reason,
+                              "logprobs": self._completion_logprobs(c, toks) if body.logprobs is not None else None}
+                    yield {"id": base, "object": "text_completion", "created": _now(), "model": self.model_name,
+                           "choices": [choice]}
+        if body.stream_options and body.stream_options.include_usage:
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            yield {"id": base, "object": "text_completion", "created": _now(), "model": self.model_name,
+                   "choices": [], "usage": usage}
+
+    def _completion_logprobs(self, c, start: int = 0) -> dict:
+        tok = self.engine.tokenizer
+        ids, entries = c.token_ids[start:], (c.logprobs or [])[start:]
+        return {"tokens": [tok.decode([t]) for t in ids],
+                "token_logprobs": [e[t] for t, e in zip(ids, entries)],
+                "top_logprobs": [{tok.decode([k]): v for k, v in e.items()} for e in entries],
+                "text_offset": []}
+
+    # -- chat --------------------------------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest):
+        self.admit(body)
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        ids = list(tok.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt,
+                                           tokenize=True, return_dict=True)["input_ids"])
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, self.max_tokens(requested, len(ids), field), top)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self.engine.generate(ids, params, rid)
+        if body.stream:
+            return self._sse(self._stream_chat(rid, body, len(ids), stream))
+        final = await self._last(stream)
+        completion = sum(len(c.token_ids) for c in final.outputs)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason,
+                    "logprobs": self._chat_logprobs(c, body.top_logprobs or 0) if body.logprobs else None}
+                   for c in final.outputs]
+        return {"id": rid, "object": "chat.completion", "created": _now(), "model": self.model_name,
+                "choices": choices, "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                                              "total_tokens": len(ids) + completion}}
+
+    async def _stream_chat(self, rid: str, body: ChatCompletionRequest, prompt_len: int, stream) -> AsyncIterator[dict]:
+        def chunk(choices, **extra):
+            return {"id": rid, "object": "chat.completion.chunk", "created": _now(), "model": self.model_name,
+                    "choices": choices, **extra}
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(body.n)])
+        sent: dict[int, tuple[int, int]] = {}
+        completion = 0
+        async for out in stream:
+            for c in out.outputs:
+                chars, toks = sent.get(c.index, (0, 0))
+                if len(c.text) == chars and c.finish_reason is None:
+                    continue
+                sent[c.index] = (len(c.text), len(c.token_ids))
+                if c.finish_reason is not None:
+                    completion += len(c.token_ids)
+                delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
+                logprobs = self._chat_logprobs(c, body.top_logprobs or 0, toks) if body.logprobs else None
+                yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": c.finish_reason}])
+        if body.stream_options and body.stream_options.include_usage:
+            yield chunk([], usage={"prompt_tokens": prompt_len, "completion_tokens": completion,
+                                   "total_tokens": prompt_len + completion})
+
+    def _chat_logprobs(self, c, top: int, start: int = 0) -> dict:
+        tok = self.engine.tokenizer
+
+        def entry(t: int, lp: float) -> dict:
+            text = tok.decode([t])
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        content = []
+        for t, e in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+            ranked = sorted(((k, v) for k, v in e.items()), key=lambda kv: -kv[1])[:top]
+            content.append({**entry(t, e[t]), "top_logprobs": [entry(k, v) for k, v in ranked]})
+        return {"content": content}
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def _params(self, body, max_tokens: int, logprobs: int | None):
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except (InputError, ValueError) as e:
+            raise ApiError(400, str(e)) from e
+
+    @staticmethod
+    async def _last(stream) -> RequestOutput:
+        final = None
+        async for out in stream:
+            final = out
+        return final
+
+    @staticmethod
+    def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+        async def body():
+            try:
+                async for c in chunks:
+                    yield f"data: {json.dumps(c)}\n\n"
+            except (InputError, ValueError) as e:  # found once the engine took the request
+                yield f"data: {json.dumps(error_body(400, str(e)))}\n\n"
+            except Exception as e:  # noqa: BLE001  this request fails, the server goes on
+                log.exception("a streamed request failed")
+                yield f"data: {json.dumps(error_body(500, f'{type(e).__name__}: {e}'))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
+              max_queue: int | None = None) -> FastAPI:
+    server = Server(engine, served_model_name, api_key, max_queue)
+    app = FastAPI(title="qtk", version=__version__)
+    app.state.server = server
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):  # before the body is even read
+        if request.url.path.startswith("/v1/"):
+            try:
+                server.authorize(request)
+            except ApiError as e:
+                return JSONResponse(error_body(e.status, e.message), status_code=e.status)
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError):
+        return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid JSON body")
+        return JSONResponse(error_body(400, message, where or None), status_code=400)
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_: Request, e: EngineDeadError):
+        return JSONResponse(error_body(503, str(e)), status_code=503)
+
+    @app.exception_handler(InputError)
+    async def bad_input(_: Request, e: InputError):
+        return JSONResponse(error_body(400, str(e)), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception):
+        log.exception("request failed")
+        return JSONResponse(error_body(500, f"{type(e).__name__}: {e}"), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await server.completions(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        return await server.chat(body)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": _now(),
+                                            "owned_by": "qtk", "max_model_len": server.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=503 if engine.dead is not None else 200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    return app

@@ -1,0 +1,137 @@
+"""`qtk serve` through the real openai client on loopback: completions, chat, streaming (chunks
+reassemble to the non-streamed greedy text), n > 1, concurrency, seeds, bad requests as 4xx with
+a message, the api key, and a client leaving a stream frees its blocks."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    import uvicorn
+
+    from qtk import LLM
+    from qtk.runtime.async_engine import AsyncLLM
+    from qtk.runtime.server import build_app
+
+    engine = AsyncLLM(LLM(str(tiny_dir), dtype="float32", max_model_len=128, kv_cache_memory=2**21, block_size=8))
+    app = build_app(engine, "tiny", api_key=KEY, max_queue=64)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server[0] + "/health").status_code == 200
+    assert httpx.get(server[0] + "/version").json()["version"]
+
+
+def test_completion_and_its_stream_agree(client):
+    kw = dict(model="tiny", prompt="Hello there", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw)
+    assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12 and full.usage.total_tokens == full.usage.prompt_tokens + 12
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_chat_stream_n_and_seed(client):
+    msgs = [{"role": "user", "content": "Say something."}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    stream = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == full.choices[0].message.content
+    many = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=8, n=3, seed=7,
+                                         temperature=1.0)
+    again = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=8, n=3, seed=7,
+                                          temperature=1.0)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [c.message.content for c in again.choices]
+    lp = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+                                        top_logprobs=3)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
+def test_concurrent_requests_equal_the_same_requests_alone(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [f"Item {i}: the" for i in range(8)]
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0).choices[0].text
+             for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=8,
+                                                                      temperature=0).choices[0].text, prompts))
+    assert together == alone
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 500}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "model": "nope"}, "model"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": list(range(300, 450))}, "context length"),
+    ({"prompt": "hi", "n": "many"}, "n"),
+])
+def test_bad_requests_are_4xx_that_name_the_field(server, body, field):
+    r = httpx.post(server[0] + "/v1/completions", json={"model": "tiny", **body},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert 400 <= r.status_code < 500, r.text
+    assert field in r.json()["error"]["message"] or r.json()["error"]["param"] == field, r.text
+
+
+def test_malformed_json_and_the_api_key(server):
+    url = server[0] + "/v1/chat/completions"
+    r = httpx.post(url, content=b"{not json", headers={"Authorization": f"Bearer {KEY}",
+                                                       "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    assert httpx.post(url, json={"messages": [{"role": "user", "content": "x"}]}).status_code == 401
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}]}, headers={"Authorization": "Bearer no"})
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.post(url, json={"messages": []}, headers={"Authorization": f"Bearer {KEY}"}).status_code == 400
+
+
+def test_a_client_leaving_a_stream_frees_its_blocks(server):
+    url, engine = server
+    bm = engine.llm.block_manager
+    free = bm.num_free_blocks
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 6:
+                break  # leave mid-stream
+    deadline = time.time() + 2
+    while time.time() < deadline and (engine.llm.has_unfinished_requests() or bm.num_free_blocks != free):
+        time.sleep(0.02)
+    assert not engine.llm.has_unfinished_requests() and bm.num_free_blocks == free
