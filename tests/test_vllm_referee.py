@@ -34,7 +34,13 @@ def setup(referee_module, bundled_dir, tokenizer, tmp_path_factory):
     return dirs, referee_module.inputs(tokenizer)
 
 
-@pytest.mark.parametrize("name", ["float", "w4a16", "w4a16_asym", "w8a8", "fp8"])
+W8A8_GAP = pytest.mark.xfail(strict=True, reason=(
+    "vLLM 0.32's CPU W8A8 path scores 3.9% above qtk (14.996 against 14.429 on 4 x 1024 tokens), and "
+    "3.7% above compressed-tensors' own fake-quant forward (14.463, transformers 5.17): vLLM departs "
+    "from the format here, qtk does not (benchmarks/results/vllm_referee.md). Strict: a fixed vLLM fails this"))
+
+
+@pytest.mark.parametrize("name", ["float", "w4a16", "w4a16_asym", pytest.param("w8a8", marks=W8A8_GAP), "fp8"])
 def test_vllm_serves_what_qtk_writes(referee_module, setup, name):
     dirs, (windows, prompts) = setup
     res = referee_module.referee(dirs[name], windows, prompts)

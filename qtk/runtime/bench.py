@@ -114,6 +114,9 @@ def run_peer(kind: str, script: str, job: dict, timeout: int = 1800) -> dict:
             return {"error": f"{kind} peer exited {proc.returncode}: {proc.stderr[-2000:]}"}
         result = json.loads(out_file.read_text())
         result["wall_s"] = time.perf_counter() - t
+        if "error" in result:  # vLLM's workers print the root cause; its front end only says they failed
+            causes = [line.strip() for line in proc.stderr.splitlines() if "Error:" in line or "error:" in line]
+            result["error"] = "; ".join(dict.fromkeys([*causes[-3:], result["error"]]))
         return result
 
 
