@@ -13,6 +13,7 @@ not the interpreter. Shapes are small and blocks large: a program instance costs
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -98,10 +99,10 @@ def language_state() -> dict:
             for name, value in vars(obj).items()}
 
 
-@pytest.fixture(autouse=True)
-def interpreter():
-    """Every test in this file runs its kernels in the (exact) interpreter, and leaves
-    triton.language as it found it (later compiles in the session depend on it)."""
+@contextlib.contextmanager
+def exact_interpretation():
+    """Kernels run in the (exact) interpreter inside; triton.language is left as it was found
+    (later compiles in the session depend on it)."""
     before = language_state()
     with pytest.MonkeyPatch.context() as mp:
         if not OUTER_INTERPRET:
@@ -111,6 +112,13 @@ def interpreter():
     if not OUTER_INTERPRET:  # an interpreting session leaves the patches itself (nested jit calls)
         after = language_state()
         assert [k for k in before if before[k] is not after.get(k)] == [], "triton.language left patched"
+
+
+@pytest.fixture(autouse=True)
+def interpreter():
+    """Every test in this file runs its kernels in the exact interpreter."""
+    with exact_interpretation():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -21,8 +21,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from test_kernels_interp import (OUTER_INTERPRET, assert_close, exact_interpreter, interpreted,  # noqa: E402
-                                 language_state)
+from test_kernels_interp import OUTER_INTERPRET, assert_close, exact_interpretation  # noqa: E402
 from qtk.runtime import triton_attention as ta  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -32,16 +31,9 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 @pytest.fixture
 def interpret():
-    """Kernels run in the exact interpreter; triton.language is left as found (the AOT tests need it)."""
-    before = language_state()
-    with pytest.MonkeyPatch.context() as mp:
-        if not OUTER_INTERPRET:
-            interpreted(mp)
-        exact_interpreter(mp)
+    """Kernels run in the exact interpreter (opt-in here: the AOT tests below compile)."""
+    with exact_interpretation():
         yield
-    if not OUTER_INTERPRET:
-        after = language_state()
-        assert [k for k in before if before[k] is not after.get(k)] == [], "triton.language left patched"
 
 
 @pytest.fixture(autouse=True)

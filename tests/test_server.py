@@ -75,6 +75,10 @@ def test_chat_stream_n_and_seed(client):
     again = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=8, n=3, seed=7,
                                           temperature=1.0)
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, n=2, seed=3,
+                                                 temperature=1.0, stream=True))
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1]  # each choice finishes once
     assert [c.message.content for c in many.choices] == [c.message.content for c in again.choices]
     lp = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, logprobs=True,
                                         top_logprobs=3)

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .. import __version__
 from ..errors import InputError
 from .async_engine import AsyncLLM, EngineDeadError
-from .engine import RequestOutput
+from .engine import CompletionOutput, RequestOutput
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,21 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 def _now() -> int:
     return int(time.time())
+
+
+async def news(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[CompletionOutput, int, int]]:
+    """Each completion with something new to send (text, or its finish): (completion, characters
+    and tokens already sent), for the stream's deltas."""
+    sent: dict[int, tuple[int, int]] = {}
+    finished: set[int] = set()  # a finished sibling (n > 1) comes back in every later output
+    async for out in stream:
+        for c in out.outputs:
+            chars, toks = sent.get(c.index, (0, 0))
+            if c.index not in finished and (len(c.text) > chars or c.finish_reason is not None):
+                sent[c.index] = (len(c.text), len(c.token_ids))
+                if c.finish_reason is not None:
+                    finished.add(c.index)
+                yield c, chars, toks
 
 
 class Server:
@@ -130,19 +145,13 @@ class Server:
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         for i, ids, stream in streams:  # one prompt after another; each prompt's n choices interleaved
             usage["prompt_tokens"] += len(ids)
-            sent: dict[int, tuple[int, int]] = {}  # choice -> (characters, tokens) already sent
-            async for out in stream:
-                for c in out.outputs:
-                    chars, toks = sent.get(c.index, (0, 0))
-                    if len(c.text) == chars and c.finish_reason is None:
-                        continue
-                    sent[c.index] = (len(c.text), len(c.token_ids))
-                    if c.finish_reason is not None:
-                        usage["completion_tokens"] += len(c.token_ids)
-                    choice = {"index": i * body.n + c.index, "text": c.text[chars:], "finish_reason": c.finish_reason,
-                              "logprobs": self._completion_logprobs(c, toks) if body.logprobs is not None else None}
-                    yield {"id": base, "object": "text_completion", "created": _now(), "model": self.model_name,
-                           "choices": [choice]}
+            async for c, chars, toks in news(stream):
+                if c.finish_reason is not None:
+                    usage["completion_tokens"] += len(c.token_ids)
+                choice = {"index": i * body.n + c.index, "text": c.text[chars:], "finish_reason": c.finish_reason,
+                          "logprobs": self._completion_logprobs(c, toks) if body.logprobs is not None else None}
+                yield {"id": base, "object": "text_completion", "created": _now(), "model": self.model_name,
+                       "choices": [choice]}
         if body.stream_options and body.stream_options.include_usage:
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             yield {"id": base, "object": "text_completion", "created": _now(), "model": self.model_name,
@@ -189,20 +198,13 @@ class Server:
 
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(body.n)])
-        sent: dict[int, tuple[int, int]] = {}
         completion = 0
-        async for out in stream:
-            for c in out.outputs:
-                chars, toks = sent.get(c.index, (0, 0))
-                if len(c.text) == chars and c.finish_reason is None:
-                    continue
-                sent[c.index] = (len(c.text), len(c.token_ids))
-                if c.finish_reason is not None:
-                    completion += len(c.token_ids)
-                delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
-                logprobs = self._chat_logprobs(c, body.top_logprobs or 0, toks) if body.logprobs else None
-                yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": c.finish_reason}])
+        async for c, chars, toks in news(stream):
+            if c.finish_reason is not None:
+                completion += len(c.token_ids)
+            delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
+            logprobs = self._chat_logprobs(c, body.top_logprobs or 0, toks) if body.logprobs else None
+            yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}])
         if body.stream_options and body.stream_options.include_usage:
             yield chunk([], usage={"prompt_tokens": prompt_len, "completion_tokens": completion,
                                    "total_tokens": prompt_len + completion})
