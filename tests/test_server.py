@@ -139,3 +139,27 @@ def test_a_client_leaving_a_stream_frees_its_blocks(server):
     while time.time() < deadline and (engine.llm.has_unfinished_requests() or bm.num_free_blocks != free):
         time.sleep(0.02)
     assert not engine.llm.has_unfinished_requests() and bm.num_free_blocks == free
+
+
+def test_metrics_count_what_was_served(server, client):
+    """/metrics in Prometheus' format under vLLM's names (prefix qtk:): the counters move by what a
+    request did, and the latency histograms saw it."""
+    import re
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(server[0] + "/metrics").text
+        return {m[0]: float(m[1]) for m in re.findall(r'^(qtk:[\w:]+(?:\{[^}]*\})?) (\S+)$', text, re.M)}
+
+    before = scrape()
+    r = client.completions.create(model="tiny", prompt="Count me", max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = scrape()
+    assert after["qtk:generation_tokens_total"] - before["qtk:generation_tokens_total"] == 5
+    assert after["qtk:prompt_tokens_total"] - before["qtk:prompt_tokens_total"] == r.usage.prompt_tokens
+    key = 'qtk:request_success_total{finished_reason="length"}'
+    assert after[key] - before.get(key, 0) == 1
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+              "inter_token_latency_seconds"):
+        assert after[f"qtk:{h}_count"] > before.get(f"qtk:{h}_count", 0), h
+    assert "qtk:num_requests_running" in after and 0 <= after["qtk:kv_cache_usage_perc"] <= 1
+    assert after["qtk:prefix_cache_queries_total"] >= after["qtk:prefix_cache_hits_total"]

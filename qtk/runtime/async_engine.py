@@ -22,6 +22,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from .engine import LLM, RequestOutput
+from .metrics import Metrics, RequestStats
 from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,9 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, metrics: Metrics | None = None):
         self.llm = llm
+        self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -59,12 +61,15 @@ class AsyncLLM:
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._post(("add", request_id, prompt, params))
         finished = False
+        stats = RequestStats()
         try:
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if self.metrics is not None:
+                    self.metrics.on_output(stats, item)
                 yield item
         finally:
             self._streams.pop(request_id, None)

@@ -49,6 +49,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first token, as vLLM
+    queue_time: float | None = None  # seconds from add_request to the first scheduled step
 
     @property
     def finished(self) -> bool:
@@ -227,6 +228,8 @@ class LLM:
         """seq's completion after its new token; a finished seq gives back its blocks. Text that
         may be the start of a stop string is held back until the next tokens decide."""
         out, seqs = self._requests[seq.request_id]
+        if out.queue_time is None and seqs[0].first_scheduled_time is not None:
+            out.queue_time = seqs[0].first_scheduled_time - seqs[0].arrival_time
         completion = out.outputs[seqs.index(seq)]
         completion.token_ids = seq.generated_token_ids
         completion.finish_reason = reason

@@ -14,6 +14,7 @@ The engine runs the step's Batch, then calls `finish_step` with the sampled toke
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -99,6 +100,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n

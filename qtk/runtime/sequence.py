@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from enum import Enum
 
 from .sampling_params import SamplingParams
@@ -43,6 +44,8 @@ class Sequence:
         self.text = ""  # the generated text so far (the engine's detokenizer appends to it)
         self.logprobs: list[dict[int, float]] = []  # per generated token, when params.logprobs is set
         self.prompt_logprobs: list[dict[int, float]] = []  # per prompt token after the first (prompt_logprobs)
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None  # first admission (the queue time ends)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -2,7 +2,7 @@
 serves it (docs: shared formats, OpenAI API):
 
     POST /v1/completions, /v1/chat/completions   JSON, or SSE chunks ending `data: [DONE]` (stream)
-    GET  /v1/models, /health, /version
+    GET  /v1/models, /health, /version, /metrics (Prometheus; vLLM's names under `qtk:`, metrics.py)
 
 A request is checked at the edge: malformed JSON, a missing or ill-typed field, a parameter out of
 range, an unknown model name, a prompt or max_tokens beyond the context are a 400 in OpenAI's
@@ -22,11 +22,13 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
 from ..errors import InputError
 from .async_engine import AsyncLLM, EngineDeadError
 from .engine import CompletionOutput, RequestOutput
+from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -255,6 +257,8 @@ class Server:
 def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
               max_queue: int | None = None) -> FastAPI:
     server = Server(engine, served_model_name, api_key, max_queue)
+    if engine.metrics is None:
+        engine.metrics = Metrics(engine.llm)
     app = FastAPI(title="qtk", version=__version__)
     app.state.server = server
 
@@ -307,6 +311,10 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     @app.get("/health")
     async def health():
         return Response(status_code=503 if engine.dead is not None else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():
