@@ -191,8 +191,11 @@ def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, d
 @click.option("--served-model-name", default=None, help="The model name clients send (default: MODEL).")
 @click.option("--api-key", default=None, envvar="QTK_API_KEY", help="Require Authorization: Bearer KEY.")
 @click.option("--max-queue", type=int, default=None, help="Answer 503 (Retry-After) with this many requests waiting.")
+@click.option("--log-requests", type=click.Path(dir_okay=False), default=None,
+              help="Append each request served (body and response text, never the key) to this JSONL, "
+                   "rotated at 64 MiB (for replaying against another checkpoint).")
 @engine_options
-def serve(model, host, port, served_model_name, api_key, max_queue, device, dtype, **engine_args):
+def serve(model, host, port, served_model_name, api_key, max_queue, log_requests, device, dtype, **engine_args):
     """Serve MODEL over the OpenAI API (/v1/completions, /v1/chat/completions) on qtk's runtime."""
     import uvicorn
 
@@ -201,7 +204,8 @@ def serve(model, host, port, served_model_name, api_key, max_queue, device, dtyp
     from .runtime.server import build_app
 
     engine = AsyncLLM(LLM(model, dtype=dtype, device=device, **engine_args))
-    app = build_app(engine, served_model_name or model, api_key=api_key, max_queue=max_queue)
+    app = build_app(engine, served_model_name or model, api_key=api_key, max_queue=max_queue,
+                    log_requests=log_requests)
     try:  # uvicorn stops taking requests on SIGTERM/SIGINT and lets in-flight ones finish
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
     finally:

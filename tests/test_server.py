@@ -14,7 +14,12 @@ KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
+def request_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("log") / "requests.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, request_log):
     import uvicorn
 
     from qtk import LLM
@@ -22,7 +27,7 @@ def server(tiny_dir):
     from qtk.runtime.server import build_app
 
     engine = AsyncLLM(LLM(str(tiny_dir), dtype="float32", max_model_len=128, kv_cache_memory=2**21, block_size=8))
-    app = build_app(engine, "tiny", api_key=KEY, max_queue=64)
+    app = build_app(engine, "tiny", api_key=KEY, max_queue=64, log_requests=str(request_log))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -163,3 +168,34 @@ def test_metrics_count_what_was_served(server, client):
         assert after[f"qtk:{h}_count"] > before.get(f"qtk:{h}_count", 0), h
     assert "qtk:num_requests_running" in after and 0 <= after["qtk:kv_cache_usage_perc"] <= 1
     assert after["qtk:prefix_cache_queries_total"] >= after["qtk:prefix_cache_hits_total"]
+
+
+def test_log_requests_records_bodies_and_texts_never_the_key(client, request_log):
+    import json
+
+    full = client.completions.create(model="tiny", prompt="Log this", max_tokens=4, temperature=0)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "and this"}], max_tokens=4, temperature=0, stream=True))
+    text = request_log.read_text()
+    assert KEY not in text
+    records = [json.loads(line) for line in text.splitlines()]
+    comp = [r for r in records if r["request"].get("prompt") == "Log this"][-1]
+    chat = [r for r in records if r["request"].get("messages", [{}])[0].get("content") == "and this"][-1]
+    assert comp["endpoint"] == "/v1/completions" and comp["response"]["choices"][0]["text"] == full.choices[0].text
+    assert chat["response"]["choices"][0]["text"] == streamed and chat["response"]["usage"]["completion_tokens"] == 4
+
+
+def test_request_log_appends_whole_lines_from_threads_and_rotates(tmp_path):
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qtk.runtime.request_log import RequestLog
+
+    log = RequestLog(tmp_path / "r.jsonl", max_bytes=4000, backups=2)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: log.write("/v1/completions", {"prompt": "x" * 50, "i": i}, [{"text": "y"}], None),
+                      range(200)))
+    files = sorted(tmp_path.iterdir())
+    assert [f.name for f in files] == ["r.jsonl", "r.jsonl.1", "r.jsonl.2"]
+    lines = [json.loads(line) for f in files for line in f.read_text().splitlines()]  # every line whole
+    assert all(f.stat().st_size <= 4000 for f in files) and len({r["request"]["i"] for r in lines}) == len(lines)

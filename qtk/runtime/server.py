@@ -30,6 +30,7 @@ from .async_engine import AsyncLLM, EngineDeadError
 from .engine import CompletionOutput, RequestOutput
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .request_log import RequestLog
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,9 @@ class Server:
     """The API's handlers around one engine (one model)."""
 
     def __init__(self, engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
-                 max_queue: int | None = None):
+                 max_queue: int | None = None, request_log: RequestLog | None = None):
         self.engine = engine
+        self.request_log = request_log
         self.model_name = served_model_name
         self.api_key = api_key
         self.max_queue = max_queue
@@ -140,22 +142,28 @@ class Server:
                 choices.append({"index": i * body.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
                                 "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None})
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        self._log("/v1/completions", body, [{"index": c["index"], "text": c["text"],
+                                             "finish_reason": c["finish_reason"]} for c in choices], usage)
         return {"id": base, "object": "text_completion", "created": _now(), "model": self.model_name,
                 "choices": choices, "usage": usage}
 
     async def _stream_completions(self, base: str, body: CompletionRequest, streams) -> AsyncIterator[dict]:
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        texts: dict[int, dict] = {}
         for i, ids, stream in streams:  # one prompt after another; each prompt's n choices interleaved
             usage["prompt_tokens"] += len(ids)
             async for c, chars, toks in news(stream):
+                texts[i * body.n + c.index] = {"index": i * body.n + c.index, "text": c.text,
+                                               "finish_reason": c.finish_reason}
                 if c.finish_reason is not None:
                     usage["completion_tokens"] += len(c.token_ids)
                 choice = {"index": i * body.n + c.index, "text": c.text[chars:], "finish_reason": c.finish_reason,
                           "logprobs": self._completion_logprobs(c, toks) if body.logprobs is not None else None}
                 yield {"id": base, "object": "text_completion", "created": _now(), "model": self.model_name,
                        "choices": [choice]}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        self._log("/v1/completions", body, [texts[k] for k in sorted(texts)], usage)
         if body.stream_options and body.stream_options.include_usage:
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             yield {"id": base, "object": "text_completion", "created": _now(), "model": self.model_name,
                    "choices": [], "usage": usage}
 
@@ -189,9 +197,11 @@ class Server:
                     "finish_reason": c.finish_reason,
                     "logprobs": self._chat_logprobs(c, body.top_logprobs or 0) if body.logprobs else None}
                    for c in final.outputs]
+        usage = {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+        self._log("/v1/chat/completions", body, [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
+                                                 for c in final.outputs], usage)
         return {"id": rid, "object": "chat.completion", "created": _now(), "model": self.model_name,
-                "choices": choices, "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                                              "total_tokens": len(ids) + completion}}
+                "choices": choices, "usage": usage}
 
     async def _stream_chat(self, rid: str, body: ChatCompletionRequest, prompt_len: int, stream) -> AsyncIterator[dict]:
         def chunk(choices, **extra):
@@ -200,16 +210,18 @@ class Server:
 
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(body.n)])
-        completion = 0
+        completion, texts = 0, {}
         async for c, chars, toks in news(stream):
+            texts[c.index] = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 completion += len(c.token_ids)
             delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
             logprobs = self._chat_logprobs(c, body.top_logprobs or 0, toks) if body.logprobs else None
             yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}])
+        usage = {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
+        self._log("/v1/chat/completions", body, [texts[k] for k in sorted(texts)], usage)
         if body.stream_options and body.stream_options.include_usage:
-            yield chunk([], usage={"prompt_tokens": prompt_len, "completion_tokens": completion,
-                                   "total_tokens": prompt_len + completion})
+            yield chunk([], usage=usage)
 
     def _chat_logprobs(self, c, top: int, start: int = 0) -> dict:
         tok = self.engine.tokenizer
@@ -225,6 +237,10 @@ class Server:
         return {"content": content}
 
     # -- plumbing ----------------------------------------------------------------------------------
+    def _log(self, endpoint: str, body, choices: list[dict], usage: dict) -> None:
+        if self.request_log is not None:
+            self.request_log.write(endpoint, body.model_dump(exclude_none=True), choices, usage)
+
     def _params(self, body, max_tokens: int, logprobs: int | None):
         try:
             return body.sampling_params(max_tokens, logprobs)
@@ -255,8 +271,9 @@ class Server:
 
 
 def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              max_queue: int | None = None) -> FastAPI:
-    server = Server(engine, served_model_name, api_key, max_queue)
+              max_queue: int | None = None, log_requests: str | None = None) -> FastAPI:
+    server = Server(engine, served_model_name, api_key, max_queue,
+                    None if log_requests is None else RequestLog(log_requests))
     if engine.metrics is None:
         engine.metrics = Metrics(engine.llm)
     app = FastAPI(title="qtk", version=__version__)
