@@ -197,6 +197,8 @@ def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, d
 @engine_options
 def serve(model, host, port, served_model_name, api_key, max_queue, log_requests, device, dtype, **engine_args):
     """Serve MODEL over the OpenAI API (/v1/completions, /v1/chat/completions) on qtk's runtime."""
+    import signal
+
     import uvicorn
 
     from .runtime.async_engine import AsyncLLM
@@ -206,7 +208,10 @@ def serve(model, host, port, served_model_name, api_key, max_queue, log_requests
     engine = AsyncLLM(LLM(model, dtype=dtype, device=device, **engine_args))
     app = build_app(engine, served_model_name or model, api_key=api_key, max_queue=max_queue,
                     log_requests=log_requests)
-    try:  # uvicorn stops taking requests on SIGTERM/SIGINT and lets in-flight ones finish
+    # uvicorn stops taking requests on SIGTERM and lets in-flight ones finish (30 s at most), then
+    # raises the signal again for the handler it found: ours, which lets serve return (exit 0)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
     finally:
         engine.shutdown()

@@ -199,3 +199,44 @@ def test_request_log_appends_whole_lines_from_threads_and_rotates(tmp_path):
     assert [f.name for f in files] == ["r.jsonl", "r.jsonl.1", "r.jsonl.2"]
     lines = [json.loads(line) for f in files for line in f.read_text().splitlines()]  # every line whole
     assert all(f.stat().st_size <= 4000 for f in files) and len({r["request"]["i"] for r in lines}) == len(lines)
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_dir):
+    """`qtk serve` as a process: SIGTERM while a request streams lets that request finish, then
+    the server exits 0."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "qtk.cli", "serve", str(tiny_dir), "--port", str(port),
+                             "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", str(2**21)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"prompt": "Go on", "max_tokens": 60, "ignore_eos": True, "stream": True, "temperature": 0}
+        pieces, finish = [], None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                pieces.append(chunk["choices"][0]["text"])
+                finish = chunk["choices"][0]["finish_reason"] or finish
+                if len(pieces) == 3:
+                    proc.send_signal(signal.SIGTERM)
+        assert finish == "length" and len(pieces) >= 60
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
