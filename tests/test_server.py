@@ -240,3 +240,36 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_an_error_inside_one_request_is_its_500_alone(server, client, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import InternalServerError
+
+    url, engine = server
+    bm = engine.llm.block_manager
+    free = bm.num_free_blocks
+    original = engine.llm._stop_reason
+
+    def stop_reason(seq):
+        if seq.token_ids[:4] == [7, 7, 7, 7]:
+            raise RuntimeError("boom in one request")
+        return original(seq)
+
+    monkeypatch.setattr(engine.llm, "_stop_reason", stop_reason)
+
+    def bad():
+        with pytest.raises(InternalServerError, match="boom in one request"):
+            client.completions.create(model="tiny", prompt=[7, 7, 7, 7], max_tokens=5)
+
+    def good():
+        return client.completions.create(model="tiny", prompt="fine", max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+
+    with ThreadPoolExecutor(2) as pool:
+        f_bad, f_good = pool.submit(bad), pool.submit(good)
+        f_bad.result()
+        assert f_good.result().usage.completion_tokens == 5
+    assert httpx.get(url + "/health").status_code == 200 and engine.dead is None
+    assert not engine.llm.has_unfinished_requests() and bm.num_free_blocks == free  # nothing left held

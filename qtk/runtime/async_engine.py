@@ -32,6 +32,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed: no request can be served any more."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine; the engine and the other requests go on."""
+
+
 class AsyncLLM:
     def __init__(self, llm: LLM, metrics: Metrics | None = None):
         self.llm = llm
@@ -67,6 +71,9 @@ class AsyncLLM:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailedError(item.error)
                 finished = item.finished
                 if self.metrics is not None:
                     self.metrics.on_output(stats, item)

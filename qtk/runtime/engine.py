@@ -50,10 +50,11 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first token, as vLLM
     queue_time: float | None = None  # seconds from add_request to the first scheduled step
+    error: str | None = None  # the request failed inside the engine (the engine goes on)
 
     @property
     def finished(self) -> bool:
-        return all(o.finish_reason is not None for o in self.outputs)
+        return self.error is not None or all(o.finish_reason is not None for o in self.outputs)
 
     def snapshot(self) -> RequestOutput:
         """A copy the engine will not change afterwards (lists copied, entries shared)."""
@@ -199,9 +200,16 @@ class LLM:
         updated: dict[str, RequestOutput] = {}
         for seq in sampling:
             if seq.request_id not in self._requests:
-                continue  # a sibling (n > 1) of a request aborted in this step
-            reason = self._stop_reason(seq)
-            out = self._update(seq, reason)
+                continue  # a sibling (n > 1) of a request aborted or failed in this step
+            try:
+                out = self._update(seq, self._stop_reason(seq))
+            except Exception as e:  # this request's failure (its text, its stop check): it alone ends
+                log.exception("request %s failed", seq.request_id)
+                out = self._requests[seq.request_id][0].snapshot()
+                out.error = f"{type(e).__name__}: {e}"
+                self.abort(seq.request_id)
+                updated[seq.request_id] = out
+                continue
             updated[seq.request_id] = out
             if out.finished:
                 del self._requests[seq.request_id]

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
 from ..errors import InputError
-from .async_engine import AsyncLLM, EngineDeadError
+from .async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from .engine import CompletionOutput, RequestOutput
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -302,6 +302,10 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     @app.exception_handler(EngineDeadError)
     async def dead(_: Request, e: EngineDeadError):
         return JSONResponse(error_body(503, str(e)), status_code=503)
+
+    @app.exception_handler(RequestFailedError)
+    async def failed(_: Request, e: RequestFailedError):
+        return JSONResponse(error_body(500, f"the request failed: {e}"), status_code=500)
 
     @app.exception_handler(InputError)
     async def bad_input(_: Request, e: InputError):
