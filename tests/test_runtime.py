@@ -268,3 +268,25 @@ def test_packed_linears_compute_the_same_products():
         got = model(x)
     assert dispatch.runtime_for(ql, x.reshape(-1, 64)).weight.is_mkldnn
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_packed_projections_keep_the_logits(family):
+    """The engine's q/k/v and gate/up fused into one packed matmul each (qwen2: with biases): the
+    packed, ragged forward gives the unfused model's logits."""
+    import copy
+
+    from qtk.runtime.models.llama import FUSED
+    from qtk.runtime.packed_linear import pack_linears
+
+    model = hf_model(family)
+    fused = copy.deepcopy(model)
+    assert pack_linears(fused, fuse=FUSED) > 0
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    assert hasattr(attn, "qkv_proj") and not hasattr(attn, "q_proj") and hasattr(mlp, "gate_up_proj")
+    prompts = [list(range(30, 41)), list(range(60, 63))]
+    _, want, _ = greedy_through_runtime(model, prompts, new_tokens=4)
+    _, got, _ = greedy_through_runtime(fused, prompts, new_tokens=4)
+    for a, b in zip(want.values(), got.values()):
+        torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=2e-4, rtol=1e-4)

@@ -22,7 +22,7 @@ from .attention import KV_DTYPES, QMAX
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, find_stop, held_back
 from .model_runner import ModelRunner, kv_bytes_per_token, measure_kv_scales
-from .models.llama import LlamaModel
+from .models.llama import FUSED, LlamaModel
 from .packed_linear import pack_linears
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -73,7 +73,7 @@ class LLM:
         t0 = time.perf_counter()
         self.dtype = choose_dtype(dtype, device).dtype
         hf_model, self.tokenizer = load_model(model, dtype=self.dtype, device=device)
-        pack_linears(hf_model)
+        pack_linears(hf_model, fuse=FUSED)
         self.model = LlamaModel(hf_model)
         limit = getattr(hf_model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or limit, limit)

@@ -12,11 +12,11 @@ from ..quant_linear import QuantLinear
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor):
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = in_features, packed.shape[0]
         self.packed = packed  # not a parameter: nothing saves or trains it
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -27,18 +27,42 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
-def pack_linears(model: nn.Module) -> int:
+def _packed(linears: list[nn.Module]) -> PackedLinear | None:
+    """One PackedLinear computing the plain float32 CPU Linears side by side (outputs concatenated),
+    or None when any is something else (a QuantLinear) or oneDNN is not there."""
+    if not all(type(m) is nn.Linear for m in linears):
+        return None
+    weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight
+    packed = cpu_packed_weight(weight)
+    if packed is None:
+        return None
+    biases = [m.bias for m in linears]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else torch.zeros(m.out_features) for m, b in zip(linears, biases)])
+    return PackedLinear(packed, bias, linears[0].in_features)
+
+
+def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = None) -> int:
     """Replace every float32 CPU nn.Linear under `model` by a PackedLinear (a tied lm_head gets a
     packed copy; the embedding keeps the plain weight), and mark every QuantLinear so that its
-    Dense runtime packs its decoded weight; returns how many plain Linears were packed."""
+    Dense runtime packs its decoded weight. `fuse` {new name: (names, ...)}: sibling Linears that
+    read the same input (q/k/v, gate/up) become one matmul under the new name, the old ones are
+    dropped (the runtime's forward splits the output). Returns how many modules were packed."""
     count = 0
     for parent in list(model.modules()):
         if isinstance(parent, QuantLinear):
             parent.pack_cpu_weight = True
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                packed = cpu_packed_weight(child.weight)
-                if packed is not None:
-                    setattr(parent, name, PackedLinear(child, packed))
+        for new, names in (fuse or {}).items():
+            if all(isinstance(getattr(parent, n, None), nn.Module) for n in names):
+                fused = _packed([getattr(parent, n) for n in names])
+                if fused is not None:
+                    for n in names:
+                        delattr(parent, n)
+                    setattr(parent, new, fused)
                     count += 1
+        for name, child in list(parent.named_children()):
+            packed = _packed([child]) if type(child) is nn.Linear else None
+            if packed is not None:
+                setattr(parent, name, packed)
+                count += 1
     return count

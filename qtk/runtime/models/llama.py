@@ -31,6 +31,8 @@ class Family:
 
 
 FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm=True)}
+# sibling projections the engine may fuse into one matmul (packed_linear.pack_linears)
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -66,20 +68,32 @@ class LlamaModel(nn.Module):
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
         for layer, cache in zip(self.layers, kv_caches):
             h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, meta, cache)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
         return self.norm(h)
 
     def _attention(self, attn, x, cos, sin, meta, cache) -> torch.Tensor:
         T = x.shape[0]
-        q = attn.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "qkv_proj"):  # fused by the engine
+            q, k, v = attn.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                              self.num_kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.family.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         o = paged_attention(q, k, v, cache, meta, self.scale)
         return attn.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+    @staticmethod
+    def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(mlp, "gate_up_proj"):  # fused by the engine
+            gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+            return mlp.down_proj(mlp.act_fn(gate) * up)
+        return mlp(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
