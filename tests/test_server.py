@@ -273,3 +273,24 @@ def test_an_error_inside_one_request_is_its_500_alone(server, client, monkeypatc
         assert f_good.result().usage.completion_tokens == 5
     assert httpx.get(url + "/health").status_code == 200 and engine.dead is None
     assert not engine.llm.has_unfinished_requests() and bm.num_free_blocks == free  # nothing left held
+
+
+def test_a_client_leaving_a_plain_request_aborts_it(server, monkeypatch):
+    """Not streamed: the client times out and goes; its request is aborted, blocks freed."""
+    url, engine = server
+    bm = engine.llm.block_manager
+    free = bm.num_free_blocks
+    step = engine.llm.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(engine.llm, "step", slow_step)
+    body = {"model": "tiny", "prompt": "Take your time", "max_tokens": 110, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+    deadline = time.time() + 2
+    while time.time() < deadline and (engine.llm.has_unfinished_requests() or bm.num_free_blocks != free):
+        time.sleep(0.02)
+    assert not engine.llm.has_unfinished_requests() and bm.num_free_blocks == free

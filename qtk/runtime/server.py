@@ -12,6 +12,7 @@ its request (AsyncLLM frees its blocks); an error inside one request fails only 
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -270,6 +271,22 @@ class Server:
         return StreamingResponse(body(), media_type="text/event-stream")
 
 
+async def until_disconnected(request: Request, handler):
+    """The handler's result, unless the client goes away first: then the handler is cancelled,
+    which closes its engine streams and so aborts its requests (their KV blocks are freed)."""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, gone = asyncio.ensure_future(handler), asyncio.ensure_future(disconnected())
+    done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if work in done:
+        gone.cancel()
+        return work.result()
+    work.cancel()
+    return Response(status_code=499)  # nobody reads it: the client left
+
+
 def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
               max_queue: int | None = None, log_requests: str | None = None) -> FastAPI:
     server = Server(engine, served_model_name, api_key, max_queue,
@@ -317,12 +334,12 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         return JSONResponse(error_body(500, f"{type(e).__name__}: {e}"), status_code=500)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await server.completions(body)
+    async def completions(body: CompletionRequest, request: Request):
+        return await until_disconnected(request, server.completions(body))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
-        return await server.chat(body)
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await until_disconnected(request, server.chat(body))
 
     @app.get("/v1/models")
     async def models():
