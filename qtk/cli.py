@@ -261,5 +261,27 @@ def bench_engine(model, num_prompts, output_len, input_len, batch1_output_len, p
     click.echo(text)
 
 
+@bench.command("serve")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="The server (any OpenAI-compatible one).")
+@click.option("--model", default=None, help="Model name to send (default: the server's first in /v1/models).")
+@click.option("--num-prompts", type=int, default=64, show_default=True)
+@click.option("--request-rate", type=float, default=float("inf"), show_default=True,
+              help="Poisson arrivals per second (inf: all at once).")
+@click.option("--max-concurrency", type=int, default=None, help="Requests in flight at most.")
+@click.option("--dataset", default="builtin", show_default=True,
+              help="builtin (16 short chat questions), FILE.jsonl (messages or prompt per line) or FILE.txt.")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Output tokens per request (EOS ignored).")
+@click.option("--api-key", default=None, envvar="QTK_API_KEY")
+@click.option("--out", type=click.Path(), default="benchmarks/results", show_default=True, help="Directory for the JSON.")
+@click.option("--name", default=None, help="JSON file name.")
+def bench_serve(url, model, num_prompts, request_rate, max_concurrency, dataset, max_tokens, api_key, out, name):
+    """TTFT, TPOT, inter-token latency p50/p99 and throughput of a server under load."""
+    from .runtime.bench_serve import run
+
+    _, text = run(url, model, num_prompts, request_rate, max_concurrency, dataset, max_tokens, api_key, out=out,
+                  name=name)
+    click.echo(text)
+
+
 if __name__ == "__main__":
     sys.exit(main())

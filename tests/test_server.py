@@ -294,3 +294,27 @@ def test_a_client_leaving_a_plain_request_aborts_it(server, monkeypatch):
     while time.time() < deadline and (engine.llm.has_unfinished_requests() or bm.num_free_blocks != free):
         time.sleep(0.02)
     assert not engine.llm.has_unfinished_requests() and bm.num_free_blocks == free
+
+
+def test_bench_serve_measures_a_server(server, tmp_path):
+    """`qtk bench serve` against the test server: every request completes with the tokens asked
+    for, the latencies are ordered as they must be, and the JSON is written."""
+    import json
+
+    from click.testing import CliRunner
+
+    from qtk.cli import main
+
+    r = CliRunner().invoke(main, ["bench", "serve", "--url", server[0], "--num-prompts", "6", "--max-concurrency", "2",
+                                  "--request-rate", "50", "--max-tokens", "8", "--api-key", KEY, "--out", str(tmp_path),
+                                  "--name", "s"])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "s.json").read_text())
+    assert res["completed"] == 6 and res["errors"] == 0 and res["output_tokens"] == 6 * 8
+    assert 0 < res["ttft_s"]["p50"] <= res["e2e_s"]["p50"] and res["tpot_s"]["p50"] > 0 and res["itl_s"]["p99"] > 0
+    bad = CliRunner().invoke(main, ["bench", "serve", "--url", server[0], "--model", "tiny", "--num-prompts", "2",
+                                    "--max-tokens", "4", "--out", str(tmp_path), "--name", "nokey"])
+    assert bad.exit_code == 0 and "0/2 completed, 2 errors" in bad.output  # no key: each request a 401
+    assert "HTTP 401" in json.loads((tmp_path / "nokey.json").read_text())["error_messages"][0]
+    lost = CliRunner().invoke(main, ["bench", "serve", "--url", server[0], "--num-prompts", "1"])
+    assert lost.exit_code == 2 and "/v1/models" in lost.output  # the model name cannot be found: one clear line
