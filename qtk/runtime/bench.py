@@ -28,6 +28,7 @@ import torch
 
 from ..device import choose_dtype
 from ..errors import InputError, NotFoundError
+from ..kernels.bench import git_commit
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +185,8 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
 
 
 def record(res: dict, out: str | Path, name: str | None) -> dict:
-    argv = sys.argv[1:] if Path(sys.argv[0]).name in ("qtk", "cli.py", "__main__.py") else sys.argv
-    res.update(command=" ".join(["qtk", *argv] if argv is not sys.argv else argv), commit=_git_commit(), date=datetime.datetime.now().isoformat(),
+    via_cli = Path(sys.argv[0]).name in ("qtk", "cli.py", "__main__.py")
+    res.update(command=" ".join(["qtk", *sys.argv[1:]] if via_cli else sys.argv), commit=git_commit(), date=datetime.datetime.now().isoformat(),
                device=_cpu_name(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
                threads=torch.get_num_threads(), torch=torch.__version__)
     out = Path(out)
@@ -210,14 +211,6 @@ def summary(res: dict) -> str:
             cell = lambda x: f"{x['tok_s']:.1f}" if x else "-"  # noqa: E731
             lines.append(f"{label:<24}{cell(thr):>18}{cell(b1):>15}{(f'{st:.1f}' if st else '-'):>12}")
     return "\n".join(lines)
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _cpu_name() -> str:
