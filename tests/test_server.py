@@ -318,3 +318,51 @@ def test_bench_serve_measures_a_server(server, tmp_path):
     assert "HTTP 401" in json.loads((tmp_path / "nokey.json").read_text())["error_messages"][0]
     lost = CliRunner().invoke(main, ["bench", "serve", "--url", server[0], "--num-prompts", "1"])
     assert lost.exit_code == 2 and "/v1/models" in lost.output  # the model name cannot be found: one clear line
+
+
+SMALL_SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                                 "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                 "tag": {"type": "string", "maxLength": 6}},
+                "required": ["color", "n", "tag"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_holds_streamed_and_not(client):
+    """The random tiny model writes anything; with response_format every choice parses and
+    matches the schema, streamed chunks reassembling to it too."""
+    import json
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SMALL_SCHEMA, "strict": True}}
+    msgs = [{"role": "user", "content": "A thing as JSON."}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=90, n=3, temperature=1.0, seed=1,
+                                          response_format=fmt)
+    for c in full.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), SMALL_SCHEMA)
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=90, temperature=0,
+                                            response_format=fmt, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), SMALL_SCHEMA)
+    comp = client.completions.create(model="tiny", prompt="Pick one:", max_tokens=10, temperature=1.0, seed=2,
+                                     extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert comp.choices[0].text in ("alpha", "beta")
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format", "uniqueItems"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "json_object"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, "structured_outputs",
+     "not both"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "regex"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
+    ({"structured_outputs": {"jsonn": {}}}, "structured_outputs.jsonn", "Extra inputs"),
+])
+def test_bad_structured_outputs_are_400s_that_say_what_is_wrong(server, extra, param, message):
+    r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message.lower() in err["message"].lower(), err

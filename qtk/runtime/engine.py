@@ -28,6 +28,7 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
+from .structured_outputs import GrammarEngine
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ class LLM:
                                    self.block_manager)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.kv_dtype, kv_scales, device=device)
         self.eos_token_ids = self._eos_ids(hf_model)
-        self.sampler = Sampler(self.eos_token_ids)
+        self.grammars = GrammarEngine(self.tokenizer, hf_model.config.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, self.grammars)
         self._requests: dict[str, tuple[RequestOutput, list[Sequence]]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._next_id = 0
@@ -160,6 +162,9 @@ class LLM:
         self._next_id += 1
         out = RequestOutput(request_id, ids, [CompletionOutput(i, "", []) for i in range(params.n)])
         seqs = [Sequence(ids, params, self.block_manager.block_size, request_id=request_id) for _ in range(params.n)]
+        if params.structured_outputs is not None:  # a bad schema fails here, before anything is held
+            for s in seqs:
+                s.grammar = self.grammars.matcher(params.structured_outputs)
         for s in seqs:
             self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self._requests[request_id] = (out, seqs)
@@ -217,18 +222,24 @@ class LLM:
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """After seq got a new token: "stop" (EOS, a stop token, a stop string: the text ends
-        before it), "length", or None; the token's text is added to seq.text unless it stops."""
+        before it; or its grammar is complete), "length", or None; the token's text is added to
+        seq.text unless it stops."""
         p = seq.params
         last = seq.token_ids[-1]
+        if seq.grammar is not None and seq.grammar.is_error():
+            raise RuntimeError(f"structured outputs: token {last} broke the grammar: {seq.grammar.get_error()}")
         may_stop = seq.num_generated_tokens >= p.min_tokens
         if may_stop and ((last in self.eos_token_ids and not p.ignore_eos) or last in p.stop_token_ids):
             return "stop"
         at_length = (p.max_tokens is not None and seq.num_generated_tokens >= p.max_tokens) or len(seq) >= self.max_model_len
-        delta = self._detok[seq.seq_id].step(seq.token_ids, final=at_length)
+        complete = seq.grammar is not None and seq.grammar.is_stopped()  # only EOS could follow
+        delta = self._detok[seq.seq_id].step(seq.token_ids, final=at_length or complete)
         seq.text += delta
         cut = find_stop(seq.text, p.stop, len(delta)) if may_stop else None
         if cut is not None:
             seq.text = seq.text[:cut]
+            return "stop"
+        if complete:
             return "stop"
         return "length" if at_length else None
 

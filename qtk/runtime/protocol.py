@@ -3,7 +3,9 @@
 Unknown fields are ignored, as OpenAI's and vLLM's servers do; a field of the wrong type or out of
 range is a 400 that names it (server.py turns pydantic's and SamplingParams' errors into OpenAI's
 error shape). vLLM's extensions are accepted under their names: top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, skip_special_tokens.
+min_tokens, ignore_eos, skip_special_tokens, structured_outputs (json, json_object, regex, choice,
+grammar). response_format {"type": "json_object"} or {"type": "json_schema", "json_schema":
+{"schema": ...}} constrains the output as OpenAI's does.
 """
 from __future__ import annotations
 
@@ -11,11 +13,37 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import InputError
 from .sampling_params import SamplingParams
+from .structured_outputs import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # always enforced here: the grammar masks every step
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON Schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+    model_config = ConfigDict(extra="forbid")
+
+    json_: Union[dict, str, None] = Field(default=None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Sampling(BaseModel):
@@ -39,15 +67,35 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint, from response_format or vLLM's structured_outputs (not both)."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise InputError("give response_format or structured_outputs, not both")
+        if so is not None:
+            return StructuredOutputsParams(json=so.json_, json_object=so.json_object, regex=so.regex,
+                                           choice=so.choice, grammar=so.grammar)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InputError("response_format.json_schema.schema is required for type json_schema")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs)
+            skip_special_tokens=self.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs,
+            structured_outputs=structured)
 
 
 class CompletionRequest(_Sampling):

@@ -1,6 +1,6 @@
 """The sampler: logits of the step's sampling sequences -> one token each, by each one's SamplingParams.
 
-Order, as vLLM applies them: penalties (repetition on prompt and output, presence and frequency on
+Order, as vLLM applies them: the grammar's mask (structured outputs), penalties (repetition on prompt and output, presence and frequency on
 output), min_tokens (EOS and stop tokens masked until then), then greedy argmax or temperature, top-k, top-p, min-p and a draw. A request with a seed
 draws from its own generator, so its tokens are the same alone or in any batch.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .sequence import Sequence
+from .structured_outputs import GrammarEngine
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -48,11 +49,22 @@ def logprob_entry(logprobs: torch.Tensor, token: int, top: int) -> dict[int, flo
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int] = frozenset()):
+    def __init__(self, eos_token_ids: set[int] = frozenset(), grammars: GrammarEngine | None = None):
         self.eos_token_ids = set(eos_token_ids)
+        self.grammars = grammars  # structured outputs: masks the rows of sequences with a grammar
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        guided = [(s.grammar, i) for i, s in enumerate(seqs) if s.grammar is not None]
+        if guided:  # a copy: logprobs are reported from the model's own logits, as vLLM does
+            logits = logits.clone()
+            self.grammars.mask(logits, guided)
+        tokens = self._choose(logits, seqs)
+        if guided:
+            self.grammars.accept([(m, tokens[i]) for m, i in guided])
+        return tokens
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if all(s.params.greedy and not self._adjusts(s) for s in seqs):  # one argmax for the batch
             return logits.argmax(dim=-1).tolist()
         out = []
@@ -60,8 +72,9 @@ class Sampler:
             p = seq.params
             row = apply_penalties(row.clone(), seq)
             if seq.num_generated_tokens < p.min_tokens:  # EOS and stop tokens cannot come yet
-                banned = (set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)
-                row[list(banned)] = float("-inf")
+                banned = list((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids))
+                if seq.grammar is None or self._leaves_a_choice(row, banned):  # else the grammar wins
+                    row[banned] = float("-inf")
             if p.greedy:
                 out.append(int(row.argmax()))
                 continue
@@ -80,6 +93,12 @@ class Sampler:
         p = seq.params
         return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
                 or seq.num_generated_tokens < p.min_tokens)
+
+    @staticmethod
+    def _leaves_a_choice(row: torch.Tensor, banned: list[int]) -> bool:
+        allowed = torch.isfinite(row)
+        allowed[banned] = False
+        return bool(allowed.any())
 
     @staticmethod
     def logprobs(logits: torch.Tensor, token: int, top: int) -> dict[int, float]:

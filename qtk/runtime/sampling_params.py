@@ -1,9 +1,10 @@
 """SamplingParams: how one request samples, with vLLM's names and defaults, validated at construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import InputError
+from .structured_outputs import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per sampled token (the sampled one is always given)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, compare=False)  # engine-specific additions (e.g. a grammar)
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to match
 
     def __post_init__(self):
         if isinstance(self.stop, str):

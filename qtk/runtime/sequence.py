@@ -46,6 +46,7 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float]] = []  # per prompt token after the first (prompt_logprobs)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # first admission (the queue time ends)
+        self.grammar = None  # its structured-outputs matcher (params.structured_outputs), fed each token
 
     def __len__(self) -> int:
         return len(self.token_ids)
