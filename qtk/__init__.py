@@ -1,10 +1,10 @@
 """qtk: quantize Hugging Face causal LMs, gate their quality, serve them.
 
-    from qtk import LLM, SamplingParams      # the runtime (imported on first use)
+    from qtk import LLM, SamplingParams, StructuredOutputsParams   # the runtime (imported on first use)
 """
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 __version__ = "0.1.0"
 
 
@@ -17,4 +17,8 @@ def __getattr__(name: str):
         from .runtime.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from .runtime.structured_outputs import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'qtk' has no attribute {name!r}")

@@ -109,11 +109,14 @@ def inspect(model, json_out):
 
 @main.command("eval")
 @click.argument("model")
-@click.option("--task", type=click.Choice(["ppl"]), default="ppl", show_default=True, help="What to measure.")
+@click.option("--task", type=click.Choice(["ppl", "json"]), default="ppl", show_default=True,
+              help="What to measure: ppl (perplexity), json (JSON validity against schemas, with and without "
+                   "structured outputs).")
 @click.option("--dataset", default="builtin", show_default=True,
-              help="Evaluation text: builtin (pydoc topics, evaluation split), FILE.txt, FILE.jsonl, hf:NAME.")
+              help="ppl: builtin (pydoc topics, evaluation split), FILE.txt, FILE.jsonl, hf:NAME. json: builtin "
+                   "(qtk's 120 prompts with schemas) or a JSONL of {prompt, schema[, category, id]}.")
 @click.option("--seq-len", type=int, default=2048, show_default=True, help="Window length in tokens.")
-@click.option("--limit", type=int, default=None, help="Score at most N windows.")
+@click.option("--limit", type=int, default=None, help="At most N windows (ppl) or prompts (json, spread over the categories).")
 @click.option("--batch-size", type=int, default=1, show_default=True,
               help="Windows the runtime computes per step (its token budget is batch-size x seq-len).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
@@ -123,10 +126,13 @@ def inspect(model, json_out):
               help="KV cache as the runtime would serve it (auto: the model dtype).")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON here.")
 def eval_(model, task, dataset, seq_len, limit, batch_size, device, dtype, kv_cache_dtype, json_path):
-    """Measure MODEL's quality through qtk's runtime (perplexity by the protocol in docs/benchmarks.md)."""
+    """Measure MODEL's quality through qtk's runtime (perplexity by the protocol in docs/benchmarks.md;
+    JSON validity as qtk/evals/json_validity.py defines it)."""
     from .evals.perplexity import engine_perplexity, eval_windows
     from .runtime.engine import LLM
 
+    if task == "json":
+        return _eval_json(model, dataset, limit, device, dtype, kv_cache_dtype, json_path)
     if batch_size < 1 or seq_len < 2:
         raise InputError("--batch-size must be at least 1 and --seq-len at least 2")
     llm = LLM(model, dtype=dtype, device=device, max_model_len=seq_len + 1, kv_cache_dtype=kv_cache_dtype,
@@ -137,6 +143,23 @@ def eval_(model, task, dataset, seq_len, limit, batch_size, device, dtype, kv_ca
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps({"model": model, "task": task, **res.to_dict()}, indent=2) + "\n")
+
+
+def _eval_json(model, dataset, limit, device, dtype, kv_cache_dtype, json_path):
+    from .evals.json_validity import json_validity, load_prompts
+    from .runtime.engine import LLM
+
+    prompts = load_prompts(None if dataset == "builtin" else dataset, limit)
+    llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+    results = []
+    for constrained in (False, True):
+        res = json_validity(llm, prompts, constrained)
+        click.echo(f"{model}: {res}")
+        results.append(res.to_dict(answers=True))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps({"model": model, "task": "json", "dataset": dataset,
+                                               "results": results}, indent=2) + "\n")
 
 
 ENGINE_OPTIONS = [
