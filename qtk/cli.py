@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .errors import InputError
+from .errors import InputError, NotFoundError
 
 MODEL_HELP = "an HF model directory, a .gguf file, a qtk/compressed-tensors checkpoint, or 'smollm2-135m' (bundled)"
 
@@ -109,57 +109,139 @@ def inspect(model, json_out):
 
 @main.command("eval")
 @click.argument("model")
-@click.option("--task", type=click.Choice(["ppl", "json"]), default="ppl", show_default=True,
-              help="What to measure: ppl (perplexity), json (JSON validity against schemas, with and without "
-                   "structured outputs).")
+@click.option("--baseline", default=None, help="With --gates: the model MODEL is compared with (e.g. the unquantized one).")
+@click.option("--gates", "gates_spec", default=None,
+              help="Gate MODEL against --baseline: a gates YAML, or default / ci (qtk's). Exit 0 pass, 1 regressed.")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None,
+              help="With --gates: write report.md, report.json and the pictures here.")
+@click.option("--no-cache", is_flag=True, help="With --gates: recompute the baseline's scores even if cached.")
+@click.option("--task", default="ppl", show_default=True,
+              help="Without --gates: ppl (perplexity), needle (needle in a haystack), json (JSON validity, with and "
+                   "without structured outputs) or lm-eval:TASK[,TASK].")
 @click.option("--dataset", default="builtin", show_default=True,
               help="ppl: builtin (pydoc topics, evaluation split), FILE.txt, FILE.jsonl, hf:NAME. json: builtin "
-                   "(qtk's 120 prompts with schemas) or a JSONL of {prompt, schema[, category, id]}.")
-@click.option("--seq-len", type=int, default=2048, show_default=True, help="Window length in tokens.")
-@click.option("--limit", type=int, default=None, help="At most N windows (ppl) or prompts (json, spread over the categories).")
+                   "(qtk's 120 prompts with schemas) or a JSONL of {prompt, schema[, category, id]}. needle: the "
+                   "filler, builtin or FILE.txt.")
+@click.option("--seq-len", type=int, default=2048, show_default=True, help="ppl: window length in tokens.")
+@click.option("--limit", type=int, default=None,
+              help="At most N windows (ppl), prompts (json, spread over the categories) or examples per task (lm-eval).")
+@click.option("--lengths", default=None, help="needle: haystack lengths in tokens, comma-separated "
+                                                "(default: 256 doubling up to the context).")
+@click.option("--depths", default=None, help="needle: needle depths in percent, comma-separated (default 0,25,50,75,100).")
+@click.option("--seed", type=int, default=0, show_default=True, help="needle keys and positions; lm-eval's seeds.")
 @click.option("--batch-size", type=int, default=1, show_default=True,
-              help="Windows the runtime computes per step (its token budget is batch-size x seq-len).")
+              help="ppl: windows the runtime computes per step (its token budget is batch-size x seq-len).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help=DTYPE_HELP)
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
-              help="KV cache as the runtime would serve it (auto: the model dtype).")
-@click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON here.")
-def eval_(model, task, dataset, seq_len, limit, batch_size, device, dtype, kv_cache_dtype, json_path):
-    """Measure MODEL's quality through qtk's runtime (perplexity by the protocol in docs/benchmarks.md;
-    JSON validity as qtk/evals/json_validity.py defines it)."""
-    from .evals.perplexity import engine_perplexity, eval_windows
-    from .runtime.engine import LLM
+              help="KV cache as the runtime would serve MODEL (auto: the model dtype; a baseline always runs auto).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the result as JSON here.")
+def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_len, limit, lengths, depths, seed,
+          batch_size, device, dtype, kv_cache_dtype, json_path):
+    """Measure MODEL's quality through qtk's runtime, or gate it against a baseline (--gates).
 
-    if task == "json":
-        return _eval_json(model, dataset, limit, device, dtype, kv_cache_dtype, json_path)
-    if batch_size < 1 or seq_len < 2:
-        raise InputError("--batch-size must be at least 1 and --seq-len at least 2")
-    llm = LLM(model, dtype=dtype, device=device, max_model_len=seq_len + 1, kv_cache_dtype=kv_cache_dtype,
-              max_num_batched_tokens=batch_size * seq_len, enable_prefix_caching=False)
-    windows = eval_windows(llm.tokenizer, dataset, seq_len, limit)
-    res = engine_perplexity(llm, windows, batch_size=batch_size, dataset=dataset)
-    click.echo(f"{model}: {res}")
+    Tasks: perplexity by the protocol in docs/benchmarks.md; needle in a haystack
+    (qtk/evals/needle.py); JSON validity (qtk/evals/json_validity.py); lm-eval tasks through qtk's
+    runtime (qtk's local ones: qtk/evals/data/lm_eval)."""
+    if gates_spec is not None or baseline is not None:
+        return _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype,
+                           json_path)
+    result = _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batch_size, device, dtype,
+                        kv_cache_dtype)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"model": model, "task": task, **res.to_dict()}, indent=2) + "\n")
+        Path(json_path).write_text(json.dumps({"model": model, "task": task, **result}, indent=2, default=str) + "\n")
 
 
-def _eval_json(model, dataset, limit, device, dtype, kv_cache_dtype, json_path):
-    from .evals.json_validity import json_validity, load_prompts
+def _ints(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise InputError(f"{flag} takes comma-separated integers, got {text!r}") from e
+
+
+def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batch_size, device, dtype,
+               kv_cache_dtype) -> dict:
     from .runtime.engine import LLM
 
-    prompts = load_prompts(None if dataset == "builtin" else dataset, limit)
-    llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-    results = []
-    for constrained in (False, True):
-        res = json_validity(llm, prompts, constrained)
+    kind = task.split(":", 1)[0]
+    if kind not in ("ppl", "needle", "json", "lm-eval") or (kind == "lm-eval") != (":" in task):
+        raise InputError(f"unknown --task {task!r}: ppl, needle, json or lm-eval:TASK[,TASK]")
+    lengths, depths = _ints(lengths, "--lengths"), _ints(depths, "--depths")
+    if kind == "ppl":
+        from .evals.perplexity import engine_perplexity, eval_windows
+
+        if batch_size < 1 or seq_len < 2:
+            raise InputError("--batch-size must be at least 1 and --seq-len at least 2")
+        llm = LLM(model, dtype=dtype, device=device, max_model_len=seq_len + 1, kv_cache_dtype=kv_cache_dtype,
+                  max_num_batched_tokens=batch_size * seq_len, enable_prefix_caching=False)
+        windows = eval_windows(llm.tokenizer, dataset, seq_len, limit)
+        res = engine_perplexity(llm, windows, batch_size=batch_size, dataset=dataset)
         click.echo(f"{model}: {res}")
-        results.append(res.to_dict(answers=True))
+        return res.to_dict()
+    if kind == "json":
+        from .evals.json_validity import json_validity, load_prompts
+
+        prompts = load_prompts(None if dataset == "builtin" else dataset, limit)
+        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+        results = []
+        for constrained in (False, True):
+            res = json_validity(llm, prompts, constrained)
+            click.echo(f"{model}: {res}")
+            results.append(res.to_dict(answers=True))
+        return {"dataset": dataset, "results": results}
+    if kind == "needle":
+        from .evals.needle import needle
+
+        filler = None if dataset == "builtin" else Path(dataset)
+        if filler is not None and not filler.is_file():
+            raise NotFoundError(f"needle filler text {filler} not found")
+        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+        res = needle(llm, lengths, depths, seed=seed, filler=filler.read_text() if filler else None)
+        click.echo(f"{model}: {res}")
+        return res.to_dict(answers=True)
+    from .evals.lm_eval_adapter import run_lm_eval
+
+    llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+    res = run_lm_eval(llm, task.split(":", 1)[1].split(","), limit=limit, seed=seed)
+    for name, metrics in res["results"].items():
+        click.echo(f"{model}: {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+    return res
+
+
+def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype, json_path):
+    from .evals.gates import load_gates, score_model, verdict
+    from .models import resolve
+
+    if gates_spec is None or baseline is None:
+        raise InputError("gating needs both --baseline BASE_MODEL and --gates FILE (or default)")
+    gates = load_gates(gates_spec)
+    for m in (model, baseline):
+        resolve(m)  # a missing model fails now, before any work
+    engine = {"dtype": dtype, "device": device}
+    base = score_model(baseline, gates.gates, engine, seed, "baseline", cache=not no_cache, echo=click.echo)
+    cand = score_model(model, gates.gates, {**engine, "kv_cache_dtype": kv_cache_dtype}, seed, "candidate",
+                       cache=False, echo=click.echo)
+    v = verdict(gates, base, cand)
+    click.echo("\n" + v.table())
+    click.echo(f"\n{'PASS' if v.passed else 'FAIL'}: {model} against {baseline} ({gates.path})")
+    if report_dir:
+        from .evals.report import write_report
+
+        paths = write_report(Path(report_dir), v, baseline, model, gates.path)
+        click.echo(f"report: {paths[0]}")
     if json_path:
+        from dataclasses import asdict
+
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"model": model, "task": "json", "dataset": dataset,
-                                               "results": results}, indent=2) + "\n")
+        Path(json_path).write_text(json.dumps({"passed": v.passed, "soft_score_pct": v.soft_score_pct,
+                                               "rows": [asdict(r) for r in v.rows]}, indent=2) + "\n")
+    if not v.passed:
+        raise SystemExit(1)
 
 
 ENGINE_OPTIONS = [

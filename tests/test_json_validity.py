@@ -43,7 +43,8 @@ def test_load_prompts_errors(tmp_path):
 def test_parse_answer_forgives_only_whitespace_and_a_fence():
     assert parse_answer(' {"a": 1}\n') == {"a": 1}
     assert parse_answer('```json\n{"a": 1}\n```') == {"a": 1}
-    for text in ('Sure! {"a": 1}', '{"a": 1} hope this helps', "{'a': 1}", ""):
+    assert parse_answer('Here it is:\n```json\n{"a": 1}\n```\nThis JSON has ```two``` fences.') == {"a": 1}
+    for text in ('Sure! {"a": 1}', '{"a": 1} hope this helps', "{'a': 1}", "", '```json\n{"a": 1,}\n```'):
         with pytest.raises(ValueError):
             parse_answer(text)
 

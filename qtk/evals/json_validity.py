@@ -5,8 +5,10 @@ categories, flat and nested objects, arrays, enums, numbers, strings that need e
 a JSON Schema whose objects are closed and whose strings, arrays and numbers are bounded, as
 OpenAI's strict mode asks) is run greedily through qtk's runtime, with the chat template when the
 model has one, and each answer is checked twice:
-  parsed  json.loads accepts the answer, stripped of surrounding whitespace and of a Markdown
-          code fence (```json ... ```), which instruct models add; nothing else is forgiven
+  parsed  json.loads accepts the answer stripped of surrounding whitespace or, when the answer
+          has a Markdown code fence (```json ... ```, which chat models wrap JSON in and then
+          talk on after), the first fenced block; nothing else is forgiven (prose before
+          unfenced JSON, single quotes, trailing commas fail)
   valid   the parsed value validates against the prompt's schema (jsonschema, the schema's draft)
 Unconstrained, this measures the model (what a quantized checkpoint must not lose); constrained
 (structured outputs: the schema as a grammar while decoding) it measures the serving stack, where
@@ -22,7 +24,7 @@ from pathlib import Path
 from ..errors import InputError, NotFoundError
 
 PROMPTS = Path(__file__).parent / "data" / "json_prompts.jsonl"
-FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.S)
+FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)```", re.S)
 
 
 def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[dict]:
@@ -52,10 +54,9 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
 
 
 def parse_answer(text: str):
-    """The JSON value of an answer (whitespace and one Markdown fence forgiven), or raise ValueError."""
-    text = text.strip()
-    fenced = FENCE.match(text)
-    return json.loads(fenced.group(1) if fenced else text)
+    """The JSON value of an answer (its first fenced block, if it has one), or raise ValueError."""
+    fenced = FENCE.search(text)
+    return json.loads(fenced.group(1) if fenced else text.strip())
 
 
 @dataclass

@@ -1,0 +1,147 @@
+"""Needle in a haystack: can the model still find one fact buried in a long context?
+
+Long context is what weight and KV-cache quantization break first (errors add up over thousands
+of positions), so the gates check retrieval where perplexity on short windows cannot see it.
+
+For each haystack length L (tokens of filler) and depth d (0% = the needle opens the haystack,
+100% = it closes it), a case is built as the passkey-retrieval test of Mohtashami & Jaggi
+(Landmark Attention, 2023) and the needle-in-a-haystack test popularized by G. Kamradt:
+  1. filler: L tokens of running text (the built-in corpus's evaluation split, or a given text),
+     cut from a seeded offset, so each case reads different text;
+  2. the needle, "The pass key is 48213. Remember it. 48213 is the pass key.", a fresh 5-digit
+     key per case, inserted at the first sentence end at or after d% of the filler;
+  3. the question after the haystack: "What is the pass key?", through the chat template when the
+     model has one.
+Every case runs in one batch on qtk's runtime, greedily; a case is retrieved when the first
+number in the answer is the key (exact match). Scores: per (length, depth) cell, per length, and
+overall. Deterministic for a seed: the same keys, offsets and prompts for every model sharing a
+tokenizer, so a baseline and a candidate answer the same questions.
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+from ..errors import InputError
+
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the pass key.")
+QUESTION = "What is the pass key? Answer with the number only."
+DEFAULT_DEPTHS = (0, 25, 50, 75, 100)
+
+
+@dataclass(frozen=True)
+class NeedleCase:
+    length: int  # haystack tokens
+    depth: int  # percent
+    key: str
+    prompt: list[int]  # token ids, question included
+
+
+@dataclass
+class NeedleResult:
+    lengths: list[int]
+    depths: list[int]
+    cells: dict[tuple[int, int], float]  # (length, depth) -> share retrieved
+    samples: int
+    answers: list[dict] = field(repr=False, default_factory=list)
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.cells.values()) / len(self.cells)
+
+    def by_length(self) -> dict[int, float]:
+        return {n: sum(self.cells[n, d] for d in self.depths) / len(self.depths) for n in self.lengths}
+
+    def to_dict(self, answers: bool = False) -> dict:
+        out = {"accuracy": self.accuracy, "lengths": self.lengths, "depths": self.depths, "samples": self.samples,
+               "by_length": {str(k): v for k, v in self.by_length().items()},
+               "cells": [{"length": n, "depth": d, "accuracy": a} for (n, d), a in self.cells.items()]}
+        if answers:
+            out["answers"] = self.answers
+        return out
+
+    def __str__(self) -> str:
+        per = ", ".join(f"{n}: {a:.0%}" for n, a in self.by_length().items())
+        return f"needle: {self.accuracy:.1%} retrieved over {len(self.cells)} cells x {self.samples}; by length {per}"
+
+
+def default_lengths(max_model_len: int) -> list[int]:
+    """Doubling from 256 up to what fits the context with the question and the answer."""
+    lengths, n = [], 256
+    while n <= max_model_len - 128:
+        lengths.append(n)
+        n *= 2
+    return lengths or [max(16, max_model_len - 128)]
+
+
+def build_cases(tokenizer, lengths: list[int], depths: list[int], samples: int = 1, seed: int = 0,
+                filler: str | None = None) -> list[NeedleCase]:
+    from ..data import builtin_texts
+
+    for d in depths:
+        if not 0 <= d <= 100:
+            raise InputError(f"needle depths are percents in [0, 100], got {d}")
+    if any(n < 16 for n in lengths):
+        raise InputError(f"needle haystack lengths must be at least 16 tokens, got {sorted(lengths)}")
+    text = filler if filler is not None else "\n\n".join(builtin_texts("evaluation"))
+    stream = tokenizer(text, add_special_tokens=False).input_ids
+    if len(stream) < max(lengths) + 1:
+        raise InputError(f"the filler text has {len(stream)} tokens; the longest haystack needs {max(lengths)}")
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    rng = random.Random(seed)
+    cases = []
+    for n in lengths:
+        for d in depths:
+            for _ in range(samples):
+                key = str(rng.randint(10000, 99999))
+                start = rng.randrange(len(stream) - n)
+                hay = tokenizer.decode(stream[start:start + n])
+                at = _sentence_end(hay, len(hay) * d // 100)
+                body = f"{INTRO}\n\n{hay[:at]} {NEEDLE.format(key=key)} {hay[at:]}\n\n{QUESTION}"
+                if chat:
+                    ids = tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
+                                                        tokenize=True, return_dict=True)["input_ids"]
+                else:
+                    ids = tokenizer(body + "\nThe pass key is").input_ids
+                cases.append(NeedleCase(n, d, key, list(ids)))
+    return cases
+
+
+def _sentence_end(text: str, at: int) -> int:
+    """The first position at or after `at` just past a sentence end (or the text's end)."""
+    if at <= 0:
+        return 0
+    m = re.compile(r"[.!?]\s").search(text, at)
+    return m.start() + 1 if m else len(text)
+
+
+def retrieved(answer: str, key: str) -> bool:
+    m = re.search(r"\d+", answer)
+    return m is not None and m.group() == key
+
+
+def needle(llm, lengths: list[int] | None = None, depths: list[int] | None = None, samples: int = 1, seed: int = 0,
+           filler: str | None = None, max_tokens: int = 16) -> NeedleResult:
+    """Every (length, depth, sample) case as one batch on the engine `llm` (qtk.LLM), greedily."""
+    from ..runtime.sampling_params import SamplingParams
+
+    lengths = sorted(lengths or default_lengths(llm.max_model_len))
+    depths = sorted(DEFAULT_DEPTHS if depths is None else depths)
+    cases = build_cases(llm.tokenizer, lengths, depths, samples, seed, filler)
+    too_long = [c for c in cases if len(c.prompt) + max_tokens > llm.max_model_len]
+    if too_long:
+        raise InputError(f"a needle prompt of {len(too_long[0].prompt)} tokens (haystack {too_long[0].length}) does "
+                         f"not fit max_model_len {llm.max_model_len} with the answer; use shorter lengths")
+    outs = llm.generate([c.prompt for c in cases], SamplingParams(max_tokens=max_tokens, temperature=0))
+    hits: dict[tuple[int, int], int] = {}
+    answers = []
+    for c, out in zip(cases, outs):
+        text = out.outputs[0].text
+        ok = retrieved(text, c.key)
+        hits[c.length, c.depth] = hits.get((c.length, c.depth), 0) + ok
+        answers.append({"length": c.length, "depth": c.depth, "key": c.key, "answer": text, "retrieved": ok})
+    cells = {(n, d): hits[n, d] / samples for n in lengths for d in depths}
+    return NeedleResult(lengths, depths, cells, samples, answers)

@@ -1,0 +1,180 @@
+"""Quality gates: the gates file is checked key by key (exit 2 on a mistake), the verdict's
+arithmetic (hard thresholds relative and absolute, the soft weighted score), the report folder,
+the needle eval's cases, and, on the bundled model, the gates passing a sound checkpoint (RTN
+w8a16, exit 0) and failing a broken one (a quarter of its packed 4-bit words scrambled, exit 1)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from qtk.cli import main
+from qtk.errors import InputError, NotFoundError
+from qtk.evals.gates import GatesFile, Gate, load_gates, recovery, verdict
+
+GOOD = """
+gates:
+  ppl: {task: ppl, args: {seq_len: 64, limit: 2}, max_increase_pct: 10}
+  needle: {task: needle, args: {lengths: [64], depths: [0, 100]}, min_recovery_pct: 80, weight: 1}
+  json: {task: json, args: {limit: 4}, metric: valid_rate, weight: 2}
+soft: {min_score_pct: 90}
+"""
+
+
+def write(tmp_path, text: str) -> str:
+    p = tmp_path / "g.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_gates_files_load_and_every_mistake_is_named(tmp_path):
+    g = load_gates(write(tmp_path, GOOD))
+    assert [x.name for x in g.gates] == ["ppl", "needle", "json"] and g.min_score_pct == 90
+    assert {x.name for x in load_gates("default").gates} >= {"perplexity", "needle", "json_constrained"}
+    load_gates("ci")
+    bad = [("gates:\n  a: {task: ppl, max_increase_pct: 5, colour: red}\n", "unknown key.*colour"),
+           ("gates:\n  a: {task: ppx, max_increase_pct: 5}\n", "unknown task 'ppx'"),
+           ("gates:\n  a: {task: lm-eval, min: 1}\n", "unknown task 'lm-eval'"),
+           ("gates:\n  a: {task: ppl, args: {seqlen: 5}, max_increase_pct: 5}\n", "unknown arg.*seqlen"),
+           ("gates:\n  a: {task: ppl}\n", "threshold"),
+           ("gates:\n  a: {task: ppl, weight: 1}\n", "min_score_pct"),
+           ("gates:\n  a: {task: ppl, max_increase_pct: 5}\nsoft: {min_scor: 3}\n", "under soft"),
+           ("gate:\n  a: {task: ppl}\n", "gates:"),
+           ("gates: [oops\n", "not valid YAML")]
+    for text, message in bad:
+        with pytest.raises(InputError, match=message):
+            load_gates(write(tmp_path, text))
+    with pytest.raises(NotFoundError, match="default, .*ci|ci, .*default"):
+        load_gates(str(tmp_path / "missing.yaml"))
+
+
+def test_verdict_arithmetic():
+    g = load_gates("default")
+    gates = GatesFile([Gate("ppl", "ppl", {}, None, {"max_increase_pct": 10.0}, None),
+                       Gate("needle", "needle", {}, None, {"min_recovery_pct": 80.0}, 1.0),
+                       Gate("json", "json", {}, "valid_rate", {}, 3.0),
+                       Gate("strict", "json", {}, "constrained_valid_rate", {"min": 1.0}, None)], 90.0, g.path)
+    base = {"ppl": {"ppl": 10.0}, "needle": {"accuracy": 0.8}, "json": {"valid_rate": 0.5},
+            "strict": {"constrained_valid_rate": 1.0}}
+    cand = {"ppl": {"ppl": 10.9}, "needle": {"accuracy": 0.7}, "json": {"valid_rate": 0.5},
+            "strict": {"constrained_valid_rate": 1.0}}
+    v = verdict(gates, base, cand)
+    assert [r.passed for r in v.rows] == [True, True, None, True] and v.passed
+    assert v.rows[0].recovery_pct == pytest.approx(100 * 10 / 10.9) and v.rows[1].recovery_pct == pytest.approx(87.5)
+    assert v.soft_score_pct == pytest.approx((87.5 + 3 * 100) / 4)
+    cand["ppl"]["ppl"] = 11.1  # +11%: the hard gate fails
+    assert not verdict(gates, base, cand).passed
+    cand["ppl"]["ppl"] = 10.0
+    cand["json"]["valid_rate"] = 0.2  # soft: (87.5 + 3 * 40) / 4 = 51.9% < 90%
+    v = verdict(gates, base, cand)
+    assert all(r.passed is not False for r in v.rows) and not v.soft_passed and not v.passed
+    assert "soft score" in v.table() and "FAIL" in v.table()
+    cand["json"]["valid_rate"] = 0.9  # a gain is capped at 100% in the soft score
+    assert verdict(gates, base, cand).soft_score_pct == pytest.approx((87.5 + 300) / 4)
+    cand["strict"]["constrained_valid_rate"] = 0.99
+    assert not verdict(gates, base, cand).passed
+    assert recovery(0.0, 0.0, False) == 100.0 and recovery(2.0, 4.0, True) == 50.0
+
+
+def test_report_folder(tmp_path):
+    from qtk.evals.report import write_report
+
+    gates = GatesFile([Gate("ppl", "ppl", {}, None, {"max_increase_pct": 10.0}, None),
+                       Gate("needle", "needle", {}, None, {"min_recovery_pct": 80.0}, None)], None, "g.yaml")
+    cells = lambda acc: {"accuracy": acc, "lengths": [256, 512], "depths": [0, 100],  # noqa: E731
+                         "cells": [{"length": n, "depth": d, "accuracy": acc} for n in (256, 512) for d in (0, 100)]}
+    base = {"ppl": {"ppl": 10.0}, "needle": {"accuracy": 1.0, "_cells": cells(1.0)}}
+    cand = {"ppl": {"ppl": 12.0}, "needle": {"accuracy": 0.5, "_cells": cells(0.5)}}
+    paths = write_report(tmp_path / "r", verdict(gates, base, cand), "base", "cand", "g.yaml")
+    names = {p.name for p in paths}
+    assert names == {"report.md", "report.json", "metrics.png", "needle.png"}
+    for p in paths:
+        if p.suffix == ".png":
+            assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "# Quality gates: FAIL" in md and "**FAIL**" in md and "![needle](needle.png)" in md
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["passed"] is False
+
+
+def test_cli_gates_bad_input_exits_2(tmp_path, tiny_dir):
+    r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--gates", "ci"])
+    assert r.exit_code == 2 and "--baseline" in r.output
+    r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--baseline", str(tmp_path / "nope"), "--gates", "ci"])
+    assert r.exit_code == 2 and "not found" in r.output
+    r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--baseline", str(tiny_dir), "--gates",
+                                  write(tmp_path, "gates:\n  a: {task: ppl, max_increase_pct: 5, x: 1}\n")])
+    assert r.exit_code == 2 and "unknown key" in r.output
+    r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--task", "nope"])
+    assert r.exit_code == 2 and "unknown --task" in r.output
+
+
+def test_needle_cases_are_deterministic_and_hold_their_key(tokenizer):
+    from qtk.evals.needle import build_cases, retrieved
+
+    a = build_cases(tokenizer, [64, 128], [0, 50, 100], samples=2, seed=3)
+    b = build_cases(tokenizer, [64, 128], [0, 50, 100], samples=2, seed=3)
+    assert a == b and len(a) == 12 and len({c.key for c in a}) > 6
+    for c in a:
+        text = tokenizer.decode(c.prompt)
+        assert f"The pass key is {c.key}." in text and text.count(c.key) == 2
+    first, last = (tokenizer.decode(c.prompt) for c in a[:1] + a[4:5])  # depth 0 and 100 of length 64
+    assert first.index(a[0].key) < len(first) // 3 and last.index(a[4].key) > len(last) // 2
+    assert retrieved("The pass key is 12345.", "12345") and not retrieved("It is 1234 or 12345", "12345")
+    with pytest.raises(InputError, match="depths"):
+        build_cases(tokenizer, [64], [120])
+
+
+def test_cli_needle_on_the_tiny_model(tiny_dir, tmp_path):
+    out = tmp_path / "n.json"
+    r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--task", "needle", "--lengths", "32,64", "--depths", "0,100",
+                                  "--dtype", "float32", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert res["lengths"] == [32, 64] and len(res["cells"]) == 4 and len(res["answers"]) == 4
+    assert res["accuracy"] == sum(a["retrieved"] for a in res["answers"]) / 4  # a random model: likely 0
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """An RTN w8a16 checkpoint of the bundled model (sound) and an RTN w4a16 one with a quarter
+    of its packed weight words scrambled (broken)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path_factory.mktemp("gated")
+    for scheme in ("w8a16", "w4a16"):
+        r = CliRunner().invoke(main, ["quantize", "smollm2-135m", "--method", "rtn", "--scheme", scheme,
+                                      "--output", str(d / scheme)])
+        assert r.exit_code == 0, r.output
+    broken = d / "scrambled"
+    shutil.copytree(d / "w4a16", broken)
+    g = torch.Generator().manual_seed(0)
+    for f in broken.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if name.endswith("weight_packed"):
+                flat = t.view(-1)
+                idx = torch.randperm(flat.numel(), generator=g)[: flat.numel() // 4]
+                flat[idx] = torch.randint(-2**31, 2**31 - 1, (idx.numel(),), generator=g, dtype=torch.int32)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return d / "w8a16", broken
+
+
+@pytest.mark.slow
+def test_ci_gates_pass_a_sound_checkpoint_and_fail_a_broken_one(checkpoints, tmp_path):
+    sound, broken = checkpoints
+    report = tmp_path / "report"
+    r = CliRunner().invoke(main, ["eval", str(sound), "--baseline", "smollm2-135m", "--gates", "ci",
+                                  "--dtype", "float32", "--report", str(report)])
+    assert r.exit_code == 0, r.output
+    assert "PASS" in r.output and (report / "report.md").read_text().startswith("# Quality gates: PASS")
+    assert (report / "needle.png").exists()
+    r = CliRunner().invoke(main, ["eval", str(broken), "--baseline", "smollm2-135m", "--gates", "ci",
+                                  "--dtype", "float32", "--json", str(tmp_path / "v.json")])
+    assert r.exit_code == 1, r.output
+    assert "[baseline] ppl: cached" in r.output  # the baseline was scored once, by content hash
+    rows = json.loads((tmp_path / "v.json").read_text())["rows"]
+    assert next(x for x in rows if x["gate"] == "perplexity")["passed"] is False
