@@ -3,12 +3,11 @@ reassemble to the non-streamed greedy text), n > 1, concurrency, seeds, bad requ
 a message, the api key, and a client leaving a stream frees its blocks."""
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
 import pytest
+from serving import free_port, serving
 
 KEY = "sk-test-key"
 
@@ -20,28 +19,12 @@ def request_log(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, request_log):
-    import uvicorn
-
     from qtk import LLM
     from qtk.runtime.async_engine import AsyncLLM
-    from qtk.runtime.server import build_app
 
     engine = AsyncLLM(LLM(str(tiny_dir), dtype="float32", max_model_len=128, kv_cache_memory=2**21, block_size=8))
-    app = build_app(engine, "tiny", api_key=KEY, max_queue=64, log_requests=str(request_log))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    with serving(engine, "tiny", api_key=KEY, max_queue=64, log_requests=str(request_log)) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +193,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_dir):
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "qtk.cli", "serve", str(tiny_dir), "--port", str(port),
                              "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", str(2**21)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.getcwd()})

@@ -16,13 +16,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
-import threading
 import time
 
 import httpx
 import jsonschema
 import pytest
+from serving import serving
 
 pytestmark = pytest.mark.slow
 
@@ -36,27 +35,13 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def server(bundled_dir):
-    import uvicorn
-
     from qtk import LLM
     from qtk.runtime.async_engine import AsyncLLM
-    from qtk.runtime.server import build_app
 
     engine = AsyncLLM(LLM(str(bundled_dir), dtype="float32", max_model_len=512, max_num_seqs=8,
                           kv_cache_memory=2**28))
-    app = build_app(engine, "m", max_queue=12)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    with serving(engine, "m", max_queue=12) as running:
+        yield running
 
 
 def test_structured_outputs_always_valid(server):

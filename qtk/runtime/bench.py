@@ -205,7 +205,7 @@ def summary(res: dict) -> str:
             continue
         rows = [(engine, r.get("throughput"), r.get("batch1"), r.get("startup_s"))]
         if engine == "transformers":
-            rows = [(f"transformers 1 at a time", r["sequential"], r["batch1"], None),
+            rows = [("transformers 1 at a time", r["sequential"], r["batch1"], None),
                     ("transformers batch 16", r["static_16"], None, None)]
         for label, thr, b1, st in rows:
             cell = lambda x: f"{x['tok_s']:.1f}" if x else "-"  # noqa: E731
