@@ -117,7 +117,8 @@ def inspect(model, json_out):
 @click.option("--no-cache", is_flag=True, help="With --gates: recompute the baseline's scores even if cached.")
 @click.option("--task", default="ppl", show_default=True,
               help="Without --gates: ppl (perplexity), needle (needle in a haystack), json (JSON validity, with and "
-                   "without structured outputs) or lm-eval:TASK[,TASK].")
+                   "without structured outputs), lm-eval:TASK[,TASK], or tasks:FILE.jsonl (your own prompts with "
+                   "expected answers: qtk/evals/user_tasks.py).")
 @click.option("--dataset", default="builtin", show_default=True,
               help="ppl: builtin (pydoc topics, evaluation split), FILE.txt, FILE.jsonl, hf:NAME. json: builtin "
                    "(qtk's 120 prompts with schemas) or a JSONL of {prompt, schema[, category, id]}. needle: the "
@@ -169,8 +170,8 @@ def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batc
     from .runtime.engine import LLM
 
     kind = task.split(":", 1)[0]
-    if kind not in ("ppl", "needle", "json", "lm-eval") or (kind == "lm-eval") != (":" in task):
-        raise InputError(f"unknown --task {task!r}: ppl, needle, json or lm-eval:TASK[,TASK]")
+    if kind not in ("ppl", "needle", "json", "lm-eval", "tasks") or (kind in ("lm-eval", "tasks")) != (":" in task):
+        raise InputError(f"unknown --task {task!r}: ppl, needle, json, lm-eval:TASK[,TASK] or tasks:FILE.jsonl")
     lengths, depths = _ints(lengths, "--lengths"), _ints(depths, "--depths")
     if kind == "ppl":
         from .evals.perplexity import engine_perplexity, eval_windows
@@ -204,6 +205,15 @@ def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batc
         res = needle(llm, lengths, depths, seed=seed, filler=filler.read_text() if filler else None)
         click.echo(f"{model}: {res}")
         return res.to_dict(answers=True)
+    if kind == "tasks":
+        from .evals.user_tasks import load_cases, run_cases
+
+        cases = load_cases(task.split(":", 1)[1], limit)
+        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+        res = run_cases(llm, cases)
+        click.echo(f"{model}: {sum(a['matched'] for a in res['answers'])}/{len(cases)} matched "
+                   f"({res['accuracy']:.1%})")
+        return res
     from .evals.lm_eval_adapter import run_lm_eval
 
     llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)

@@ -136,6 +136,18 @@ def test_cli_needle_on_the_tiny_model(tiny_dir, tmp_path):
     assert res["accuracy"] == sum(a["retrieved"] for a in res["answers"]) / 4  # a random model: likely 0
 
 
+@pytest.mark.slow
+def test_needle_the_bundled_model_must_find(bundled_dir):
+    """Haystacks this short, the real model finds every key: the scoring is checked, not only run."""
+    from qtk import LLM
+    from qtk.evals.needle import needle
+
+    llm = LLM(str(bundled_dir), dtype="float32", max_model_len=512)
+    r = needle(llm, lengths=[64, 160], depths=[0, 50, 100], seed=1)
+    assert r.accuracy == 1.0 and all(a["retrieved"] for a in r.answers), r.answers
+    assert r.by_length() == {64: 1.0, 160: 1.0} and len(r.cells) == 6
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """An RTN w8a16 checkpoint of the bundled model (sound) and an RTN w4a16 one with a quarter
@@ -177,3 +189,39 @@ def test_ci_gates_pass_a_sound_checkpoint_and_fail_a_broken_one(checkpoints, tmp
     assert "[baseline] ppl: cached" in r.output  # the baseline was scored once, by content hash
     rows = json.loads((tmp_path / "v.json").read_text())["rows"]
     assert next(x for x in rows if x["gate"] == "perplexity")["passed"] is False
+
+
+def test_user_tasks_file_and_its_gate(tiny_dir, tmp_path):
+    """A team's own cases: exact and contains matching, chat and completion prompts, checked
+    against what the model is known to answer; the file is validated line by line."""
+    from qtk import LLM, SamplingParams
+    from qtk.evals.user_tasks import load_cases, run_cases
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, kv_cache_memory=2**22, block_size=8)
+    said = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
+    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
+    cases = tmp_path / "cases.jsonl"
+    cases.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "Hello", "answer": said, "max_tokens": 8},
+        {"prompt": "Hello", "answer": said[1:4], "match": "contains", "max_tokens": 8},
+        {"messages": [{"role": "user", "content": "Hi"}], "answer": "zzz", "max_tokens": 8},
+        {"prompt": "Hello", "answer": said + " and more", "max_tokens": 8}]) + "\n")
+    res = run_cases(llm, load_cases(cases))
+    assert [a["matched"] for a in res["answers"]] == [True, True, False, False] and res["accuracy"] == 0.5
+    assert res["answers"][2]["text"] == chat  # the chat case went through the template, as llm.chat does
+    for text, message in [('{"prompt": "x"}', "answer"), ('{"prompt": "x", "messages": [], "answer": "a"}',
+                          "exactly one"), ('{"prompt": "x", "answer": "a", "match": "regex"}', "exact or contains"),
+                          ('{"prompt": "x", "answer": "a", "extra": 1}', "unknown key")]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text + "\n")
+        with pytest.raises(InputError, match=message):
+            load_cases(bad)
+    gates = tmp_path / "mine.yaml"  # the task file is found next to the gates file
+    gates.write_text("gates:\n  business: {task: 'tasks:cases.jsonl', min_recovery_pct: 100}\n")
+    g = load_gates(str(gates)).gates[0]
+    assert g.task == f"tasks:{cases}"
+    r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--baseline", str(tiny_dir), "--gates", str(gates),
+                                  "--dtype", "float32", "--no-cache"])
+    assert r.exit_code == 0 and "business" in r.output, r.output
+    r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--task", f"tasks:{cases}", "--dtype", "float32"])
+    assert r.exit_code == 0 and "2/4 matched" in r.output, r.output

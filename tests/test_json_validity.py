@@ -79,3 +79,25 @@ def test_cli_eval_json(tiny_dir, tmp_path):
     assert [x["constrained"] for x in res] == [False, True] and res[1]["overall"]["valid"] == 2
     missing = CliRunner().invoke(main, ["eval", str(tiny_dir), "--task", "json", "--dataset", str(tmp_path / "no.jsonl")])
     assert missing.exit_code == 2 and "not found" in missing.output
+
+
+def test_a_fixed_answer_scores_exactly(tiny_dir, tmp_path):
+    """Constrained decoding fixes the answer (every value a const): the text is known, so the
+    metric code is checked against it; the same prompt unconstrained from a random model is not."""
+    from qtk import LLM
+
+    schema = {"type": "object", "properties": {"a": {"const": "x"}, "b": {"const": [1, 2]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    rows = [{"id": "fixed", "category": "c", "prompt": "Anything.", "schema": schema}]
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, kv_cache_memory=2**22, block_size=8)
+    held = json_validity(llm, rows, constrained=True, max_tokens=30)
+    assert held.answers[0]["text"] == '{"a":"x","b":[1,2]}'
+    assert (held.overall.parsed, held.overall.valid, held.by_category["c"].valid_rate) == (1, 1, 1.0)
+    import jsonschema
+
+    free = json_validity(llm, rows, constrained=False, max_tokens=30).answers[0]
+    try:
+        expected = jsonschema.Draft202012Validator(schema).is_valid(parse_answer(free["text"]))
+    except ValueError:
+        expected = False
+    assert free["valid"] == expected

@@ -8,7 +8,7 @@ baseline's. A gates file (YAML; qtk/evals/data/gates/default.yaml is the default
 
     gates:
       ppl:                          # a name of your choosing
-        task: ppl                   # ppl | needle | json | lm-eval:TASK[,TASK]
+        task: ppl                   # ppl | needle | json | lm-eval:TASK[,TASK] | tasks:FILE.jsonl
         args: {seq_len: 1024, limit: 8}       # the task's options (TASK_ARGS below)
         metric: ppl                 # one of the task's metrics (default: its first)
         max_increase_pct: 10        # hard: candidate <= baseline x 1.10 (a lower-is-better metric)
@@ -50,14 +50,16 @@ TASK_ARGS = {
     "needle": {"lengths", "depths", "samples", "filler"},
     "json": {"limit", "constrained", "dataset", "max_tokens"},
     "lm-eval": {"limit", "num_fewshot"},
+    "tasks": {"limit"},  # a team's own cases (user_tasks.py)
 }
+PREFIXED = ("lm-eval", "tasks")  # kinds written KIND:WHAT
 LOWER_IS_BETTER = {"ppl", "nll", "word_perplexity", "byte_perplexity", "bits_per_byte"}
 
 
 @dataclass(frozen=True)
 class Gate:
     name: str
-    task: str  # ppl | needle | json | lm-eval:TASK[,TASK]
+    task: str  # ppl | needle | json | lm-eval:TASK[,TASK] | tasks:FILE.jsonl
     args: dict
     metric: str | None
     thresholds: dict  # of THRESHOLDS
@@ -113,14 +115,21 @@ def load_gates(spec: str) -> GatesFile:
 def _gate(path: Path, name: str, g) -> Gate:
     where = f"{path}: gate {name!r}"
     if not isinstance(g, dict) or "task" not in g:
-        raise InputError(f"{where}: needs at least `task:` (ppl, needle, json or lm-eval:TASK)")
+        raise InputError(f"{where}: needs at least `task:` (ppl, needle, json, lm-eval:TASK or tasks:FILE.jsonl)")
     unknown = set(g) - GATE_KEYS
     if unknown:
         raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(GATE_KEYS)}")
     task = str(g["task"])
     kind = task.split(":", 1)[0]
-    if kind not in TASK_ARGS or (kind == "lm-eval") != (":" in task):
-        raise InputError(f"{where}: unknown task {task!r}; tasks: ppl, needle, json, lm-eval:TASK[,TASK]")
+    if kind not in TASK_ARGS or (kind in PREFIXED) != (":" in task):
+        raise InputError(f"{where}: unknown task {task!r}; tasks: ppl, needle, json, lm-eval:TASK[,TASK], "
+                         "tasks:FILE.jsonl")
+    if kind == "tasks":  # relative to the gates file, so a team's gates and cases travel together
+        file = Path(task.split(":", 1)[1])
+        file = file if file.is_absolute() or file.exists() else path.parent / file
+        if not file.is_file():
+            raise NotFoundError(f"{where}: task file {file} not found")
+        task = f"tasks:{file}"
     args = g.get("args") or {}
     if set(args) - TASK_ARGS[kind]:
         raise InputError(f"{where}: unknown arg(s) {sorted(set(args) - TASK_ARGS[kind])} for task {kind}; "
@@ -162,6 +171,10 @@ def run_task(llm, gate: Gate, seed: int = 0) -> dict[str, float]:
             out[f"{prefix}valid_rate"] = r.overall.valid_rate
             out[f"{prefix}parse_rate"] = r.overall.parse_rate
         return out
+    if gate.kind == "tasks":
+        from .user_tasks import load_cases, run_cases
+
+        return {"accuracy": run_cases(llm, load_cases(gate.task.split(":", 1)[1], a.get("limit")))["accuracy"]}
     from .lm_eval_adapter import run_lm_eval
 
     res = run_lm_eval(llm, gate.task.split(":", 1)[1].split(","), limit=a.get("limit"), seed=seed,
