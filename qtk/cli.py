@@ -235,7 +235,7 @@ def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device,
     engine = {"dtype": dtype, "device": device}
     base = score_model(baseline, gates.gates, engine, seed, "baseline", cache=not no_cache, echo=click.echo)
     cand = score_model(model, gates.gates, {**engine, "kv_cache_dtype": kv_cache_dtype}, seed, "candidate",
-                       cache=False, echo=click.echo)
+                       cache=False, echo=click.echo, reference=base)
     v = verdict(gates, base, cand)
     click.echo("\n" + v.table())
     click.echo(f"\n{'PASS' if v.passed else 'FAIL'}: {model} against {baseline} ({gates.path})")

@@ -225,3 +225,67 @@ def test_user_tasks_file_and_its_gate(tiny_dir, tmp_path):
     assert r.exit_code == 0 and "business" in r.output, r.output
     r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--task", f"tasks:{cases}", "--dtype", "float32"])
     assert r.exit_code == 0 and "2/4 matched" in r.output, r.output
+
+
+@pytest.mark.slow
+def test_replaying_served_traffic_tells_sound_from_broken(checkpoints, tmp_path):
+    """A request log in `qtk serve --log-requests`'s format (written by its own RequestLog): a
+    sound checkpoint agrees with the baseline, a broken one does not."""
+    from qtk.runtime.request_log import RequestLog
+
+    log = RequestLog(tmp_path / "traffic.jsonl")
+    questions = ["What is the capital of France?", "Name three colors.", "Write one sentence about the sea.",
+                 "What is 12 plus 7?", "Give a synonym for happy.", "Describe a cat in five words."]
+    for q in questions:
+        log.write("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": q}],
+                                            "max_tokens": 24, "temperature": 0.7}, [{"index": 0, "text": "..."}], None)
+    log.write("/v1/completions", {"model": "m", "prompt": ["The sun is", "Water boils at"], "max_tokens": 16},
+              [{"index": 0, "text": "..."}], None)
+    gates = tmp_path / "replay.yaml"
+    gates.write_text("gates:\n"
+                     "  traffic: {task: 'replay:traffic.jsonl', metric: agreement, min: 0.5}\n"
+                     "  traffic_top1: {task: 'replay:traffic.jsonl', metric: top1_agreement, min: 0.9}\n")
+    sound, broken = checkpoints
+    out = tmp_path / "v.json"
+    r = CliRunner().invoke(main, ["eval", str(sound), "--baseline", "smollm2-135m", "--gates", str(gates),
+                                  "--dtype", "float32", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = {x["gate"]: x for x in json.loads(out.read_text())["rows"]}
+    assert rows["traffic_top1"]["candidate"] >= 0.9 and rows["traffic"]["baseline"] == 1.0
+    sound_says = {k: round(v["candidate"], 3) for k, v in rows.items()}
+    r = CliRunner().invoke(main, ["eval", str(broken), "--baseline", "smollm2-135m", "--gates", str(gates),
+                                  "--dtype", "float32", "--json", str(out)])
+    assert r.exit_code == 1, r.output
+    rows = {x["gate"]: x for x in json.loads(out.read_text())["rows"]}
+    assert rows["traffic"]["candidate"] < 0.5 and rows["traffic_top1"]["candidate"] < 0.9
+    print(f"\nreplay: sound {sound_says}, broken {({k: round(v['candidate'], 3) for k, v in rows.items()})}")
+
+
+def test_replay_reads_logs_and_scores_agreement(tiny_dir, tmp_path):
+    from qtk import LLM
+    from qtk.evals.replay import load_requests, replay
+    from qtk.runtime.request_log import RequestLog
+
+    log = RequestLog(tmp_path / "log.jsonl")
+    log.write("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                                        "max_completion_tokens": 6}, [], None)
+    log.write("/v1/completions", {"prompt": ["One", "Two"], "max_tokens": 5}, [], None)
+    with open(tmp_path / "log.jsonl", "a") as f:
+        f.write(json.dumps({"prompt": [5, 6, 7], "max_tokens": 4}) + "\n")  # a bare request body
+    cases = load_requests(tmp_path / "log.jsonl")
+    assert [c.get("prompt") for c in cases] == [None, "One", "Two", [5, 6, 7]]
+    assert cases[0]["messages"] == [{"role": "user", "content": "Hi"}] and cases[0]["max_tokens"] == 6
+    (tmp_path / "bad.jsonl").write_text('{"request": {"input": "x"}}\n')
+    with pytest.raises(InputError, match="bad.jsonl:1: not an OpenAI request"):
+        load_requests(tmp_path / "bad.jsonl")
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, kv_cache_memory=2**22, block_size=8)
+    base = replay(llm, cases)
+    again = replay(llm, cases, reference=base["_responses"])
+    assert (again["agreement"], again["first_divergence"], again["top1_agreement"]) == (1.0, 1.0, 1.0)
+    assert [len(r) for r in base["_responses"]][1:] == [5, 5, 4]  # max_tokens as each request asked
+    changed = [r[:-1] + [(r[-1] + 1) % 1000] for r in base["_responses"]]  # every last token differs
+    off = replay(llm, cases, reference=changed)
+    assert off["agreement"] == 0.0
+    assert off["first_divergence"] == pytest.approx(sum((len(r) - 1) / len(r) for r in changed) / len(changed))
+    assert off["top1_agreement"] < 1.0

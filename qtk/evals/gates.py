@@ -8,7 +8,7 @@ baseline's. A gates file (YAML; qtk/evals/data/gates/default.yaml is the default
 
     gates:
       ppl:                          # a name of your choosing
-        task: ppl                   # ppl | needle | json | lm-eval:TASK[,TASK] | tasks:FILE.jsonl
+        task: ppl                   # ppl | needle | json | lm-eval:TASK[,TASK] | tasks:FILE.jsonl | replay:LOG.jsonl
         args: {seq_len: 1024, limit: 8}       # the task's options (TASK_ARGS below)
         metric: ppl                 # one of the task's metrics (default: its first)
         max_increase_pct: 10        # hard: candidate <= baseline x 1.10 (a lower-is-better metric)
@@ -51,15 +51,17 @@ TASK_ARGS = {
     "json": {"limit", "constrained", "dataset", "max_tokens"},
     "lm-eval": {"limit", "num_fewshot"},
     "tasks": {"limit"},  # a team's own cases (user_tasks.py)
+    "replay": {"limit", "max_tokens"},  # a request log replayed on both models (replay.py)
 }
-PREFIXED = ("lm-eval", "tasks")  # kinds written KIND:WHAT
+PREFIXED = ("lm-eval", "tasks", "replay")  # kinds written KIND:WHAT
+FILE_KINDS = ("tasks", "replay")  # KIND:FILE, the file found relative to the gates file
 LOWER_IS_BETTER = {"ppl", "nll", "word_perplexity", "byte_perplexity", "bits_per_byte"}
 
 
 @dataclass(frozen=True)
 class Gate:
     name: str
-    task: str  # ppl | needle | json | lm-eval:TASK[,TASK] | tasks:FILE.jsonl
+    task: str  # ppl | needle | json | lm-eval:TASK[,TASK] | tasks:FILE.jsonl | replay:LOG.jsonl
     args: dict
     metric: str | None
     thresholds: dict  # of THRESHOLDS
@@ -115,7 +117,8 @@ def load_gates(spec: str) -> GatesFile:
 def _gate(path: Path, name: str, g) -> Gate:
     where = f"{path}: gate {name!r}"
     if not isinstance(g, dict) or "task" not in g:
-        raise InputError(f"{where}: needs at least `task:` (ppl, needle, json, lm-eval:TASK or tasks:FILE.jsonl)")
+        raise InputError(f"{where}: needs at least `task:` (ppl, needle, json, lm-eval:TASK, tasks:FILE.jsonl or "
+                         "replay:LOG.jsonl)")
     unknown = set(g) - GATE_KEYS
     if unknown:
         raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(GATE_KEYS)}")
@@ -123,13 +126,13 @@ def _gate(path: Path, name: str, g) -> Gate:
     kind = task.split(":", 1)[0]
     if kind not in TASK_ARGS or (kind in PREFIXED) != (":" in task):
         raise InputError(f"{where}: unknown task {task!r}; tasks: ppl, needle, json, lm-eval:TASK[,TASK], "
-                         "tasks:FILE.jsonl")
-    if kind == "tasks":  # relative to the gates file, so a team's gates and cases travel together
+                         "tasks:FILE.jsonl, replay:LOG.jsonl")
+    if kind in FILE_KINDS:  # relative to the gates file, so a team's gates and files travel together
         file = Path(task.split(":", 1)[1])
         file = file if file.is_absolute() or file.exists() else path.parent / file
         if not file.is_file():
-            raise NotFoundError(f"{where}: task file {file} not found")
-        task = f"tasks:{file}"
+            raise NotFoundError(f"{where}: file {file} not found")
+        task = f"{kind}:{file}"
     args = g.get("args") or {}
     if set(args) - TASK_ARGS[kind]:
         raise InputError(f"{where}: unknown arg(s) {sorted(set(args) - TASK_ARGS[kind])} for task {kind}; "
@@ -142,8 +145,10 @@ def _gate(path: Path, name: str, g) -> Gate:
 
 
 # -- running the tasks ---------------------------------------------------------------------------
-def run_task(llm, gate: Gate, seed: int = 0) -> dict[str, float]:
-    """The gate's task on one engine: {metric: value}, the default metric first."""
+def run_task(llm, gate: Gate, seed: int = 0, reference: dict | None = None) -> dict[str, float]:
+    """The gate's task on one engine: {metric: value}, the default metric first (keys starting
+    with "_" carry data, not metrics). `reference`: the baseline's result, for tasks that compare
+    (replay)."""
     a = gate.args
     if gate.kind == "ppl":
         from .perplexity import engine_perplexity, eval_windows
@@ -171,6 +176,11 @@ def run_task(llm, gate: Gate, seed: int = 0) -> dict[str, float]:
             out[f"{prefix}valid_rate"] = r.overall.valid_rate
             out[f"{prefix}parse_rate"] = r.overall.parse_rate
         return out
+    if gate.kind == "replay":
+        from .replay import load_requests, replay
+
+        cases = load_requests(gate.task.split(":", 1)[1], a.get("limit"))
+        return replay(llm, cases, a.get("max_tokens", 128), None if reference is None else reference["_responses"])
     if gate.kind == "tasks":
         from .user_tasks import load_cases, run_cases
 
@@ -221,9 +231,10 @@ def _cache_key(fingerprint: str, gate: Gate, engine_args: dict, seed: int) -> st
 
 
 def score_model(model: str, gates: list[Gate], engine_args: dict, seed: int, label: str, cache: bool,
-                echo=print) -> dict[str, dict]:
+                echo=print, reference: dict[str, dict] | None = None) -> dict[str, dict]:
     """{gate name: metrics} for one model, each task once (gates sharing a task share its run);
-    cached results are used when `cache` (the baseline)."""
+    cached results are used when `cache` (the baseline); `reference` is the baseline's results,
+    given when scoring the candidate."""
     from ..models import cache_dir
 
     gates_cache = cache_dir() / "gates"
@@ -247,7 +258,7 @@ def score_model(model: str, gates: list[Gate], engine_args: dict, seed: int, lab
                 llm = LLM(model, **engine_args)
             echo(f"[{label}] {gate.task} ...")
             t0 = time.perf_counter()
-            metrics = run_task(llm, gate, seed)
+            metrics = run_task(llm, gate, seed, None if reference is None else reference[gate.name])
             echo(f"[{label}] {gate.task}: {_brief(metrics)} ({time.perf_counter() - t0:.0f} s)")
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
