@@ -42,7 +42,10 @@ def test_gates_files_load_and_every_mistake_is_named(tmp_path):
            ("gates:\n  a: {task: ppl, weight: 1}\n", "min_score_pct"),
            ("gates:\n  a: {task: ppl, max_increase_pct: 5}\nsoft: {min_scor: 3}\n", "under soft"),
            ("gate:\n  a: {task: ppl}\n", "gates:"),
-           ("gates: [oops\n", "not valid YAML")]
+           ("gates: [oops\n", "not valid YAML"),
+           ("gates:\n  a: {task: ppl, metric: perplexity, max: 5}\n", "no metric 'perplexity'"),
+           ("gates:\n  a: {task: json, metric: constrained_valid_rate, min: 1}\n", "constrained: true"),
+           ("gates:\n  a: {task: 'lm-eval:qtk_mc', metric: acc, min: 0.3}\n", "TASK/METRIC")]
     for text, message in bad:
         with pytest.raises(InputError, match=message):
             load_gates(write(tmp_path, text))

@@ -137,11 +137,38 @@ def _gate(path: Path, name: str, g) -> Gate:
     if set(args) - TASK_ARGS[kind]:
         raise InputError(f"{where}: unknown arg(s) {sorted(set(args) - TASK_ARGS[kind])} for task {kind}; "
                          f"allowed: {sorted(TASK_ARGS[kind])}")
+    metric = g.get("metric")
+    if metric is not None:
+        _check_metric(where, kind, task, metric, args)
     thresholds = {k: float(g[k]) for k in THRESHOLDS if k in g}
     weight = g.get("weight")
     if not thresholds and not weight:
         raise InputError(f"{where}: give a threshold ({', '.join(THRESHOLDS)}) or a weight, or it gates nothing")
-    return Gate(name, task, dict(args), g.get("metric"), thresholds, None if weight is None else float(weight))
+    return Gate(name, task, dict(args), metric, thresholds, None if weight is None else float(weight))
+
+
+METRICS = {"ppl": ("ppl", "nll"), "needle": ("accuracy",), "tasks": ("accuracy",),
+           "json": ("valid_rate", "parse_rate", "constrained_valid_rate", "constrained_parse_rate"),
+           "replay": ("agreement", "first_divergence", "top1_agreement")}
+
+
+def _check_metric(where: str, kind: str, task: str, metric: str, args: dict) -> None:
+    """A metric the task will report, checked before any model runs."""
+    if kind == "lm-eval":
+        tasks = task.split(":", 1)[1].split(",")
+        if "/" not in metric or metric.split("/", 1)[0] not in tasks:
+            raise InputError(f"{where}: an lm-eval metric is TASK/METRIC with TASK one of {tasks}, got {metric!r}")
+        return
+    known = METRICS[kind]
+    if kind == "needle" and metric.startswith("accuracy@"):
+        lengths = args.get("lengths")
+        if lengths is None or metric.removeprefix("accuracy@") in {str(n) for n in lengths}:
+            return
+    if metric not in known:
+        raise InputError(f"{where}: task {kind} has no metric {metric!r}; it has {', '.join(known)}"
+                         + (", accuracy@LENGTH" if kind == "needle" else ""))
+    if metric.startswith("constrained_") and not args.get("constrained"):
+        raise InputError(f"{where}: metric {metric} needs args: {{constrained: true}}")
 
 
 # -- running the tasks ---------------------------------------------------------------------------
