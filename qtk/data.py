@@ -28,6 +28,22 @@ def builtin_texts(split: str) -> list[str]:
     return [topics[n] for n in keep]
 
 
+def jsonl_rows(path: Path, what: str = "file") -> list[tuple[int, object]]:
+    """(line number, parsed value) for each non-blank line of a JSONL file; NotFoundError naming
+    `what` when it is missing, InputError naming the line when one is not JSON."""
+    path = Path(path)
+    if not path.is_file():
+        raise NotFoundError(f"{what} {path} not found")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append((i, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{i}: not valid JSON ({e.msg})") from e
+    return rows
+
+
 def file_texts(path: Path, text_key: str = "text") -> list[str]:
     if not path.is_file():
         raise NotFoundError(f"dataset file {path} not found")
@@ -35,13 +51,7 @@ def file_texts(path: Path, text_key: str = "text") -> list[str]:
         return [path.read_text()]
     if path.suffix == ".jsonl":
         texts = []
-        for i, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{i}: not valid JSON ({e.msg})") from e
+        for i, row in jsonl_rows(path, "dataset file"):
             if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
                 raise InputError(f"{path}:{i}: each line must be a JSON object with a string {text_key!r} field")
             texts.append(row[text_key])

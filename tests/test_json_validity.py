@@ -36,7 +36,7 @@ def test_load_prompts_errors(tmp_path):
     with pytest.raises(InputError, match="missing schema"):
         load_prompts(bad)
     bad.write_text("{oops\n")
-    with pytest.raises(InputError, match="bad.jsonl:1: not JSON"):
+    with pytest.raises(InputError, match="bad.jsonl:1: not valid JSON"):
         load_prompts(bad)
 
 

@@ -21,7 +21,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import InputError, NotFoundError
+from ..data import jsonl_rows
+from ..errors import InputError
 
 PROMPTS = Path(__file__).parent / "data" / "json_prompts.jsonl"
 FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)```", re.S)
@@ -31,16 +32,10 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
     """The prompt set: dicts with id, category, prompt and schema. limit takes the first N of each
     category in turn, so a small limit still covers every category."""
     path = Path(path) if path else PROMPTS
-    if not path.is_file():
-        raise NotFoundError(f"JSON prompt set {path} not found")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not JSON ({e})") from e
+    for n, row in jsonl_rows(path, "JSON prompt set"):
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{n}: each line must be a JSON object with prompt and schema")
         missing = {"prompt", "schema"} - set(row)
         if missing:
             raise InputError(f"{path}:{n}: missing {', '.join(sorted(missing))} (each line needs prompt and schema)")

@@ -17,25 +17,16 @@ The baseline's own run scores 1.0 on all three.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ..errors import InputError, NotFoundError
+from ..data import jsonl_rows
+from ..errors import InputError
 
 
 def load_requests(path: str | Path, limit: int | None = None) -> list[dict]:
     """[{"messages": [...]} | {"prompt": text or ids}, "max_tokens": n] from a request log."""
-    path = Path(path)
-    if not path.is_file():
-        raise NotFoundError(f"request log {path} not found")
     cases = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not JSON ({e})") from e
+    for n, row in jsonl_rows(path, "request log"):
         body = row.get("request", row) if isinstance(row, dict) else None
         if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
             raise InputError(f"{path}:{n}: not an OpenAI request (a completion's prompt or a chat's messages)")

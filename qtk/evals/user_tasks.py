@@ -8,26 +8,17 @@ qtk's runtime; the metric is the share matched.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ..errors import InputError, NotFoundError
+from ..data import jsonl_rows
+from ..errors import InputError
 
 MATCHES = ("exact", "contains")
 
 
 def load_cases(path: str | Path, limit: int | None = None) -> list[dict]:
-    path = Path(path)
-    if not path.is_file():
-        raise NotFoundError(f"task file {path} not found")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not JSON ({e})") from e
+    for n, row in jsonl_rows(path, "task file"):
         where = f"{path}:{n}"
         if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
             raise InputError(f"{where}: give exactly one of prompt (text) or messages (a chat)")
