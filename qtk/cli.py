@@ -338,15 +338,30 @@ def bench():
 
 
 @bench.command("kernels")
-@click.option("--shapes", default="llama3-8b", show_default=True, help="Model shapes to run.")
-@click.option("--m", "ms", default="1,16,64,256,1024,4096", show_default=True, help="Comma-separated M values.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="cuda: the Triton GEMMs against cuBLAS; cpu: qtk's CPU kernels against the float32 matmul "
+                   "(default: cuda when there is one).")
+@click.option("--shapes", default=None, help="Model shapes to run (default: llama3-8b on cuda, smollm2-135m on cpu).")
+@click.option("--m", "ms", default=None, help="Comma-separated M values (default: 1,16,64,256,1024,4096 on cuda, "
+              "1,2,4,8,16,64,256 on cpu).")
 @click.option("--out", type=click.Path(), default="benchmarks/results", show_default=True, help="Directory for the JSON.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
-def bench_kernels(shapes, ms, out, dtype):
-    """W4A16 / W8A8 / FP8 GEMMs against bf16 cuBLAS and the hardware limit (needs CUDA)."""
-    from .kernels.bench import run
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True,
+              help="cuda: activation dtype (cpu: float32).")
+def bench_kernels(device, shapes, ms, out, dtype):
+    """Quantized GEMMs on a model's layer shapes against the dense matmul and the hardware limit."""
+    import torch
 
-    _, summary = run(shapes=shapes, ms=[int(m) for m in ms.split(",")], out=out, dtype=dtype)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    m_list = None if ms is None else [int(m) for m in ms.split(",")]
+    if device == "cpu":
+        from .kernels.bench_cpu import run as run_cpu
+
+        _, summary = run_cpu(shapes=shapes or "smollm2-135m", ms=m_list, out=out)
+    else:
+        from .kernels.bench import run
+
+        _, summary = run(shapes=shapes or "llama3-8b", ms=m_list or [1, 16, 64, 256, 1024, 4096], out=out,
+                         dtype=dtype)
     click.echo(summary)
 
 

@@ -157,6 +157,13 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, n: int, packed_dim: int = 
     if packed.dtype != torch.int32:
         raise ValueError(f"unpack_int32 expects int32 words, got {packed.dtype}")
     w = packed.t() if packed_dim == 0 else packed
+    if 32 % num_bits == 0:  # whole codes per word (int4, int2): shift and mask, no gathers
+        if w.shape[1] * (32 // num_bits) < n:
+            raise ValueError(f"{w.shape[1]} words hold fewer than {n} {num_bits}-bit codes")
+        shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=w.device)
+        v = (w.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # arithmetic shift, then masked
+        v = (v.reshape(w.shape[0], -1)[:, :n] - (1 << (num_bits - 1))).to(torch.int8)
+        return v.t().contiguous() if packed_dim == 0 else v
     w = w.to(torch.int64) & 0xFFFFFFFF
     w = torch.cat([w, torch.zeros_like(w[:, :1])], dim=1)
     bit = torch.arange(n, dtype=torch.int64) * num_bits

@@ -9,6 +9,7 @@ import torch
 
 import qtk.kernels as kernels
 from qtk.kernels import act_quant, dispatch, reference, w4a16, w8a8
+from qtk.kernels import cpu as cpu_kernels
 from qtk.kernels.layout import dequant_woq, pack_woq, unpack_woq
 from qtk.quant import quantize_weight
 from qtk.quant_linear import QuantLinear
@@ -86,35 +87,41 @@ def cpu_units(request, monkeypatch):
     return on
 
 
-# (scheme, group, x dtype, runtime class expected on a CPU with bf16/int8 units; None = Dense, the
-# reference's float32 matmul on a decoded weight). Without the units every row runs Dense (measured
-# faster there).
+# (scheme, group, x dtype, runtime on a CPU with bf16/int8 units, runtime without them (AVX2)).
+# CpuWOQ is qtk's own kernel (kernels/cpu.py); with QTK_CPU_KERNEL=off (or no compiler) it is Dense,
+# the reference's float32 matmul on a decoded weight.
+W, D = dispatch.CpuWOQ, dispatch.Dense
 DISPATCH = [
-    ("w4a16", 32, torch.bfloat16, dispatch.CpuInt4),
-    ("w4a16_asym", 64, torch.bfloat16, dispatch.CpuInt4),
-    ("w4a16", 128, torch.bfloat16, dispatch.CpuInt4),
-    ("w4a16", -1, torch.bfloat16, None),  # per channel: no CPU int4 kernel
-    ("w4a16", 32, torch.float32, None),
-    ("w4a16_asym", 32, torch.float16, None),
-    ("w8a16", None, torch.bfloat16, dispatch.CpuInt8),
-    ("w8a16", None, torch.float32, None),
-    ("w8a8", None, torch.float32, dispatch.CpuW8A8Int),
-    ("w8a8", None, torch.bfloat16, dispatch.CpuW8A8Int),
-    ("fp8", None, torch.bfloat16, None),
-    ("fp8_static", None, torch.float32, None),
+    ("w4a16", 32, torch.bfloat16, dispatch.CpuInt4, W),
+    ("w4a16_asym", 64, torch.bfloat16, dispatch.CpuInt4, W),
+    ("w4a16", 128, torch.bfloat16, dispatch.CpuInt4, W),
+    ("w4a16", -1, torch.bfloat16, W, W),  # per channel: torch's int4 op needs groups
+    ("w4a16", 32, torch.float32, W, W),
+    ("w4a16_asym", 32, torch.float16, W, W),
+    ("w8a16", None, torch.bfloat16, dispatch.CpuInt8, W),
+    ("w8a16", None, torch.float32, W, W),
+    ("w8a8", None, torch.float32, dispatch.CpuW8A8Int, D),
+    ("w8a8", None, torch.bfloat16, dispatch.CpuW8A8Int, D),
+    ("fp8", None, torch.bfloat16, D, D),
+    ("fp8_static", None, torch.float32, D, D),
 ]
 
 
-@pytest.mark.parametrize("scheme,group,dtype,expected", DISPATCH)
-def test_cpu_dispatch_agrees_with_reference(scheme, group, dtype, expected, cpu_units):
+@pytest.mark.parametrize("kernel", ["auto", "off"])
+@pytest.mark.parametrize("scheme,group,dtype,with_units,without", DISPATCH)
+def test_cpu_dispatch_agrees_with_reference(scheme, group, dtype, with_units, without, kernel, cpu_units,
+                                            monkeypatch):
+    monkeypatch.setenv("QTK_CPU_KERNEL", "" if kernel == "auto" else kernel)
     layer = quant_linear(scheme, group=group, dtype=dtype)
     x = torch.randn(2, 5, 128).to(dtype)
     y = layer(x)
-    expected = expected if cpu_units and expected is not None else dispatch.Dense
+    expected = with_units if cpu_units else without
+    if expected is W and (kernel == "off" or cpu_kernels.ops() is None):
+        expected = D
     assert type(dispatch.runtime_for(layer, x.reshape(-1, 128))) is expected
     ref = reference.quant_linear_ref(x, layer)
     assert y.shape == (2, 5, 48) and y.dtype == dtype
-    assert rel_err(y, ref) < (1.5e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert rel_err(y, ref) < (1.5e-2 if dtype == torch.bfloat16 else 1e-5 if dtype == torch.float32 else 1e-3)
 
 
 def test_static_w8a8_on_cpu(cpu_units):
@@ -130,11 +137,12 @@ def test_static_w8a8_on_cpu(cpu_units):
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-5
 
 
-def test_int8_cpu_op_needs_k_multiple_of_16():
-    """torch._weight_int8pack_mm is wrong (or crashes) for K % 16 != 0: the reference runs then."""
+def test_int8_cpu_op_needs_k_multiple_of_16(monkeypatch):
+    """torch._weight_int8pack_mm is wrong (or crashes) for K % 16 != 0: qtk's kernel runs then."""
+    monkeypatch.setenv("QTK_CPU_BF16", "1")
     layer = quant_linear("w8a16", k=40, dtype=torch.bfloat16)
     x = torch.randn(3, 40).bfloat16()
-    assert isinstance(dispatch.runtime_for(layer, x), dispatch.Dense)
+    assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuWOQ if cpu_kernels.ops() else dispatch.Dense)
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-2
 
 
@@ -145,7 +153,8 @@ def test_act_order_on_cpu(cpu_units):
     layer.register_buffer("weight_g_idx", (torch.randperm(k) // g).to(torch.int32))
     x = torch.randn(4, k).bfloat16()
     rt = dispatch.runtime_for(layer, x)
-    assert (isinstance(rt, dispatch.CpuInt4) and rt.perm is not None) if cpu_units else isinstance(rt, dispatch.Dense)
+    expected = dispatch.CpuInt4 if cpu_units else dispatch.CpuWOQ if cpu_kernels.ops() else None
+    assert isinstance(rt, expected) and rt.perm is not None if expected else isinstance(rt, dispatch.Dense)
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1.5e-2
 
 

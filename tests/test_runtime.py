@@ -247,9 +247,11 @@ def test_bench_engine_runs_qtk_and_transformers_on_the_same_requests(tiny_dir, t
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
-def test_packed_linears_compute_the_same_products():
+def test_packed_linears_compute_the_same_products(monkeypatch):
     """pack_linears swaps plain float32 Linears for oneDNN-packed ones and marks QuantLinears, whose
-    Dense runtime then holds the packed weight: outputs equal the plain ones to fp32 rounding."""
+    Dense runtime then holds the packed weight: outputs equal the plain ones to fp32 rounding. (A
+    weight-only QuantLinear runs qtk's CPU kernel where it is built; off here to reach Dense.)"""
+    monkeypatch.setenv("QTK_CPU_KERNEL", "off")
     from qtk.kernels import dispatch
     from qtk.quant_linear import QuantLinear
     from qtk.runtime.packed_linear import PackedLinear, pack_linears

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from ..device import cpu_has_int8_dot, cpu_has_native_bf16, native_bf16
 from ..quant import quantize_activation
 from ..schemes import QuantArgs
+from . import cpu as cpu_kernels
 from . import ops  # noqa: F401  registers torch.ops.qtk.*
 from .common import ACT_DTYPES
 from .fp8 import fp8_supported
@@ -136,6 +137,21 @@ class CpuInt4:
 
 
 @dataclass(frozen=True)
+class CpuWOQ:
+    """qtk's CPU kernel (kernels/cpu.py): int4/int8 codes decoded in registers, float32 math."""
+
+    w: cpu_kernels.PackedWOQ
+    perm: torch.Tensor | None
+    bias: torch.Tensor | None  # float32
+    lib: object  # torch.ops.qtk_cpu_<variant>
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return cpu_kernels.woq_linear(x.float(), self.w, self.bias, self.lib).to(x.dtype)
+
+
+@dataclass(frozen=True)
 class CpuInt8:
     weight: torch.Tensor  # int8 [N, K]
     scales: torch.Tensor  # [N] in x's dtype
@@ -208,6 +224,13 @@ def _woq(layer, device: torch.device, dtype: torch.dtype):
         if args.num_bits == 8 and group is None and zp is None and perm is None and k % 16 == 0:
             s = layer.weight_scale.reshape(-1).to(dtype).expand(n).contiguous()
             return CpuInt8(codes.contiguous(), s, layer.bias)
+    lib = cpu_kernels.ops() if device.type == "cpu" else None
+    if lib is not None:
+        scale = layer.weight_scale.float()
+        scale = scale.expand(n, 1) if scale.numel() == 1 else scale.reshape(n, -1)
+        zero = None if zp is None else (zp.float().expand(n, 1) if zp.numel() == 1 else zp.float().reshape(n, -1))
+        packed = cpu_kernels.pack(codes, scale, zero, args.num_bits)
+        return CpuWOQ(packed, perm, None if layer.bias is None else layer.bias.float().contiguous(), lib)
     return reference_runtime(layer, device)
 
 

@@ -62,3 +62,24 @@ def scaled_mm_ref(a_q: torch.Tensor, w_q: torch.Tensor, a_scale: torch.Tensor, w
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
+
+
+def cpu_woq_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor | None,
+                       bias: torch.Tensor | None, bits: int, n: int) -> torch.Tensor:
+    """Twin of qtk_cpu.woq_linear (csrc/cpu_woq.cpp, layout in kernels/cpu.py): decode the packed
+    blocks, W[n, k] = q * s - s * z, and multiply in float64; float32 out."""
+    nb, k = codes.shape[0], x.shape[-1]
+    if bits == 4:
+        u = (codes.unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF  # [N/8, K, 8]
+        u = u - 16 * (u >= 8).to(u.dtype)  # two's complement nibbles
+    else:
+        u = codes.reshape(nb, k, 8)
+    gs = k // scales.shape[1]
+    w = u.double() * scales.double().repeat_interleave(gs, dim=1)
+    if zs is not None:
+        w = w - zs.double().repeat_interleave(gs, dim=1)
+    w = w.transpose(1, 2).reshape(nb * 8, k)[:n]
+    y = x.double() @ w.t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()

@@ -1,0 +1,143 @@
+"""The README's quality table: quantize the bundled model with each scheme qtk writes, gate every
+checkpoint against the unquantized model with the default gates, and tabulate perplexity, needle
+accuracy, JSON parse and schema-valid rates (unaided), size on disk and the verdict.
+
+    python benchmarks/quality_table.py [--num-samples 64] [--gates default] [--readme]
+
+Checkpoints go to build/quality/NAME (kept, and reused on a rerun unless --requantize); each
+candidate's gate report (Markdown, JSON, heatmaps) to benchmarks/results/quality/NAME; the table
+to benchmarks/results/quality.md and .json, and with --readme into README.md between the
+quality-table markers. Everything runs through qtk's runtime in float32, one model at a time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "calibration" / "recipes"
+BASE = "smollm2-135m"
+
+# (name, label, quantize arguments or None for the baseline's weights, KV cache the runtime serves)
+ROWS = [
+    ("baseline", "baseline (bf16 weights, float32 compute)", None, "auto"),
+    ("default-w4a16", "default recipe: AWQ + GPTQ w4a16 asym g64", [], "auto"),
+    ("gptq-w4a16", "GPTQ w4a16 sym g64", ["--recipe", RECIPES / "gptq-w4a16.yaml"], "auto"),
+    ("awq-w4a16", "AWQ w4a16 asym g64", ["--recipe", RECIPES / "awq-w4a16.yaml"], "auto"),
+    ("smoothquant-w8a8", "SmoothQuant + GPTQ w8a8", ["--recipe", RECIPES / "smoothquant-gptq-w8a8.yaml"], "auto"),
+    ("fp8-fp8kv", "FP8 static + FP8 KV (calibrated)", ["--recipe", RECIPES / "fp8-static-fp8kv.yaml"], "fp8"),
+    ("int8kv", "INT8 KV (bf16 weights, scales at load)", None, "int8"),
+    ("default-w4a16-int8kv", "default recipe + INT8 KV (calibrated)", ["--kv-cache", "int8"], "int8"),
+]
+MARK_BEGIN, MARK_END = "<!-- quality-table:begin -->", "<!-- quality-table:end -->"
+
+
+def size_on_disk(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*.safetensors"))
+
+
+def quantize(name: str, args: list, num_samples: int, requantize: bool) -> Path:
+    out = ROOT / "build" / "quality" / name
+    if (out / "config.json").is_file() and not requantize:
+        print(f"[{name}] reusing {out}", flush=True)
+        return out
+    cmd = ["qtk", "quantize", BASE, "--output", str(out), "--force", "--num-samples", str(num_samples),
+           *map(str, args)]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-samples", type=int, default=64, help="calibration samples for every scheme")
+    ap.add_argument("--gates", default="default", help="gates file (default: qtk's default gates)")
+    ap.add_argument("--only", default=None, help="comma-separated row names to run (others are read back)")
+    ap.add_argument("--requantize", action="store_true", help="quantize again even where a checkpoint exists")
+    ap.add_argument("--readme", action="store_true", help="also write the table into README.md")
+    args = ap.parse_args()
+
+    from qtk.evals.gates import load_gates, score_model, verdict
+    from qtk.evals.report import write_report
+    from qtk.models import resolve
+
+    gates = load_gates(args.gates)
+    engine = {"dtype": "float32", "device": "cpu"}
+    results_dir = ROOT / "benchmarks" / "results"
+    out_json = results_dir / "quality.json"
+    previous = {r["name"]: r for r in json.loads(out_json.read_text())["rows"]} if out_json.exists() else {}
+    only = set(args.only.split(",")) if args.only else None
+
+    base = score_model(BASE, gates.gates, engine, 0, "baseline", cache=True)
+    rows = []
+    for name, label, qargs, kv in ROWS:
+        if only is not None and name not in only:
+            if name in previous:
+                rows.append(previous[name])
+            continue
+        t0 = time.perf_counter()
+        model = BASE if qargs is None else str(quantize(name, qargs, args.num_samples, args.requantize))
+        if name == "baseline":
+            cand = base
+        else:
+            cand = score_model(model, gates.gates, {**engine, "kv_cache_dtype": kv}, 0, name, cache=False,
+                               reference=base)
+        v = verdict(gates, base, cand)
+        report = results_dir / "quality" / name
+        if name != "baseline":
+            write_report(report, v, BASE, f"{label} ({model})", str(gates.path))
+        metrics = {k: v for m in cand.values() for k, v in m.items() if not k.startswith("_")}
+        failed = [r.gate for r in v.rows if r.passed is False] + ([] if v.soft_passed else ["soft score"])
+        rows.append({"name": name, "label": label, "kv_cache_dtype": kv, "model": model,
+                     "size_bytes": size_on_disk(Path(resolve(model))),
+                     "ppl": metrics["ppl"], "needle": metrics["accuracy"],
+                     "json_parse": metrics["parse_rate"], "json_valid": metrics["valid_rate"],
+                     "json_constrained_valid": metrics["constrained_valid_rate"],
+                     "mc_acc": metrics["qtk_mc/acc"], "bpb": metrics["qtk_paragraphs/bits_per_byte"],
+                     "soft_score_pct": v.soft_score_pct, "passed": v.passed, "failed": failed,
+                     "report": None if name == "baseline" else str(report.relative_to(ROOT)),
+                     "seconds": round(time.perf_counter() - t0, 1)})
+        print(f"[{name}] {'PASS' if v.passed else 'FAIL ' + ', '.join(failed)} ({rows[-1]['seconds']:.0f} s)",
+              flush=True)
+
+    table = render(rows, gates.path, args.num_samples)
+    out_json.write_text(json.dumps({"gates": str(gates.path), "num_samples": args.num_samples, "rows": rows},
+                                   indent=2) + "\n")
+    (results_dir / "quality.md").write_text(
+        "# Quality of each scheme on the bundled model\n\nWritten by `python benchmarks/quality_table.py`.\n\n"
+        + table + "\n")
+    print(table)
+    if args.readme:
+        readme = ROOT / "README.md"
+        text = readme.read_text()
+        if MARK_BEGIN not in text or MARK_END not in text:
+            sys.exit(f"README.md has no {MARK_BEGIN} ... {MARK_END} block to replace")
+        head, rest = text.split(MARK_BEGIN, 1)
+        readme.write_text(head + MARK_BEGIN + "\n" + table.replace("](quality/", "](benchmarks/results/quality/")
+                          + "\n" + MARK_END + rest.split(MARK_END, 1)[1])
+
+
+def render(rows: list[dict], gates_path, num_samples: int) -> str:
+    lines = ["| scheme | KV cache | perplexity | needle | JSON parse | JSON valid | size on disk | default gates |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        verdict = "baseline" if r["report"] is None else (
+            f"[{'PASS' if r['passed'] else 'FAIL'}]({Path(r['report']).relative_to('benchmarks/results')}/report.md)"
+            + ("" if r["passed"] else f": {', '.join(r['failed'])}"))
+        kv = {"auto": "float32", "fp8": "FP8 e4m3", "int8": "INT8"}[r["kv_cache_dtype"]]
+        lines.append(f"| {r['label']} | {kv} | {r['ppl']:.2f} | {r['needle']:.0%} | {r['json_parse']:.0%} | "
+                     f"{r['json_valid']:.0%} | {r['size_bytes'] / 1e6:.0f} MB | {verdict} |")
+    return "\n".join(lines + [
+        "",
+        f"Perplexity: 8 windows of 1024 tokens of the built-in text; needle: lengths 256/1024/2048 x depths "
+        f"0-100%; JSON: 30 prompts of qtk's set, unaided (with structured outputs every row is 100%); gates: "
+        f"`{Path(gates_path).relative_to(ROOT) if Path(gates_path).is_relative_to(ROOT) else gates_path}`. "
+        f"{num_samples} calibration samples of 512 tokens for every scheme; size: the safetensors files."])
+
+
+if __name__ == "__main__":
+    main()

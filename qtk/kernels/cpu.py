@@ -1,0 +1,136 @@
+"""qtk's CPU kernels for weight-only int4/int8 layers with float32 activations (csrc/cpu_woq.cpp).
+
+Why qtk carries its own: on an AVX2-only CPU nothing in torch or the libraries we measured reads
+the 4-bit codes faster than a float32 matmul reads float32 weights (benchmarks/results/
+cpu_kernel_survey.md): torch._weight_int4pack_mm_for_cpu took ~23x the float32 matmul's time with
+float32 activations, and vLLM's CPU build has no W4A16 kernel below AVX-512. The kernel here
+decodes the codes in registers and streams them once per 4 rows of x, so a decode step reads
+about an eighth of the float32 bytes.
+
+The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja; about a
+minute) into qtk's cache, one build per variant, torch version and source:
+    avx2     -mavx2 -mfma: CPUs whose torch capability is AVX2 or AVX512
+    generic  portable C++ loops (-O3, whatever the compiler vectorizes): any other CPU
+QTK_CPU_KERNEL=avx2|generic|off overrides the choice (off: the reference path, a float32 matmul
+on weights decoded once). Without a compiler the reference path runs, with one warning.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_woq.cpp"
+OVERRIDE = "QTK_CPU_KERNEL"
+VARIANTS = {
+    "avx2": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-DQTK_LIB=qtk_cpu_avx2"],
+    "generic": ["-O3", "-fopenmp", "-DQTK_LIB=qtk_cpu_generic"],
+}  # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, and runs serially without it
+LANES = 8  # output columns per packed block (one AVX2 register)
+M_GEMV_MAX = 16  # rows of x up to which the register-blocked gemv runs; above, decoded tiles + sgemm
+
+
+def variant() -> str | None:
+    """The kernel build for this CPU (QTK_CPU_KERNEL overrides), or None for the reference path."""
+    forced = os.environ.get(OVERRIDE, "")
+    if forced:
+        if forced not in (*VARIANTS, "off"):
+            raise InputError(f"{OVERRIDE} must be one of {', '.join(VARIANTS)}, off (or unset), got {forced!r}")
+        return None if forced == "off" else forced
+    return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "generic"
+
+
+@functools.lru_cache(maxsize=None)
+def library(name: str):
+    """torch.ops.qtk_cpu_<name> (compiled and loaded on first call), or None if it cannot be built."""
+    from torch.utils import cpp_extension
+
+    from ..models import cache_dir
+
+    flags = VARIANTS[name]
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    build = cache_dir() / "kernels" / f"cpu_woq-{name}-{tag}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(name=f"qtk_cpu_woq_{name}", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=str(build), is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja, or a failed build
+        log.warning("qtk's %s CPU kernel could not be built (%s); weight-only layers run as float32 matmuls "
+                    "on decoded weights instead (install g++ and ninja for the fast path)", name,
+                    str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return None
+
+    @torch.library.register_fake(f"qtk_cpu_{name}::woq_linear")
+    def _(x, codes, scales, zs, bias, bits, n, m_gemv_max):  # shapes for torch.compile
+        return x.new_empty(*x.shape[:-1], n)
+
+    return getattr(torch.ops, f"qtk_cpu_{name}")
+
+
+def ops():
+    """The kernel library this CPU uses, or None (reference path)."""
+    name = variant()
+    return None if name is None else library(name)
+
+
+@dataclass(frozen=True)
+class PackedWOQ:
+    """A weight-only layer in the kernel's layout (csrc/cpu_woq.cpp): codes [N/8, K] int32 words of
+    8 signed nibbles (int4) or [N/8, K, 8] int8, scales [N/8, G, 8], zs = scale * zero [N/8, G, 8]
+    (asymmetric codes only)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zs: torch.Tensor | None
+    bits: int
+    n: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zs) if t is not None)
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> PackedWOQ:
+    """codes int8 [N, K] (signed: int4 in -8..7), scale [N, G], zero [N, G] in the codes' domain or
+    None (symmetric) -> the kernel's layout. N is padded to a multiple of 8 with zero columns."""
+    n, k = codes.shape
+    g = scale.reshape(n, -1).shape[1]
+    if k % g:
+        raise ValueError(f"{g} groups do not divide K={k}")
+    pad = (-n) % LANES
+    s = scale.float().reshape(n, g)
+    z = None if zero is None else zero.float().reshape(n, g)
+    if bits == 4:
+        u = codes.to(torch.int32) & 0xF  # two's complement nibbles
+    elif bits == 8:
+        u = codes.to(torch.int8)
+    else:
+        raise ValueError(f"bits must be 4 or 8, not {bits}")
+    if pad:
+        u = torch.cat([u, u.new_zeros(pad, k)])
+        s = torch.cat([s, s.new_zeros(pad, g)])
+        z = None if z is None else torch.cat([z, z.new_zeros(pad, g)])
+    nb = (n + pad) // LANES
+    blocks = u.reshape(nb, LANES, k).transpose(1, 2)  # [N/8, K, 8]
+    if bits == 4:
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+        words = (blocks.to(torch.int64) << shifts.to(torch.int64)).sum(-1)  # < 2^32
+        packed = (words - (words >= 2 ** 31).to(torch.int64) * 2 ** 32).to(torch.int32).contiguous()
+    else:
+        packed = blocks.contiguous()
+    by_block = lambda t: t.reshape(nb, LANES, g).transpose(1, 2).contiguous()  # noqa: E731  [N/8, G, 8]
+    return PackedWOQ(packed, by_block(s), None if z is None else by_block(z * s), bits, n)
+
+
+def woq_linear(x: torch.Tensor, w: PackedWOQ, bias: torch.Tensor | None, lib) -> torch.Tensor:
+    """y = x @ dequant(W)^T + bias for float32 x [..., K]; lib: a kernel library (ops(), library(name))."""
+    return lib.woq_linear(x, w.codes, w.scales, w.zs, bias, w.bits, w.n, M_GEMV_MAX)
