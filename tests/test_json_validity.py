@@ -101,3 +101,15 @@ def test_a_fixed_answer_scores_exactly(tiny_dir, tmp_path):
     except ValueError:
         expected = False
     assert free["valid"] == expected
+
+
+def test_finished_valid_rate_leaves_out_answers_cut_by_max_tokens():
+    from qtk.evals.json_validity import Tally
+
+    t = Tally()
+    t.add(True, True, False)
+    t.add(False, False, True)  # ran into max_tokens mid-document
+    assert t.valid_rate == 0.5 and t.finished_valid_rate == 1.0
+    t.add(True, False, False)  # ended by itself, invalid: with structured outputs, a bug
+    assert t.finished_valid_rate == 0.5
+    assert Tally().finished_valid_rate == 1.0

@@ -292,3 +292,38 @@ def test_fused_packed_projections_keep_the_logits(family):
     _, got, _ = greedy_through_runtime(fused, prompts, new_tokens=4)
     for a, b in zip(want.values(), got.values()):
         torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16_asym", "w8a16"])
+def test_fused_weight_only_projections_keep_the_logits(scheme):
+    """Weight-only QuantLinears (q/k/v, gate/up) that qtk's CPU kernel runs are fused into one
+    kernel call each (FusedWOQLinear): the logits equal the unfused model's."""
+    import copy
+
+    from qtk.kernels import cpu as cpu_kernels
+    from qtk.quant import quantize_weight
+    from qtk.quant_linear import QuantLinear
+    from qtk.runtime.models.llama import FUSED
+    from qtk.runtime.packed_linear import FusedWOQLinear, pack_linears
+    from qtk.schemes import preset
+
+    if cpu_kernels.ops() is None:
+        pytest.skip("no C++ compiler: weight-only layers run Dense")
+    model = hf_model("qwen2")  # q/k/v with biases
+    s = preset(scheme, group_size=None if scheme == "w8a16" else 16)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if isinstance(lin, torch.nn.Linear):
+                    q, scale, zp = quantize_weight(lin.weight.detach(), s.weights)
+                    setattr(parent, name, QuantLinear.from_codes(q, scale, zp, s, bias=lin.bias,
+                                                                 dtype=torch.float32))
+    fused = copy.deepcopy(model)
+    pack_linears(fused, fuse=FUSED)
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    assert isinstance(attn.qkv_proj, FusedWOQLinear) and isinstance(mlp.gate_up_proj, FusedWOQLinear)
+    prompts = [list(range(30, 41)), list(range(60, 63))]
+    _, want, _ = greedy_through_runtime(model, prompts, new_tokens=4)
+    _, got, _ = greedy_through_runtime(fused, prompts, new_tokens=4)
+    for a, b in zip(want.values(), got.values()):
+        torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=2e-4, rtol=1e-4)

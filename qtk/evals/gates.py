@@ -148,7 +148,8 @@ def _gate(path: Path, name: str, g) -> Gate:
 
 
 METRICS = {"ppl": ("ppl", "nll"), "needle": ("accuracy",), "tasks": ("accuracy",),
-           "json": ("valid_rate", "parse_rate", "constrained_valid_rate", "constrained_parse_rate"),
+           "json": ("valid_rate", "parse_rate", "finished_valid_rate", "truncated_rate", "constrained_valid_rate",
+                    "constrained_parse_rate", "constrained_finished_valid_rate", "constrained_truncated_rate"),
            "replay": ("agreement", "first_divergence", "top1_agreement")}
 
 
@@ -202,6 +203,8 @@ def run_task(llm, gate: Gate, seed: int = 0, reference: dict | None = None) -> d
             prefix = "constrained_" if constrained else ""
             out[f"{prefix}valid_rate"] = r.overall.valid_rate
             out[f"{prefix}parse_rate"] = r.overall.parse_rate
+            out[f"{prefix}finished_valid_rate"] = r.overall.finished_valid_rate
+            out[f"{prefix}truncated_rate"] = r.overall.truncated / max(r.overall.n, 1)
         return out
     if gate.kind == "replay":
         from .replay import load_requests, replay
@@ -249,11 +252,14 @@ def model_fingerprint(model: str) -> str:
     return h.hexdigest()
 
 
+CACHE_VERSION = 2  # bump when a task's metrics change: cached baselines are recomputed
+
+
 def _cache_key(fingerprint: str, gate: Gate, engine_args: dict, seed: int) -> str:
     from .. import __version__
 
     spec = json.dumps({"model": fingerprint, "task": gate.task, "args": gate.args, "engine": engine_args,
-                       "seed": seed, "qtk": __version__}, sort_keys=True, default=str)
+                       "seed": seed, "qtk": __version__, "metrics": CACHE_VERSION}, sort_keys=True, default=str)
     return hashlib.sha256(spec.encode()).hexdigest()[:32]
 
 

@@ -60,12 +60,20 @@ class Tally:
     parsed: int = 0
     valid: int = 0
     truncated: int = 0  # ran into max_tokens
+    valid_finished: int = 0  # valid among the answers that ended by themselves
 
     def add(self, parsed: bool, valid: bool, truncated: bool) -> None:
         self.n += 1
         self.parsed += parsed
         self.valid += valid
         self.truncated += truncated
+        self.valid_finished += valid and not truncated
+
+    @property
+    def finished_valid_rate(self) -> float:
+        """Schema-valid among the answers that did not run into max_tokens: with structured
+        outputs, anything under 1 is a serving bug (a cut-off answer is the length limit's)."""
+        return self.valid_finished / (self.n - self.truncated) if self.n > self.truncated else 1.0
 
     @property
     def parse_rate(self) -> float:

@@ -29,14 +29,15 @@ from ..errors import InputError
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_woq.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_woq.cpp", "cpu_layers.cpp")]
 OVERRIDE = "QTK_CPU_KERNEL"
 VARIANTS = {
     "avx2": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-DQTK_LIB=qtk_cpu_avx2"],
     "generic": ["-O3", "-fopenmp", "-DQTK_LIB=qtk_cpu_generic"],
 }  # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, and runs serially without it
 LANES = 8  # output columns per packed block (one AVX2 register)
-M_GEMV_MAX = 16  # rows of x up to which the register-blocked gemv runs; above, decoded tiles + sgemm
+M_GEMV_MAX = 64  # rows of x up to which the register-blocked gemv runs (measured: it beats decoded
+#                 tiles + sgemm up to about 64 rows on 2 AVX2 cores); above, the tiles
 
 
 def variant() -> str | None:
@@ -57,11 +58,12 @@ def library(name: str):
     from ..models import cache_dir
 
     flags = VARIANTS[name]
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(flags).encode()
+                         + torch.__version__.encode()).hexdigest()[:12]
     build = cache_dir() / "kernels" / f"cpu_woq-{name}-{tag}"
     build.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name=f"qtk_cpu_woq_{name}", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        cpp_extension.load(name=f"qtk_cpu_woq_{name}", sources=[str(p) for p in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja, or a failed build
         log.warning("qtk's %s CPU kernel could not be built (%s); weight-only layers run as float32 matmuls "
@@ -84,9 +86,10 @@ def ops():
 
 @dataclass(frozen=True)
 class PackedWOQ:
-    """A weight-only layer in the kernel's layout (csrc/cpu_woq.cpp): codes [N/8, K] int32 words of
-    8 signed nibbles (int4) or [N/8, K, 8] int8, scales [N/8, G, 8], zs = scale * zero [N/8, G, 8]
-    (asymmetric codes only)."""
+    """A weight-only layer in the kernel's layout (csrc/cpu_woq.cpp): codes [N/8, K/8, 8] int32
+    words of 8 unsigned nibbles u = q + 8 (int4), [N/8, K, 8] int8, or [N/8, K, 8] bf16 bits (a
+    float layer, bits 16), scales [N/8, G, 8], and zs = scale * zero of the stored codes
+    [N/8, G, 8] (int4 always; int8 when asymmetric)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -98,37 +101,71 @@ class PackedWOQ:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zs) if t is not None)
 
+    @staticmethod
+    def cat(parts: list[PackedWOQ]) -> PackedWOQ:
+        """Layers reading the same input side by side (outputs concatenated): each n % 8 == 0."""
+        if len({(p.bits, p.scales.shape[1], p.zs is None, p.codes.shape[1:]) for p in parts}) != 1 or \
+                any(p.n % LANES for p in parts):
+            raise ValueError("only layers of one layout and whole 8-column blocks can be joined")
+        zs = None if parts[0].zs is None else torch.cat([p.zs for p in parts])
+        return PackedWOQ(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), zs,
+                         parts[0].bits, sum(p.n for p in parts))
+
+
+def supports(k: int, group: int | None, bits: int) -> bool:
+    """Whether the kernel takes a layer with input size k, codes in groups of `group` (None: one
+    group per row) and `bits`."""
+    gs = k if group is None else group
+    return bits in (4, 8) and k % gs == 0 and (bits == 8 or gs % 8 == 0)
+
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> PackedWOQ:
     """codes int8 [N, K] (signed: int4 in -8..7), scale [N, G], zero [N, G] in the codes' domain or
     None (symmetric) -> the kernel's layout. N is padded to a multiple of 8 with zero columns."""
     n, k = codes.shape
     g = scale.reshape(n, -1).shape[1]
-    if k % g:
-        raise ValueError(f"{g} groups do not divide K={k}")
+    if not supports(k, k // g if k % g == 0 else None, bits) or k % g:
+        raise ValueError(f"{g} groups do not divide K={k} (int4: into multiples of 8)")
     pad = (-n) % LANES
     s = scale.float().reshape(n, g)
     z = None if zero is None else zero.float().reshape(n, g)
     if bits == 4:
-        u = codes.to(torch.int32) & 0xF  # two's complement nibbles
-    elif bits == 8:
-        u = codes.to(torch.int8)
+        u = codes.to(torch.int32) + 8  # 0..15
+        z = (torch.zeros_like(s) if z is None else z) + 8
     else:
-        raise ValueError(f"bits must be 4 or 8, not {bits}")
+        u = codes.to(torch.int8)
     if pad:
-        u = torch.cat([u, u.new_zeros(pad, k)])
+        u = torch.cat([u, u.new_full((pad, k), 8 if bits == 4 else 0)])
         s = torch.cat([s, s.new_zeros(pad, g)])
         z = None if z is None else torch.cat([z, z.new_zeros(pad, g)])
     nb = (n + pad) // LANES
     blocks = u.reshape(nb, LANES, k).transpose(1, 2)  # [N/8, K, 8]
-    if bits == 4:
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-        words = (blocks.to(torch.int64) << shifts.to(torch.int64)).sum(-1)  # < 2^32
+    if bits == 4:  # word (nb, kb, j): u[8kb + i, 8nb + j] in bits 4i..4i+3
+        octets = blocks.reshape(nb, k // 8, 8, LANES).to(torch.int64)
+        shifts = torch.arange(0, 32, 4, dtype=torch.int64).reshape(1, 1, 8, 1)
+        words = (octets << shifts).sum(2)  # < 2^32
         packed = (words - (words >= 2 ** 31).to(torch.int64) * 2 ** 32).to(torch.int32).contiguous()
     else:
         packed = blocks.contiguous()
     by_block = lambda t: t.reshape(nb, LANES, g).transpose(1, 2).contiguous()  # noqa: E731  [N/8, G, 8]
     return PackedWOQ(packed, by_block(s), None if z is None else by_block(z * s), bits, n)
+
+
+def pack_bf16(weight: torch.Tensor) -> PackedWOQ | None:
+    """A float weight [N, K] whose values are all bf16 numbers (a bf16 checkpoint's, upcast) in the
+    kernel's layout as bf16 (bits 16, unit scales): half the bytes of float32, the same products.
+    None where some value is not a bf16 number (the weight would change)."""
+    w = weight.detach()
+    b = w.to(torch.bfloat16)
+    if not torch.equal(b.float(), w.float()):
+        return None
+    n, k = w.shape
+    pad = (-n) % LANES
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad, k)])
+    nb = (n + pad) // LANES
+    codes = b.view(torch.int16).reshape(nb, LANES, k).transpose(1, 2).contiguous()  # [N/8, K, 8]
+    return PackedWOQ(codes, torch.ones(nb, 1, LANES), None, 16, n)
 
 
 def woq_linear(x: torch.Tensor, w: PackedWOQ, bias: torch.Tensor | None, lib) -> torch.Tensor:

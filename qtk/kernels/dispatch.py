@@ -12,7 +12,10 @@ replaced or modified in place (.to(), load_state_dict), x's device/dtype change,
                                                                 torch._weight_int4pack_mm_for_cpu
                                                                 (int4, G in 32..256, N % 16 == 0) or
                                                                 torch._weight_int8pack_mm (int8 sym per
-                                                                channel, K % 16 == 0); else reference
+                                                                channel, K % 16 == 0); else qtk's own
+                                                                kernel (CpuWOQ, kernels/cpu.py: float32
+                                                                math, AVX2 or portable build) where it
+                                                                is built; else reference
     W8A8 int8                  Triton act_quant + scaled_mm     CPU with int8 dot products (VNNI, AMX):
                                                                 act_quant twin + torch._int_mm + fp32
                                                                 epilogue; else reference
@@ -21,15 +24,16 @@ replaced or modified in place (.to(), load_state_dict), x's device/dtype change,
 Dense is the reference's math (reference.quant_linear_ref: activations fake-quantized as the
 scheme's kernel sees them, a float32 matmul) on a weight decoded once. Inside `dense_weights()`
 (calibration) every weight-only layer is Dense in the activations' dtype instead (float32 for bf16
-activations on a CPU without bf16 units).
+activations on a CPU without bf16 units). `qtk inspect --runtime MODEL` prints the choice per layer.
 
-CPU rows, measured (benchmarks/cpu_dtype.py, figures in benchmarks/results/cpu_dtype.md; N=1536,
-K=576, 2 threads). On a CPU with AVX512-BF16 the int4/int8 weight ops beat the reference by 2-6x
-for bf16 activations and lose by 10-100x for fp16/fp32, which they have no fast kernel for. On an
-AVX2-only CPU (bf16 emulated) they lose in bf16 too: int4 g64 0.62 ms against the reference's
-0.45 ms at M=16, 148 against 57 ms at M=4096 (0.078 against 0.089 ms at M=1, a wash next to the
-bf16 model around it); torch._int_mm took 7.7 ms at M=16 and 1778 ms at M=4096 against Dense's
-0.59 and 56 ms. Hence the capability tests (qtk.device) in the CPU column.
+CPU rows, measured (benchmarks/cpu_dtype.py and `qtk bench kernels --device cpu`; figures in
+benchmarks/results/cpu_dtype.md and cpu_kernels.md). On a CPU with AVX512-BF16 torch's int4/int8
+weight ops beat the reference by 2-6x for bf16 activations and lose by 10-100x for fp16/fp32,
+which they have no fast kernel for; on an AVX2-only CPU (bf16 emulated) they lose in bf16 too.
+qtk's CPU kernel reads the codes in float32 math on any x86 CPU: on 2 AVX2 cores, 2.4-4.9x the
+float32 matmul at M=1 on SmolLM2's shapes (benchmarks/results/cpu_kernels.md). W8A8:
+torch._int_mm took 7.7 ms at M=16 and 1778 ms at M=4096 against Dense's 0.59 and 56 ms on AVX2,
+so its integer GEMM runs only where the CPU has int8 dot products.
 """
 from __future__ import annotations
 
@@ -225,7 +229,7 @@ def _woq(layer, device: torch.device, dtype: torch.dtype):
             s = layer.weight_scale.reshape(-1).to(dtype).expand(n).contiguous()
             return CpuInt8(codes.contiguous(), s, layer.bias)
     lib = cpu_kernels.ops() if device.type == "cpu" else None
-    if lib is not None:
+    if lib is not None and cpu_kernels.supports(k, group, args.num_bits):
         scale = layer.weight_scale.float()
         scale = scale.expand(n, 1) if scale.numel() == 1 else scale.reshape(n, -1)
         zero = None if zp is None else (zp.float().expand(n, 1) if zp.numel() == 1 else zp.float().reshape(n, -1))

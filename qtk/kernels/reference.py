@@ -67,11 +67,13 @@ def scaled_mm_ref(a_q: torch.Tensor, w_q: torch.Tensor, a_scale: torch.Tensor, w
 def cpu_woq_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor | None,
                        bias: torch.Tensor | None, bits: int, n: int) -> torch.Tensor:
     """Twin of qtk_cpu.woq_linear (csrc/cpu_woq.cpp, layout in kernels/cpu.py): decode the packed
-    blocks, W[n, k] = q * s - s * z, and multiply in float64; float32 out."""
+    blocks, W[n, k] = u * s - zs, and multiply in float64; float32 out."""
     nb, k = codes.shape[0], x.shape[-1]
-    if bits == 4:
-        u = (codes.unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF  # [N/8, K, 8]
-        u = u - 16 * (u >= 8).to(u.dtype)  # two's complement nibbles
+    if bits == 4:  # [N/8, K/8, 8 lanes] words -> [N/8, K, 8]
+        u = (codes.unsqueeze(2) >> torch.arange(0, 32, 4, dtype=torch.int32).reshape(1, 1, 8, 1)) & 0xF
+        u = u.reshape(nb, k, 8)
+    elif bits == 16:
+        u = codes.reshape(nb, k, 8).view(torch.bfloat16)
     else:
         u = codes.reshape(nb, k, 8)
     gs = k // scales.shape[1]

@@ -1,5 +1,7 @@
 """Attention over the paged KV cache: the CPU path in torch, below; on CUDA the Triton kernels of
-triton_attention.py over the same layout (`_triton_attention`, chosen by AttentionMetadata.backend).
+triton_attention.py over the same layout (`_triton_attention`), and on a CPU with qtk's C++ ops
+(float32 activations) the fused store and decode of kernels/csrc/cpu_layers.cpp (`_cpu_attention`,
+prefills still in torch): chosen by AttentionMetadata.backend.
 
 The cache of one layer (KVCache) is two tensors [kv_heads, num_slots, head_dim], num_slots =
 num_blocks * block_size, so one block of one head is a contiguous [block_size, head_dim] tile; a
@@ -60,7 +62,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     block_size: int
     decode_lens: torch.Tensor | None = None  # long [B]: their context lengths (the Triton kernels')
-    backend: str = "torch"  # or "triton" (CUDA; the interpreter in tests)
+    backend: str = "torch"  # or "triton" (CUDA; the interpreter in tests) or "cpu" (qtk's C++ ops)
     _buffers: dict = field(default_factory=dict, repr=False)
 
     def gather_buffers(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +103,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     """q [T, heads, D], k/v [T, kv_heads, D] of the step's tokens -> attention output [T, heads, D]."""
     if meta.backend == "triton":
         return _triton_attention(q, k, v, cache, meta, scale)
+    if meta.backend == "cpu":
+        return _cpu_attention(q, k, v, cache, meta, scale)
     write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_index.numel():
@@ -130,6 +134,25 @@ def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: flo
     if cache.quantized:
         o = o * cache.v_scale[..., None].to(o.dtype)
     return o.transpose(0, 1).reshape(B, H, D)
+
+
+def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    from ..kernels import cpu as cpu_kernels
+
+    ops = cpu_kernels.ops()
+    scales = (None, None) if not cache.quantized else (cache.k_scale.reshape(-1), cache.v_scale.reshape(-1))
+    kc, vc = _bytes(cache.k), _bytes(cache.v)
+    ops.store_kv_(kc, vc, k, v, meta.slot_mapping, *scales)
+    if not meta.prefills:  # a step of decodes only: token i is sequence i's
+        return ops.paged_decode_attention(q, kc, vc, meta.block_tables, meta.decode_lens, meta.block_size, scale,
+                                          *scales)
+    out = torch.empty_like(q)
+    if meta.decode_index.numel():
+        out[meta.decode_index] = ops.paged_decode_attention(q[meta.decode_index], kc, vc, meta.block_tables,
+                                                            meta.decode_lens, meta.block_size, scale, *scales)
+    for p in meta.prefills:
+        out[p.start:p.start + p.length] = _prefill(q[p.start:p.start + p.length], cache, p, scale)
+    return out
 
 
 def _dequantized(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

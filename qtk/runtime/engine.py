@@ -23,7 +23,8 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, find_stop, held_back
 from .model_runner import ModelRunner, kv_bytes_per_token, measure_kv_scales
 from .models.llama import FUSED, LlamaModel
-from .packed_linear import pack_linears
+from ..kernels.dispatch import prepare
+from .packed_linear import bf16_lm_head, kernel_summary, pack_linears
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -74,6 +75,7 @@ class LLM:
         t0 = time.perf_counter()
         self.dtype = choose_dtype(dtype, device).dtype
         hf_model, self.tokenizer = load_model(model, dtype=self.dtype, device=device)
+        bf16_lm_head(hf_model)
         pack_linears(hf_model, fuse=FUSED)
         self.model = LlamaModel(hf_model)
         limit = getattr(hf_model.config, "max_position_embeddings", None) or 2048
@@ -96,9 +98,11 @@ class LLM:
         self._requests: dict[str, tuple[RequestOutput, list[Sequence]]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._next_id = 0
-        log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %s), max_model_len %d",
-                 time.perf_counter() - t0, num_blocks, block_size, num_blocks * block_size,
-                 str(self.kv_dtype).removeprefix("torch."), self.max_model_len)
+        prepare(self.model, device, self.dtype)  # decode and repack the weights now, not at the first step
+        log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %s), max_model_len %d; "
+                 "linear layers: %s; attention: %s", time.perf_counter() - t0, num_blocks, block_size,
+                 num_blocks * block_size, str(self.kv_dtype).removeprefix("torch."), self.max_model_len,
+                 kernel_summary(self.model), self.runner.attention_backend)
 
     @staticmethod
     def _default_kv_memory(device, utilization: float) -> int:

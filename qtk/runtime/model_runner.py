@@ -36,11 +36,13 @@ class ModelRunner:
                  kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  device: torch.device | str = "cpu", attention_backend: str | None = None):
         """kv_scales: per layer (k_scale, v_scale) for an FP8 / INT8 cache (kv_dtype);
-        attention_backend: "triton" (the default on CUDA) or "torch" (on CPU)."""
+        attention_backend: "triton" (the default on CUDA), "cpu" (qtk's C++ ops: the default on
+        CPU for a float32 model where they are built) or "torch"."""
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        self.attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.attention_backend = attention_backend or (
+            "triton" if self.device.type == "cuda" else "cpu" if model.cpu_ops is not None else "torch")
         kv_dtype = kv_dtype or model.dtype
         shape = (model.num_kv_heads, num_blocks * block_size, model.head_dim)
         self.kv_caches = []

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.dispatch import cpu_packed_weight, packed_linear
+from ..kernels import cpu as cpu_kernels
+from ..kernels.dispatch import CpuWOQ, build_runtime, cpu_packed_weight, packed_linear
 from ..quant_linear import QuantLinear
 
 
@@ -25,6 +26,81 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+
+
+class FusedWOQLinear(nn.Module):
+    """Weight-only QuantLinears that read the same input (q/k/v, gate/up), run by qtk's CPU kernel
+    as one layer: one call per step instead of three, and more columns to share among threads."""
+
+    def __init__(self, runtime: CpuWOQ, in_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, runtime.w.n
+        self.runtime = runtime
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        return self.runtime(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        w = self.runtime.w
+        return f"in_features={self.in_features}, out_features={self.out_features}, int{w.bits}, qtk CPU kernel"
+
+
+class Bf16Linear(nn.Module):
+    """A float32 CPU Linear whose weight holds only bf16 numbers (a bf16 checkpoint's), kept in
+    bf16 and multiplied by qtk's CPU kernel in float32: exactly the float32 products, reading half
+    the bytes. The engine gives it the lm_head, read in full at every decode step (113 of the
+    bundled model's 540 MB in float32)."""
+
+    def __init__(self, w: cpu_kernels.PackedWOQ, bias: torch.Tensor | None, in_features: int, lib):
+        super().__init__()
+        self.in_features, self.out_features = in_features, w.n
+        self.w, self.bias, self.lib = w, bias, lib
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = cpu_kernels.woq_linear(x.reshape(-1, shape[-1]).float(), self.w, self.bias, self.lib)
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 weight, qtk CPU kernel"
+
+
+def bf16_lm_head(model: nn.Module) -> bool:
+    """Give a float32 CPU model's lm_head (a plain nn.Linear; run this before pack_linears) to
+    Bf16Linear where its weight is all bf16 numbers and qtk's CPU kernel is built (a tied
+    embedding keeps the float32 weight). True if it did."""
+    head = getattr(model, "lm_head", None)
+    if type(head) is not nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
+        return False
+    lib = cpu_kernels.ops()
+    packed = None if lib is None else cpu_kernels.pack_bf16(head.weight)
+    if packed is None:
+        return False
+    bias = None if head.bias is None else head.bias.detach().float().contiguous()
+    model.lm_head = Bf16Linear(packed, bias, head.in_features, lib)
+    return True
+
+
+def _fused_woq(linears: list[nn.Module]) -> FusedWOQLinear | None:
+    """One FusedWOQLinear for sibling weight-only QuantLinears on CPU that qtk's kernel runs with
+    one layout, or None."""
+    if len(linears) < 2 or not all(isinstance(m, QuantLinear) and hasattr(m, "weight_scale") for m in linears):
+        return None
+    dtype = linears[0].weight_scale.dtype
+    if linears[0].weight_scale.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    runtimes = [build_runtime(m, torch.device("cpu"), torch.float32) for m in linears]
+    if not all(type(r) is CpuWOQ and r.perm is None for r in runtimes):
+        return None
+    try:
+        w = cpu_kernels.PackedWOQ.cat([r.w for r in runtimes])
+    except ValueError:
+        return None
+    biases = [r.bias for r in runtimes]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b if b is not None else torch.zeros(r.w.n) for r, b in zip(runtimes, biases)])
+    return FusedWOQLinear(CpuWOQ(w, None, bias, runtimes[0].lib), linears[0].in_features)
 
 
 def _packed(linears: list[nn.Module]) -> PackedLinear | None:
@@ -47,14 +123,16 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
     packed copy; the embedding keeps the plain weight), and mark every QuantLinear so that its
     Dense runtime packs its decoded weight. `fuse` {new name: (names, ...)}: sibling Linears that
     read the same input (q/k/v, gate/up) become one matmul under the new name, the old ones are
-    dropped (the runtime's forward splits the output). Returns how many modules were packed."""
+    dropped (the runtime's forward splits the output); so do sibling weight-only QuantLinears that
+    qtk's CPU kernel runs (FusedWOQLinear). Returns how many modules were packed or fused."""
     count = 0
     for parent in list(model.modules()):
         if isinstance(parent, QuantLinear):
             parent.pack_cpu_weight = True
         for new, names in (fuse or {}).items():
             if all(isinstance(getattr(parent, n, None), nn.Module) for n in names):
-                fused = _packed([getattr(parent, n) for n in names])
+                siblings = [getattr(parent, n) for n in names]
+                fused = _packed(siblings) or _fused_woq(siblings)
                 if fused is not None:
                     for n in names:
                         delattr(parent, n)
@@ -66,3 +144,25 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
                 setattr(parent, name, packed)
                 count += 1
     return count
+
+
+def kernel_summary(model: nn.Module) -> str:
+    """Which kernel runs the linear layers, counted: "90 CpuWOQ (qtk_cpu_avx2), 1 Bf16Linear (...)"."""
+    from collections import Counter
+
+    def named(kind: str, runtime) -> str:
+        lib = getattr(runtime, "lib", None)
+        return kind if lib is None else f"{kind} ({lib.__name__.rsplit('.', 1)[-1]})"
+
+    kinds = Counter()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            cached = getattr(m, "_qtk_runtime", None)
+            kinds[named(type(cached.runtime).__name__, cached.runtime) if cached else "not built yet"] += 1
+        elif isinstance(m, (FusedWOQLinear, Bf16Linear)):
+            kinds[named(type(m).__name__, m.runtime if isinstance(m, FusedWOQLinear) else m)] += 1
+        elif isinstance(m, PackedLinear):
+            kinds["PackedLinear (oneDNN float32)"] += 1
+        elif type(m) is nn.Linear:
+            kinds["nn.Linear"] += 1
+    return ", ".join(f"{n} {k}" for k, n in kinds.most_common()) or "none"

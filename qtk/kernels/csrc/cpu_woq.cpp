@@ -6,22 +6,32 @@
 // activations on AVX2 (see qtk/kernels/cpu.py for the measurements), so qtk carries this one.
 //
 // Layout (built once per layer by qtk.kernels.cpu.pack): columns in blocks of 8, one AVX2 lane each.
-//   int4: codes  int32  [N/8, K]     word (nb, k) holds q[k, 8nb + j] in bits 4j..4j+3 (two's complement)
-//   int8: codes  int8   [N/8, K, 8]  q[k, 8nb + j]
-//   scales       float  [N/8, G, 8]  s[g, n] (G groups along K; 1 for per-channel)
-//   zs           float  [N/8, G, 8]  s[g, n] * z[g, n] for asymmetric codes (W = (q - z) s), else absent
-// Then y[m, n] = sum_g ( s[g, n] * sum_{k in g} q[k, n] x[m, k]  -  zs[g, n] * sum_{k in g} x[m, k] ):
-// the inner loop is one FMA per weight on integer codes converted in registers, and the scale and
-// zero apply once per group.
+//   int4: codes  int32  [N/8, K/8, 8]  word (nb, kb, j) holds u[8kb + i, 8nb + j] in bits 4i..4i+3,
+//                                      u = q + 8 in 0..15 (8 consecutive k of one column per word)
+//   int8: codes  int8   [N/8, K, 8]    q[k, 8nb + j]
+//   bf16: codes  int16  [N/8, K, 8]    the weight itself in bf16 (scales 1): a float layer kept as its
+//                                      checkpoint stores it, half the bytes of float32, exact
+//   scales       float  [N/8, G, 8]    s[g, n] (G groups along K; 1 for per-channel)
+//   zs           float  [N/8, G, 8]    s * z' with z' the zero of the stored codes: z + 8 for int4 (z = 0
+//                                      when symmetric), z for asymmetric int8; absent for symmetric int8
+// Then y[m, n] = sum_g ( s[g, n] * sum_{k in g} u[k, n] x[m, k]  -  zs[g, n] * sum_{k in g} x[m, k] ):
+// the inner loop is one FMA per weight on codes converted in registers; scale and zero apply once
+// per group.
+//
+// Decoding int4 in registers: one 32-byte load holds 8 k x 8 columns. Code i of each lane is
+// (v & 0xF << 4i), which converts exactly to the float u * 16^i; multiplying it by x[k] / 16^i
+// (x scaled once per call, exact powers of two) gives u * x[k]. So a weight costs an AND, a
+// convert and an FMA (the last code of a word: a shift instead of the AND, and x unscaled).
 //
 // Two paths, chosen by M (rows of x):
 //   gemv: 2 rows per pass, register-blocked over 4 column blocks (32 columns) so 4 or 8 FMA chains
 //         run at once; a tile's codes (32 columns x K) stay in L1 between passes.
-//   tiles: larger M: each thread decodes a tile of 64 columns into a float buffer that stays in
-//         its cache, then multiplies with at::mm_out (MKL / oneDNN sgemm) straight into y.
+//   tiles: larger M: each thread decodes a tile of 64 columns into a float buffer [K, 64] that stays
+//         in its cache, then multiplies with at::mm_out (MKL / oneDNN sgemm) straight into y.
 // Both parallelise over column tiles with torch's intra-op threads (at::parallel_for).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -35,75 +45,122 @@
 
 namespace {
 
-constexpr int64_t LANES = 8;    // columns per block (one AVX2 register of floats)
-constexpr int NT = 4;           // column blocks per gemv tile: 32 columns
+constexpr int64_t LANES = 8;       // columns per block (one AVX2 register of floats)
+constexpr int NT = 4;              // column blocks per gemv tile: 32 columns
 constexpr int64_t TILE_COLS = 64;  // columns per tile on the large-M path
 
-// Decode 8 weights (one per lane) at row k of a column block: the codes as floats.
-#ifdef QTK_AVX2
-template <int BITS>
-static inline __m256 load_codes(const uint8_t* blk, int64_t k) {
-  if constexpr (BITS == 4) {
-    // nibble j to the top of lane j, then an arithmetic shift back: the signed code
-    const __m256i shifts = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
-    __m256i w = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(blk)[k]);
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(w, shifts), 28));
-  } else {
-    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + k * LANES));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  }
-}
-#endif
-
-template <int BITS>
-static inline float code_at(const uint8_t* blk, int64_t k, int lane) {
-  if constexpr (BITS == 4) {
-    const uint32_t w = reinterpret_cast<const uint32_t*>(blk)[k] << (28 - 4 * lane);
-    return static_cast<float>(static_cast<int32_t>(w) >> 28);
-  } else {
-    return static_cast<float>(reinterpret_cast<const int8_t*>(blk)[k * LANES + lane]);
-  }
-}
-
-template <int BITS>
-constexpr int64_t block_bytes(int64_t K) { return BITS == 4 ? K * 4 : K * LANES; }
-
 struct Args {
-  const float* x; int64_t M, K, N, ldy;
+  const float* x;   // [M, K]
+  const float* xs;  // int4: x[m, k] / 16^(k % 8) (k % 8 < 7), x[m, k] (k % 8 == 7); int8: x
+  int64_t M, K, N;
   const uint8_t* codes; const float* scales; const float* zs; const float* bias;
   const float* xsum;  // [M, G] sums of x over each group (only with zs)
   int64_t G, gsize;
-  float* y;
+  float* y;  // [M, N]
 };
 
-#ifdef QTK_AVX2
-// sum_{k0 <= k < k1} codes[k, :] * x_r[k] for 4 column blocks and MR (1 or 2) rows, into acc[r][t].
-// Written out with one variable per accumulator: with arrays GCC kept them on the stack, and the
-// loop ran at a store-forward per FMA.
-template <int BITS, int MR>
-static inline void dot_4blocks(const uint8_t* b0, const uint8_t* b1, const uint8_t* b2, const uint8_t* b3,
-                               const float* x0, const float* x1, int64_t k0, int64_t k1, __m256 (&acc)[2][NT]) {
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-  __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-  for (int64_t k = k0; k < k1; ++k) {
-    const __m256 xa = _mm256_broadcast_ss(x0 + k);
-    __m256 xb;
-    if constexpr (MR == 2) xb = _mm256_broadcast_ss(x1 + k);
-    __m256 w = load_codes<BITS>(b0, k);
-    a00 = _mm256_fmadd_ps(w, xa, a00);
-    if constexpr (MR == 2) a10 = _mm256_fmadd_ps(w, xb, a10);
-    w = load_codes<BITS>(b1, k);
-    a01 = _mm256_fmadd_ps(w, xa, a01);
-    if constexpr (MR == 2) a11 = _mm256_fmadd_ps(w, xb, a11);
-    w = load_codes<BITS>(b2, k);
-    a02 = _mm256_fmadd_ps(w, xa, a02);
-    if constexpr (MR == 2) a12 = _mm256_fmadd_ps(w, xb, a12);
-    w = load_codes<BITS>(b3, k);
-    a03 = _mm256_fmadd_ps(w, xa, a03);
-    if constexpr (MR == 2) a13 = _mm256_fmadd_ps(w, xb, a13);
+template <int BITS>
+constexpr int64_t block_bytes(int64_t K) { return BITS == 4 ? K * 4 : K * LANES * (BITS / 8); }
+
+// The stored code (u for int4, q for int8) at row k, lane j of a column block (portable).
+template <int BITS>
+static inline float code_at(const uint8_t* blk, int64_t k, int j) {
+  if constexpr (BITS == 4) {
+    const uint32_t w = reinterpret_cast<const uint32_t*>(blk)[(k / 8) * LANES + j];
+    return static_cast<float>((w >> (4 * (k % 8))) & 0xF);
+  } else if constexpr (BITS == 8) {
+    return static_cast<float>(reinterpret_cast<const int8_t*>(blk)[k * LANES + j]);
+  } else {  // bf16: the top half of a float32
+    const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(blk)[k * LANES + j]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
   }
-  acc[0][0] = a00; acc[0][1] = a01; acc[0][2] = a02; acc[0][3] = a03;
-  acc[1][0] = a10; acc[1][1] = a11; acc[1][2] = a12; acc[1][3] = a13;
+}
+
+#ifdef QTK_AVX2
+alignas(32) const uint32_t NIBBLE_MASKS[7][8] = {
+#define QTK_MASK(i) {0xFu << (4 * i), 0xFu << (4 * i), 0xFu << (4 * i), 0xFu << (4 * i), \
+                     0xFu << (4 * i), 0xFu << (4 * i), 0xFu << (4 * i), 0xFu << (4 * i)}
+    QTK_MASK(0), QTK_MASK(1), QTK_MASK(2), QTK_MASK(3), QTK_MASK(4), QTK_MASK(5), QTK_MASK(6)};
+#undef QTK_MASK
+
+// int8 codes or bf16 weights at row k of a column block (8 lanes) as floats.
+template <int BITS>
+static inline __m256 load_lanes(const uint8_t* blk, int64_t k) {
+  if constexpr (BITS == 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + k * LANES));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + k * LANES * 2));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// Code i of each lane of v, as u * 16^i (i < 7) or u (i == 7).
+template <int I>
+static inline __m256 nibble(__m256i v) {
+  if constexpr (I == 7) return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
+  else return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(NIBBLE_MASKS[I]))));
+}
+
+// acc[r][t] += sum_{k0 <= k < k1} code[k, block t] * x_r[k] for 4 column blocks and MR (1 or 2) rows.
+// One variable per accumulator: with arrays GCC kept them on the stack (a store-forward per FMA).
+template <int MR>
+struct Acc4 {
+  __m256 a00, a01, a02, a03, a10, a11, a12, a13;
+  Acc4() { a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = _mm256_setzero_ps(); }
+  inline void fma(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float* x0, const float* x1) {
+    const __m256 xa = _mm256_broadcast_ss(x0);
+    a00 = _mm256_fmadd_ps(w0, xa, a00); a01 = _mm256_fmadd_ps(w1, xa, a01);
+    a02 = _mm256_fmadd_ps(w2, xa, a02); a03 = _mm256_fmadd_ps(w3, xa, a03);
+    if constexpr (MR == 2) {
+      const __m256 xb = _mm256_broadcast_ss(x1);
+      a10 = _mm256_fmadd_ps(w0, xb, a10); a11 = _mm256_fmadd_ps(w1, xb, a11);
+      a12 = _mm256_fmadd_ps(w2, xb, a12); a13 = _mm256_fmadd_ps(w3, xb, a13);
+    }
+  }
+  inline void get(__m256 (&acc)[2][NT]) const {
+    acc[0][0] = a00; acc[0][1] = a01; acc[0][2] = a02; acc[0][3] = a03;
+    acc[1][0] = a10; acc[1][1] = a11; acc[1][2] = a12; acc[1][3] = a13;
+  }
+};
+
+template <int I, int MR>
+static inline void int4_step(Acc4<MR>& acc, __m256i v0, __m256i v1, __m256i v2, __m256i v3, const float* x0,
+                             const float* x1) {
+  acc.fma(nibble<I>(v0), nibble<I>(v1), nibble<I>(v2), nibble<I>(v3), x0 + I, x1 + I);
+}
+
+template <int BITS, int MR>
+static inline void dot_4blocks(const uint8_t* blk, int64_t bb, const float* x0, const float* x1, int64_t k0,
+                               int64_t k1, __m256 (&out)[2][NT]) {
+  Acc4<MR> acc;
+  if constexpr (BITS == 4) {
+    const __m256i* c0 = reinterpret_cast<const __m256i*>(blk);
+    const __m256i* c1 = reinterpret_cast<const __m256i*>(blk + bb);
+    const __m256i* c2 = reinterpret_cast<const __m256i*>(blk + 2 * bb);
+    const __m256i* c3 = reinterpret_cast<const __m256i*>(blk + 3 * bb);
+    for (int64_t kb = k0 / 8; kb < k1 / 8; ++kb) {
+      const __m256i v0 = _mm256_loadu_si256(c0 + kb), v1 = _mm256_loadu_si256(c1 + kb);
+      const __m256i v2 = _mm256_loadu_si256(c2 + kb), v3 = _mm256_loadu_si256(c3 + kb);
+      const float* xa = x0 + 8 * kb;
+      const float* xb = x1 + 8 * kb;
+      int4_step<0, MR>(acc, v0, v1, v2, v3, xa, xb);
+      int4_step<1, MR>(acc, v0, v1, v2, v3, xa, xb);
+      int4_step<2, MR>(acc, v0, v1, v2, v3, xa, xb);
+      int4_step<3, MR>(acc, v0, v1, v2, v3, xa, xb);
+      int4_step<4, MR>(acc, v0, v1, v2, v3, xa, xb);
+      int4_step<5, MR>(acc, v0, v1, v2, v3, xa, xb);
+      int4_step<6, MR>(acc, v0, v1, v2, v3, xa, xb);
+      int4_step<7, MR>(acc, v0, v1, v2, v3, xa, xb);
+    }
+  } else {
+    for (int64_t k = k0; k < k1; ++k)
+      acc.fma(load_lanes<BITS>(blk, k), load_lanes<BITS>(blk + bb, k), load_lanes<BITS>(blk + 2 * bb, k),
+              load_lanes<BITS>(blk + 3 * bb, k), x0 + k, x1 + k);
+  }
+  acc.get(out);
 }
 #endif
 
@@ -116,12 +173,11 @@ static void gemv_tile(const Args& a, int64_t m0, int64_t nb0, int nt) {
     for (int i = 0; i < NT * LANES; ++i) out[r][i] = 0.f;
 #ifdef QTK_AVX2
   if (nt == NT) {
-    const uint8_t* blk = a.codes + nb0 * bb;
-    const float* x0 = a.x + m0 * a.K;
+    const float* x0 = a.xs + m0 * a.K;
     const float* x1 = MR == 2 ? x0 + a.K : x0;
     for (int64_t g = 0; g < a.G; ++g) {
       __m256 acc[2][NT];
-      dot_4blocks<BITS, MR>(blk, blk + bb, blk + 2 * bb, blk + 3 * bb, x0, x1, g * a.gsize, (g + 1) * a.gsize, acc);
+      dot_4blocks<BITS, MR>(a.codes + nb0 * bb, bb, x0, x1, g * a.gsize, (g + 1) * a.gsize, acc);
       for (int t = 0; t < NT; ++t) {
         const int64_t so = ((nb0 + t) * a.G + g) * LANES;
         const __m256 s = _mm256_loadu_ps(a.scales + so);
@@ -134,7 +190,7 @@ static void gemv_tile(const Args& a, int64_t m0, int64_t nb0, int nt) {
     }
   } else
 #endif
-  {  // portable: any nt, any CPU
+  {  // portable: any nt, any CPU (unscaled x)
     for (int t = 0; t < nt; ++t) {
       const uint8_t* blk = a.codes + (nb0 + t) * bb;
       for (int64_t g = 0; g < a.G; ++g) {
@@ -155,7 +211,7 @@ static void gemv_tile(const Args& a, int64_t m0, int64_t nb0, int nt) {
     }
   }
   for (int r = 0; r < MR; ++r) {
-    float* yr = a.y + (m0 + r) * a.ldy + nb0 * LANES;
+    float* yr = a.y + (m0 + r) * a.N + nb0 * LANES;
     const int64_t cols = std::min<int64_t>(nt * LANES, a.N - nb0 * LANES);
     for (int64_t i = 0; i < cols; ++i) yr[i] = out[r][i] + (a.bias ? a.bias[nb0 * LANES + i] : 0.f);
   }
@@ -176,26 +232,31 @@ static void gemv(const Args& a) {
   });
 }
 
-// Decode columns [nb0*8, nb0*8 + 8*nblk) into w [8*nblk, K] floats (row-major, as F.linear's weight).
+// Decode column blocks nb0..nb0+nblk into w [K, ld] (k-major: a block's 8 lanes are 8 adjacent floats).
 template <int BITS>
-static void decode_tile(const Args& a, int64_t nb0, int64_t nblk, float* w) {
+static void decode_tile(const Args& a, int64_t nb0, int64_t nblk, float* w, int64_t ld) {
   const int64_t bb = block_bytes<BITS>(a.K);
   for (int64_t b = 0; b < nblk; ++b) {
     const uint8_t* blk = a.codes + (nb0 + b) * bb;
     for (int64_t g = 0; g < a.G; ++g) {
       const int64_t so = ((nb0 + b) * a.G + g) * LANES;
-      float s[LANES], z[LANES];
-      for (int j = 0; j < LANES; ++j) {
-        s[j] = a.scales[so + j];
-        z[j] = a.zs ? a.zs[so + j] : 0.f;
-      }
+      const float* s = a.scales + so;
+      float z[LANES] = {};
+      if (a.zs) std::memcpy(z, a.zs + so, sizeof(z));
       for (int64_t k = g * a.gsize; k < (g + 1) * a.gsize; ++k) {
+        float* dst = w + k * ld + b * LANES;
 #ifdef QTK_AVX2
-        float v[LANES];
-        _mm256_storeu_ps(v, _mm256_fmsub_ps(load_codes<BITS>(blk, k), _mm256_loadu_ps(s), _mm256_loadu_ps(z)));
-        for (int j = 0; j < LANES; ++j) w[(b * LANES + j) * a.K + k] = v[j];
+        __m256 c;
+        if constexpr (BITS == 4) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk) + k / 8);
+          c = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(4 * (k % 8))),
+                                                  _mm256_set1_epi32(0xF)));
+        } else {
+          c = load_lanes<BITS>(blk, k);
+        }
+        _mm256_storeu_ps(dst, _mm256_fmsub_ps(c, _mm256_loadu_ps(s), _mm256_loadu_ps(z)));
 #else
-        for (int j = 0; j < LANES; ++j) w[(b * LANES + j) * a.K + k] = code_at<BITS>(blk, k, j) * s[j] - z[j];
+        for (int j = 0; j < LANES; ++j) dst[j] = code_at<BITS>(blk, k, j) * s[j] - z[j];
 #endif
       }
     }
@@ -203,23 +264,24 @@ static void decode_tile(const Args& a, int64_t nb0, int64_t nblk, float* w) {
 }
 
 template <int BITS>
-static void tiles(const Args& a, const at::Tensor& x, const at::Tensor& y) {
+static void tiles(const Args& a, const at::Tensor& x, const at::Tensor& y, const at::Tensor& bias) {
   const int64_t nblocks = (a.N + LANES - 1) / LANES;
   const int64_t per = TILE_COLS / LANES;
   const int64_t ntiles = (nblocks + per - 1) / per;
+  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: carry it to the workers
   at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    c10::InferenceMode guard(inference);
     std::vector<float> buf(TILE_COLS * a.K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t nb0 = t * per, nblk = std::min(per, nblocks - nb0);
       const int64_t c0 = nb0 * LANES, cols = std::min(nblk * LANES, a.N - c0);
-      decode_tile<BITS>(a, nb0, nblk, buf.data());
-      at::Tensor w = at::from_blob(buf.data(), {cols, a.K}, at::kFloat);
+      decode_tile<BITS>(a, nb0, nblk, buf.data(), TILE_COLS);
+      const at::Tensor w = at::from_blob(buf.data(), {a.K, cols}, {TILE_COLS, 1}, at::kFloat);
       at::Tensor yt = y.narrow(1, c0, cols);
-      if (a.bias)
-        at::addmm_out(yt, at::from_blob(const_cast<float*>(a.bias) + c0, {cols}, at::kFloat).expand({a.M, cols}), x,
-                      w.t());
+      if (bias.defined())
+        at::addmm_out(yt, bias.narrow(0, c0, cols).expand({a.M, cols}), x, w);
       else
-        at::mm_out(yt, x, w.t());
+        at::mm_out(yt, x, w);
     }
   });
 }
@@ -228,38 +290,48 @@ at::Tensor woq_linear(const at::Tensor& x_in, const at::Tensor& codes, const at:
                       const std::optional<at::Tensor>& zs, const std::optional<at::Tensor>& bias, int64_t bits,
                       int64_t n, int64_t m_gemv_max) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "woq_linear: x must be float32 on CPU");
-  TORCH_CHECK(bits == 4 || bits == 8, "woq_linear: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == 16, "woq_linear: bits must be 4, 8 or 16 (bf16)");
   const int64_t K = x_in.size(-1);
   const int64_t nblocks = codes.size(0);
   TORCH_CHECK(nblocks * LANES >= n && nblocks * LANES < n + LANES, "woq_linear: codes hold ", nblocks,
               " column blocks for n=", n);
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
               "woq_linear: packed tensors must be contiguous (float32 scales)");
-  TORCH_CHECK(codes.numel() * codes.element_size() == nblocks * (bits == 4 ? K * 4 : K * LANES),
+  TORCH_CHECK(codes.numel() * codes.element_size() == nblocks * (bits == 4 ? K * 4 : K * LANES * (bits / 8)),
               "woq_linear: codes do not match K=", K);
+  TORCH_CHECK(bits != 4 || (K % 8 == 0 && zs), "woq_linear: int4 needs K % 8 == 0 and zs");
   const int64_t G = scales.size(1);
-  TORCH_CHECK(G > 0 && K % G == 0, "woq_linear: ", G, " groups do not divide K=", K);
-  at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  TORCH_CHECK(G > 0 && K % G == 0 && (bits != 4 || (K / G) % 8 == 0), "woq_linear: ", G,
+              " groups do not divide K=", K, " (int4: into multiples of 8)");
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = n;
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y.reshape(out_shape);
-  at::Tensor b;
-  if (bias) b = bias->to(at::kFloat).contiguous();
-  at::Tensor zsc, xsum;
-  if (zs) {
-    zsc = zs->contiguous();
-    xsum = x.reshape({M, G, K / G}).sum(-1).contiguous();  // [M, G]
-  }
-  Args a{x.data_ptr<float>(), M, K, n, n,
-         reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
-         zs ? zsc.data_ptr<float>() : nullptr, bias ? b.data_ptr<float>() : nullptr,
-         zs ? xsum.data_ptr<float>() : nullptr, G, K / G, y.data_ptr<float>()};
-  if (M <= m_gemv_max) {
-    bits == 4 ? gemv<4>(a) : gemv<8>(a);
+  const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor zsc = zs ? zs->contiguous() : at::Tensor();
+  const float* xp = x.data_ptr<float>();
+  const int64_t gsize = K / G;
+  const bool gemv_path = M <= m_gemv_max;
+  // per call, small: the group sums of x (for the zeros) and, for the int4 gemv, x / 16^(k % 8)
+  std::vector<float> xsum(zs ? M * G : 0), xs(gemv_path && bits == 4 ? M * K : 0);
+  for (int64_t m = 0; m < (zs ? M : 0); ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float acc = 0.f;
+      for (int64_t k = g * gsize; k < (g + 1) * gsize; ++k) acc += xp[m * K + k];
+      xsum[m * G + g] = acc;
+    }
+  static const float INV16[8] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096, 1.f / 65536, 1.f / 1048576,
+                                 1.f / 16777216, 1.f};
+  for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i) xs[i] = xp[i] * INV16[(i % K) % 8];
+  Args a{xp, xs.empty() ? xp : xs.data(), M, K, n, reinterpret_cast<const uint8_t*>(codes.data_ptr()),
+         scales.data_ptr<float>(), zs ? zsc.data_ptr<float>() : nullptr, bias ? b.data_ptr<float>() : nullptr,
+         zs ? xsum.data() : nullptr, G, gsize, y.data_ptr<float>()};
+  if (gemv_path) {
+    bits == 4 ? gemv<4>(a) : bits == 8 ? gemv<8>(a) : gemv<16>(a);
   } else {
-    bits == 4 ? tiles<4>(a, x, y) : tiles<8>(a, x, y);
+    bits == 4 ? tiles<4>(a, x, y, b) : bits == 8 ? tiles<8>(a, x, y, b) : tiles<16>(a, x, y, b);
   }
   return y.reshape(out_shape);
 }

@@ -55,6 +55,16 @@ class LlamaModel(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
+        self.cpu_ops = self._cpu_ops()
+
+    def _cpu_ops(self):
+        """qtk's fused CPU ops (kernels/csrc/cpu_layers.cpp) for a float32 model on CPU, or None."""
+        from ...kernels import cpu as cpu_kernels
+
+        w = self.embed_tokens.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or getattr(self.config, "hidden_act", "silu") != "silu":
+            return None
+        return cpu_kernels.ops()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -65,6 +75,8 @@ class LlamaModel(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(h[None], positions[None])
+        if self.cpu_ops is not None and meta.backend == "cpu":
+            return self._forward_fused(h, cos[0], sin[0], meta, kv_caches)
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
         for layer, cache in zip(self.layers, kv_caches):
             h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, meta, cache)
@@ -87,6 +99,44 @@ class LlamaModel(nn.Module):
         k = k * cos + rotate_half(k) * sin
         o = paged_attention(q, k, v, cache, meta, self.scale)
         return attn.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+    def _forward_fused(self, h, cos, sin, meta, kv_caches) -> torch.Tensor:
+        """forward() with qtk's fused CPU ops: the same math in a fifth of the calls. The residual
+        stream h is added to and normalized in one op (add_rms_norm_), RoPE rotates q and k in
+        place in the projection's output, SiLU-and-multiply is one op."""
+        ops = self.cpu_ops
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
+        x = ops.rms_norm(h, norms[0].weight, norms[0].variance_epsilon)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            a = self._attention_fused(layer.self_attn, x, cos, sin, meta, cache)
+            post = layer.post_attention_layernorm
+            x = ops.add_rms_norm_(h, a, post.weight, post.variance_epsilon)
+            mlp = layer.mlp
+            if hasattr(mlp, "gate_up_proj"):
+                m = mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(x)))
+            else:
+                m = mlp(x)
+            x = ops.add_rms_norm_(h, m, norms[i + 1].weight, norms[i + 1].variance_epsilon)
+        return x
+
+    def _attention_fused(self, attn, x, cos, sin, meta, cache) -> torch.Tensor:
+        T, H, KV, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        ops = self.cpu_ops
+        if hasattr(attn, "qkv_proj"):
+            qkv = attn.qkv_proj(x)  # [T, (H + 2 KV) D]
+            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if self.family.qk_norm:
+            q = attn.q_norm(q.reshape(T, H, D)).reshape(T, H * D)
+            k = attn.k_norm(k.reshape(T, KV, D)).reshape(T, KV * D)
+        if hasattr(attn, "qkv_proj") and not self.family.qk_norm:
+            ops.rope_(qkv, cos, sin, H + KV)  # q and k side by side in each row: one pass
+        else:
+            ops.rope_(q, cos, sin, H)
+            ops.rope_(k, cos, sin, KV)
+        o = paged_attention(q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D), cache, meta, self.scale)
+        return attn.o_proj(o.reshape(T, H * D))
 
     @staticmethod
     def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,357 @@
+// The small per-layer operations of a decoder step on CPU, fused: each is one call where the torch
+// version is 3-20 (RMSNorm alone is seven: cast, pow, mean, add, rsqrt, mul, mul). At batch 1 a
+// step of a 30-layer model is ~2000 torch calls of a few microseconds each, as long as the
+// 4-bit matmuls themselves; these bring it to ~300. float32 activations; the torch code in
+// qtk/runtime (models/llama.py, attention.py) is the reference and the path for everything else.
+//
+//   rms_norm(x, w, eps)                y = x / sqrt(mean(x^2) + eps) * w, per row
+//   add_rms_norm_(residual, x, w, eps) residual += x, then rms_norm(residual): the residual stream
+//   rope_(x, cos, sin, heads)          rotate the first `heads` heads of each row of x in place
+//                                      (HF's rotate_half layout: pairs (i, i + D/2)); cos, sin [T, D]
+//   silu_and_mul(x)                    x [T, 2I] -> silu(x[:, :I]) * x[:, I:]
+//   store_kv_(k_cache, v_cache, k, v, slots, k_scale, v_scale)
+//                                      k, v [T, kv_heads, D] into caches [kv_heads, slots, D] at
+//                                      slots [T]; float32, or INT8 / FP8 e4m3 (uint8 bits) with
+//                                      scales [kv_heads or 1] (stored = value / scale, rounded to
+//                                      nearest, saturated)
+//   paged_decode_attention(q, k_cache, v_cache, block_tables, lens, block_size, scale, k_scale, v_scale)
+//                                      one query token per sequence: q [B, H, D] over each sequence's
+//                                      cached keys/values through its block table; GQA as repeat_kv
+// All parallelise over rows (or sequence x KV head) with at::parallel_for.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifndef QTK_LIB
+#define QTK_LIB qtk_cpu_generic
+#endif
+#define QTK_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define QTK_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+namespace {
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, name,
+              ": expects a float32 CPU matrix with contiguous rows");
+}
+
+inline float rms_inv(const float* x, int64_t n, double eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(ss) / n + eps));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(w.numel() == H && w.scalar_type() == at::kFloat && w.is_contiguous(), "rms_norm: weight must be float32 [", H, "]");
+  at::Tensor y = at::empty({T, H}, x.options());
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xr = x.data_ptr<float>() + t * x.stride(0);
+      float* yr = y.data_ptr<float>() + t * H;
+      const float inv = rms_inv(xr, H, eps);
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) yr[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+  return y;
+}
+
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(residual, "add_rms_norm_");
+  check_rows(x, "add_rms_norm_");
+  const int64_t T = residual.size(0), H = residual.size(1);
+  TORCH_CHECK(x.size(0) == T && x.size(1) == H, "add_rms_norm_: x and residual differ in shape");
+  TORCH_CHECK(w.numel() == H && w.scalar_type() == at::kFloat && w.is_contiguous(), "add_rms_norm_: weight must be float32 [", H, "]");
+  at::Tensor y = at::empty({T, H}, x.options());
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* rr = residual.data_ptr<float>() + t * residual.stride(0);
+      const float* xr = x.data_ptr<float>() + t * x.stride(0);
+      float* yr = y.data_ptr<float>() + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) rr[i] += xr[i];
+      const float inv = rms_inv(rr, H, eps);
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) yr[i] = wp[i] * (rr[i] * inv);
+    }
+  });
+  return y;
+}
+
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  check_rows(x, "rope_");
+  check_rows(cos, "rope_");
+  check_rows(sin, "rope_");
+  const int64_t T = x.size(0), D = cos.size(1), half = D / 2;
+  TORCH_CHECK(cos.size(0) == T && sin.size(0) == T && sin.size(1) == D && D % 2 == 0 && heads * D <= x.size(1),
+              "rope_: cos/sin must be [T, D] with ", heads, " heads of D in each row of x");
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cos.data_ptr<float>() + t * cos.stride(0);
+      const float* s = sin.data_ptr<float>() + t * sin.stride(0);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* a = x.data_ptr<float>() + t * x.stride(0) + h * D;
+        float* b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = a[i], x2 = b[i];
+          a[i] = x1 * c[i] - x2 * s[i];
+          b[i] = x2 * c[half + i] + x1 * s[half + i];
+        }
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: x must have an even number of columns");
+  at::Tensor y = at::empty({T, I}, x.options());
+  at::parallel_for(0, T * I, 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t t = i0 / I; t <= (i1 - 1) / I; ++t) {
+      const float* g = x.data_ptr<float>() + t * x.stride(0);
+      const float* u = g + I;
+      float* yr = y.data_ptr<float>() + t * I;
+      const int64_t a = std::max(i0 - t * I, int64_t(0)), b = std::min(i1 - t * I, I);
+      for (int64_t i = a; i < b; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
+// -- the KV cache ---------------------------------------------------------------------------------
+// FP8 e4m3 (finite, no infinities; 0x7F / 0xFF are NaN) <-> float32
+float e4m3_to_float(uint8_t b) {
+  const int sign = b >> 7, exp = (b >> 3) & 0xF, man = b & 7;
+  float v;
+  if (exp == 0) v = std::ldexp(static_cast<float>(man), -9);  // subnormal: man/8 * 2^-6
+  else if (exp == 15 && man == 7) v = NAN;
+  else v = std::ldexp(1.f + man / 8.f, exp - 7);
+  return sign ? -v : v;
+}
+
+struct E4M3Table {
+  float v[256];
+  E4M3Table() { for (int i = 0; i < 256; ++i) v[i] = e4m3_to_float(static_cast<uint8_t>(i)); }
+};
+const E4M3Table& e4m3() {
+  static const E4M3Table t;
+  return t;
+}
+
+uint8_t float_to_e4m3(float f) {  // round to nearest even, saturating at +-448 (as torch's .to(float8_e4m3fn) after clamp)
+  if (std::isnan(f)) return 0x7F;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  float a = std::min(std::fabs(f), 448.f);
+  // search the 127 non-negative finite codes: the table is monotonic in the code
+  const float* t = e4m3().v;
+  int lo = 0, hi = 126;  // t[126] = 448
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t[mid] <= a) lo = mid; else hi = mid - 1;
+  }
+  int code = lo;
+  if (code < 126) {
+    const float d0 = a - t[code], d1 = t[code + 1] - a;
+    if (d1 < d0 || (d1 == d0 && (code & 1))) code += 1;
+  }
+  return sign | static_cast<uint8_t>(code);
+}
+
+enum class Kv { F32, I8, F8 };
+
+Kv kv_kind(const at::Tensor& cache) {
+  if (cache.scalar_type() == at::kFloat) return Kv::F32;
+  if (cache.scalar_type() == at::kChar) return Kv::I8;
+  TORCH_CHECK(cache.scalar_type() == at::kByte, "KV cache must be float32, int8 or FP8 e4m3 viewed as uint8");
+  return Kv::F8;
+}
+
+void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& slots, const std::optional<at::Tensor>& k_scale,
+               const std::optional<at::Tensor>& v_scale) {
+  const Kv kind = kv_kind(k_cache);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "store_kv_: caches must be contiguous [kv_heads, slots, D] of one dtype");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 && v.dim() == 3 &&
+              k.stride(2) == 1 && v.stride(2) == 1, "store_kv_: k, v must be float32 [T, kv_heads, D] with contiguous D");
+  TORCH_CHECK((kind == Kv::F32) == !k_scale.has_value() && k_scale.has_value() == v_scale.has_value(),
+              "store_kv_: scales go with (and only with) an INT8 / FP8 cache");
+  const int64_t T = k.size(0), KV = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(k.size(1) == KV && k.size(2) == D && slots.numel() == T && slots.scalar_type() == at::kLong,
+              "store_kv_: shapes do not match the cache");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  at::Tensor ks, vs;
+  if (k_scale) { ks = k_scale->to(at::kFloat).contiguous(); vs = v_scale->to(at::kFloat).contiguous(); }
+  at::parallel_for(0, T * KV, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / KV, h = i % KV, slot = sl[t];
+      TORCH_CHECK(slot >= 0 && slot < S, "store_kv_: slot out of range");
+      for (int which = 0; which < 2; ++which) {
+        const at::Tensor& src = which ? v : k;
+        at::Tensor& cache = which ? v_cache : k_cache;
+        const float* x = src.data_ptr<float>() + t * src.stride(0) + h * src.stride(1);
+        const int64_t off = (h * S + slot) * D;
+        if (kind == Kv::F32) {
+          std::memcpy(cache.data_ptr<float>() + off, x, D * sizeof(float));
+          continue;
+        }
+        const at::Tensor& sc = which ? vs : ks;
+        const float scl = sc.data_ptr<float>()[sc.numel() == 1 ? 0 : h];  // divide, as attention.quantize_kv
+        if (kind == Kv::I8) {
+          int8_t* dst = cache.data_ptr<int8_t>() + off;
+          for (int64_t d = 0; d < D; ++d)
+            dst[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / scl), -128.f, 127.f));
+        } else {
+          uint8_t* dst = cache.data_ptr<uint8_t>() + off;
+          for (int64_t d = 0; d < D; ++d) dst[d] = float_to_e4m3(x[d] / scl);
+        }
+      }
+    }
+  });
+}
+
+template <Kv KIND>
+inline const void* kv_row(const at::Tensor& cache, int64_t off) {
+  if constexpr (KIND == Kv::F32) return cache.data_ptr<float>() + off;
+  else if constexpr (KIND == Kv::I8) return cache.data_ptr<int8_t>() + off;
+  else return cache.data_ptr<uint8_t>() + off;
+}
+
+template <Kv KIND>
+inline float kv_at(const void* row, int64_t d) {
+  if constexpr (KIND == Kv::F32) return static_cast<const float*>(row)[d];
+  else if constexpr (KIND == Kv::I8) return static_cast<float>(static_cast<const int8_t*>(row)[d]);
+  else return e4m3().v[static_cast<const uint8_t*>(row)[d]];
+}
+
+template <Kv KIND>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+            const at::Tensor& lens, int64_t bs, double scale, const float* ks, int64_t nks, const float* vs,
+            int64_t nvs, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(0), S = k_cache.size(1);
+  const int64_t G = H / KV, W = tables.size(1);
+  const int64_t* tb = tables.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  int64_t work = 0;  // keys and values to read: a small step runs on the calling thread
+  for (int64_t b = 0; b < B; ++b) work += ln[b] * KV * D;
+  at::parallel_for(0, B * KV, work < (1 << 16) ? B * KV : 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores, kbuf(D), acc(G * D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / KV, h = i % KV, L = ln[b];
+      TORCH_CHECK(L >= 1 && (L + bs - 1) / bs <= W, "paged_decode_attention: context longer than its block table");
+      scores.assign(G * L, 0.f);
+      const float kscale = static_cast<float>(scale) * (ks ? ks[nks == 1 ? 0 : h] : 1.f);
+      const float vscale = vs ? vs[nvs == 1 ? 0 : h] : 1.f;
+      const float* qb = q.data_ptr<float>() + b * q.stride(0) + h * G * q.stride(1);
+      for (int64_t j = 0; j < L; ++j) {  // scores: q . k over the context
+        const int64_t slot = tb[b * W + j / bs] * bs + j % bs;
+        TORCH_CHECK(slot >= 0 && slot < S, "paged_decode_attention: block table points outside the cache");
+        const void* kr = kv_row<KIND>(k_cache, (h * S + slot) * D);
+        const float* kf;
+        if constexpr (KIND == Kv::F32) {
+          kf = static_cast<const float*>(kr);
+        } else {
+          for (int64_t d = 0; d < D; ++d) kbuf[d] = kv_at<KIND>(kr, d);
+          kf = kbuf.data();
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qr = qb + g * q.stride(1);
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kf[d];
+          scores[g * L + j] = dot * kscale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {  // softmax
+        float* sr = scores.data() + g * L;
+        const float mx = *std::max_element(sr, sr + L);
+        float sum = 0.f;
+        for (int64_t j = 0; j < L; ++j) sum += (sr[j] = std::exp(sr[j] - mx));
+        const float inv = vscale / sum;
+        for (int64_t j = 0; j < L; ++j) sr[j] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < L; ++j) {  // out = p . v
+        const int64_t slot = tb[b * W + j / bs] * bs + j % bs;
+        const void* vr = kv_row<KIND>(v_cache, (h * S + slot) * D);
+        const float* vf;
+        if constexpr (KIND == Kv::F32) {
+          vf = static_cast<const float*>(vr);
+        } else {
+          for (int64_t d = 0; d < D; ++d) kbuf[d] = kv_at<KIND>(vr, d);
+          vf = kbuf.data();
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + j];
+          float* ar = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ar[d] += p * vf[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(out.data_ptr<float>() + (b * H + h * G + g) * D, acc.data() + g * D, D * sizeof(float));
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& lens, int64_t block_size,
+                                  double scale, const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale) {
+  const Kv kind = kv_kind(k_cache);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
+              "paged_decode_attention: q must be float32 [B, H, D] with contiguous D");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(0) == 0,
+              "paged_decode_attention: caches must be contiguous [kv_heads, slots, D] with heads % kv_heads == 0");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+              block_tables.size(0) == q.size(0) && lens.scalar_type() == at::kLong && lens.is_contiguous() &&
+              lens.numel() == q.size(0), "paged_decode_attention: block_tables [B, W] and lens [B] must be int64");
+  TORCH_CHECK((kind == Kv::F32) == !k_scale.has_value() && k_scale.has_value() == v_scale.has_value(),
+              "paged_decode_attention: scales go with (and only with) an INT8 / FP8 cache");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  at::Tensor ks, vs;
+  if (k_scale) { ks = k_scale->to(at::kFloat).contiguous(); vs = v_scale->to(at::kFloat).contiguous(); }
+  const float* ksp = k_scale ? ks.data_ptr<float>() : nullptr;
+  const float* vsp = k_scale ? vs.data_ptr<float>() : nullptr;
+  const int64_t nks = k_scale ? ks.numel() : 0, nvs = k_scale ? vs.numel() : 0;
+  if (kind == Kv::F32) decode<Kv::F32>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, out);
+  else if (kind == Kv::I8) decode<Kv::I8>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, out);
+  else decode<Kv::F8>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, out);
+  return out;
+}
+
+}  // namespace
+
+QTK_FRAGMENT(QTK_LIB, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots, Tensor? k_scale, "
+        "Tensor? v_scale) -> ()");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, "
+        "int block_size, float scale, Tensor? k_scale, Tensor? v_scale) -> Tensor");
+}
+
+QTK_IMPL(QTK_LIB, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rope_", &rope_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("store_kv_", &store_kv_);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
