@@ -100,8 +100,8 @@ DISPATCH = [
     ("w4a16_asym", 32, torch.float16, W, W),
     ("w8a16", None, torch.bfloat16, dispatch.CpuInt8, W),
     ("w8a16", None, torch.float32, W, W),
-    ("w8a8", None, torch.float32, dispatch.CpuW8A8Int, D),
-    ("w8a8", None, torch.bfloat16, dispatch.CpuW8A8Int, D),
+    ("w8a8", None, torch.float32, dispatch.CpuW8A8Int, dispatch.CpuW8A8Woq),
+    ("w8a8", None, torch.bfloat16, dispatch.CpuW8A8Int, dispatch.CpuW8A8Woq),
     ("fp8", None, torch.bfloat16, D, D),
     ("fp8_static", None, torch.float32, D, D),
 ]
@@ -116,7 +116,7 @@ def test_cpu_dispatch_agrees_with_reference(scheme, group, dtype, with_units, wi
     x = torch.randn(2, 5, 128).to(dtype)
     y = layer(x)
     expected = with_units if cpu_units else without
-    if expected is W and (kernel == "off" or cpu_kernels.ops() is None):
+    if expected in (W, dispatch.CpuW8A8Woq) and (kernel == "off" or cpu_kernels.ops() is None):
         expected = D
     assert type(dispatch.runtime_for(layer, x.reshape(-1, 128))) is expected
     ref = reference.quant_linear_ref(x, layer)
@@ -133,7 +133,8 @@ def test_static_w8a8_on_cpu(cpu_units):
     q, scale, zp = quantize_weight(w, scheme.weights)
     layer = QuantLinear.from_codes(q, scale, zp, scheme, input_scale=torch.tensor([2.0 / 127]), dtype=torch.float32)
     x = torch.randn(7, 64)
-    assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuW8A8Int if cpu_units else dispatch.Dense)
+    without = dispatch.CpuW8A8Woq if cpu_kernels.ops() else dispatch.Dense
+    assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuW8A8Int if cpu_units else without)
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-5
 
 

@@ -18,7 +18,9 @@ replaced or modified in place (.to(), load_state_dict), x's device/dtype change,
                                                                 is built; else reference
     W8A8 int8                  Triton act_quant + scaled_mm     CPU with int8 dot products (VNNI, AMX):
                                                                 act_quant twin + torch._int_mm + fp32
-                                                                epilogue; else reference
+                                                                epilogue; else activations quantized as
+                                                                the reference does, then qtk's kernel on
+                                                                the int8 weight (CpuW8A8Woq); else reference
     W8A8 fp8 (sm_89+)          Triton act_quant + fp8_gemm      reference
     anything else              Dense (float32)                  Dense (float32; oneDNN-packed in the runtime)
 Dense is the reference's math (reference.quant_linear_ref: activations fake-quantized as the
@@ -156,6 +158,23 @@ class CpuWOQ:
 
 
 @dataclass(frozen=True)
+class CpuW8A8Woq:
+    """W8A8 int8 on a CPU without int8 dot products: the activations quantized as the scheme says
+    (reference math, as Dense), then qtk's CPU kernel on the int8 weight codes: the reference's
+    numbers at a quarter of the float32 weight bytes."""
+
+    w: cpu_kernels.PackedWOQ
+    act: QuantArgs
+    input_scale: torch.Tensor | None  # float32 [1] for static activation scales
+    bias: torch.Tensor | None  # float32
+    lib: object
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        q, s = quantize_activation(x.float(), self.act, self.input_scale)
+        return cpu_kernels.woq_linear(q.float() * s.float(), self.w, self.bias, self.lib).to(x.dtype)
+
+
+@dataclass(frozen=True)
 class CpuInt8:
     weight: torch.Tensor  # int8 [N, K]
     scales: torch.Tensor  # [N] in x's dtype
@@ -250,6 +269,12 @@ def _w8a8(layer, device: torch.device, dtype: torch.dtype):
         return W8A8(*parts)
     if device.type == "cpu" and w.type == "int" and cpu_has_int8_dot():
         return CpuW8A8Int(*parts)
+    lib = cpu_kernels.ops() if device.type == "cpu" else None
+    n, k = layer.weight.shape
+    if lib is not None and w.type == "int" and w.num_bits == 8 and cpu_kernels.supports(k, None, 8):
+        scale = layer.weight_scale.float().reshape(-1, 1).expand(n, 1)
+        bias = None if layer.bias is None else layer.bias.float().contiguous()
+        return CpuW8A8Woq(cpu_kernels.pack(layer.weight, scale, None, 8), act, static, bias, lib)
     return reference_runtime(layer, device)
 
 

@@ -29,8 +29,9 @@ class PackedLinear(nn.Module):
 
 
 class FusedWOQLinear(nn.Module):
-    """Weight-only QuantLinears that read the same input (q/k/v, gate/up), run by qtk's CPU kernel
-    as one layer: one call per step instead of three, and more columns to share among threads."""
+    """Weight-only QuantLinears run by qtk's CPU kernel straight from the module (no dispatch on
+    each call); several that read the same input (q/k/v, gate/up) become one layer: one call per
+    step instead of three, and more columns to share among threads."""
 
     def __init__(self, runtime: CpuWOQ, in_features: int):
         super().__init__()
@@ -40,6 +41,11 @@ class FusedWOQLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         return self.runtime(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+
+    def direct(self):
+        """The kernel call itself, for float32 [T, K] contiguous x (the runtime's fused forward)."""
+        w, bias, op = self.runtime.w, self.runtime.bias, self.runtime.lib.woq_linear
+        return lambda x: op(x, w.codes, w.scales, w.zs, bias, w.bits, w.n, cpu_kernels.M_GEMV_MAX)
 
     def extra_repr(self) -> str:
         w = self.runtime.w
@@ -85,7 +91,7 @@ def bf16_lm_head(model: nn.Module) -> bool:
 def _fused_woq(linears: list[nn.Module]) -> FusedWOQLinear | None:
     """One FusedWOQLinear for sibling weight-only QuantLinears on CPU that qtk's kernel runs with
     one layout, or None."""
-    if len(linears) < 2 or not all(isinstance(m, QuantLinear) and hasattr(m, "weight_scale") for m in linears):
+    if not linears or not all(isinstance(m, QuantLinear) and hasattr(m, "weight_scale") for m in linears):
         return None
     dtype = linears[0].weight_scale.dtype
     if linears[0].weight_scale.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
@@ -94,7 +100,7 @@ def _fused_woq(linears: list[nn.Module]) -> FusedWOQLinear | None:
     if not all(type(r) is CpuWOQ and r.perm is None for r in runtimes):
         return None
     try:
-        w = cpu_kernels.PackedWOQ.cat([r.w for r in runtimes])
+        w = cpu_kernels.PackedWOQ.cat([r.w for r in runtimes]) if len(runtimes) > 1 else runtimes[0].w
     except ValueError:
         return None
     biases = [r.bias for r in runtimes]
@@ -139,7 +145,8 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
                     setattr(parent, new, fused)
                     count += 1
         for name, child in list(parent.named_children()):
-            packed = _packed([child]) if type(child) is nn.Linear else None
+            packed = _packed([child]) if type(child) is nn.Linear else _fused_woq([child]) if isinstance(
+                child, QuantLinear) else None
             if packed is not None:
                 setattr(parent, name, packed)
                 count += 1

@@ -26,7 +26,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QTK_AVX2 1
+#endif
 
 #ifndef QTK_LIB
 #define QTK_LIB qtk_cpu_generic
@@ -131,6 +137,39 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return y;
 }
 
+// exp over an array in place; returns the sum. AVX2: Cephes' expf polynomial (relative error ~2e-7,
+// as std::exp for a softmax's purposes), 8 at a time.
+float exp_sum_(float* v, int64_t n, float shift) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef QTK_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f), sh = _mm256_set1_ps(shift);
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(v + i), sh), lo), hi);
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+    _mm256_storeu_ps(v + i, y);
+    acc = _mm256_add_ps(acc, y);
+  }
+  float part[8];
+  _mm256_storeu_ps(part, acc);
+  for (float p : part) sum += p;
+#endif
+  for (; i < n; ++i) sum += (v[i] = std::exp(v[i] - shift));
+  return sum;
+}
+
 // -- the KV cache ---------------------------------------------------------------------------------
 // FP8 e4m3 (finite, no infinities; 0x7F / 0xFF are NaN) <-> float32
 float e4m3_to_float(uint8_t b) {
@@ -224,17 +263,12 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 }
 
 template <Kv KIND>
-inline const void* kv_row(const at::Tensor& cache, int64_t off) {
-  if constexpr (KIND == Kv::F32) return cache.data_ptr<float>() + off;
-  else if constexpr (KIND == Kv::I8) return cache.data_ptr<int8_t>() + off;
-  else return cache.data_ptr<uint8_t>() + off;
-}
+using kv_t = std::conditional_t<KIND == Kv::F32, float, std::conditional_t<KIND == Kv::I8, int8_t, uint8_t>>;
 
 template <Kv KIND>
-inline float kv_at(const void* row, int64_t d) {
-  if constexpr (KIND == Kv::F32) return static_cast<const float*>(row)[d];
-  else if constexpr (KIND == Kv::I8) return static_cast<float>(static_cast<const int8_t*>(row)[d]);
-  else return e4m3().v[static_cast<const uint8_t*>(row)[d]];
+inline float kv_at(const kv_t<KIND>* row, int64_t d) {
+  if constexpr (KIND == Kv::F8) return e4m3().v[row[d]];
+  else return static_cast<float>(row[d]);
 }
 
 template <Kv KIND>
@@ -245,30 +279,41 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t G = H / KV, W = tables.size(1);
   const int64_t* tb = tables.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
+  const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const kv_t<KIND>* kc = static_cast<const kv_t<KIND>*>(k_cache.data_ptr());
+  const kv_t<KIND>* vc = static_cast<const kv_t<KIND>*>(v_cache.data_ptr());
+  float* op = out.data_ptr<float>();
   int64_t work = 0;  // keys and values to read: a small step runs on the calling thread
   for (int64_t b = 0; b < B; ++b) work += ln[b] * KV * D;
   at::parallel_for(0, B * KV, work < (1 << 16) ? B * KV : 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, kbuf(D), acc(G * D);
+    std::vector<int64_t> slots;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / KV, h = i % KV, L = ln[b];
       TORCH_CHECK(L >= 1 && (L + bs - 1) / bs <= W, "paged_decode_attention: context longer than its block table");
-      scores.assign(G * L, 0.f);
+      slots.resize(L);  // the context's slots, through the block table
+      for (int64_t j0 = 0, blk = 0; j0 < L; j0 += bs, ++blk) {
+        const int64_t base = tb[b * W + blk] * bs;
+        TORCH_CHECK(base >= 0 && base + bs <= S, "paged_decode_attention: block table points outside the cache");
+        for (int64_t o = 0; o < bs && j0 + o < L; ++o) slots[j0 + o] = base + o;
+      }
+      scores.resize(G * L);
       const float kscale = static_cast<float>(scale) * (ks ? ks[nks == 1 ? 0 : h] : 1.f);
       const float vscale = vs ? vs[nvs == 1 ? 0 : h] : 1.f;
-      const float* qb = q.data_ptr<float>() + b * q.stride(0) + h * G * q.stride(1);
+      const float* qb = qp + b * qs0 + h * G * qs1;
+      const kv_t<KIND>* kh = kc + h * S * D;
+      const kv_t<KIND>* vh = vc + h * S * D;
       for (int64_t j = 0; j < L; ++j) {  // scores: q . k over the context
-        const int64_t slot = tb[b * W + j / bs] * bs + j % bs;
-        TORCH_CHECK(slot >= 0 && slot < S, "paged_decode_attention: block table points outside the cache");
-        const void* kr = kv_row<KIND>(k_cache, (h * S + slot) * D);
         const float* kf;
         if constexpr (KIND == Kv::F32) {
-          kf = static_cast<const float*>(kr);
+          kf = kh + slots[j] * D;
         } else {
-          for (int64_t d = 0; d < D; ++d) kbuf[d] = kv_at<KIND>(kr, d);
+          for (int64_t d = 0; d < D; ++d) kbuf[d] = kv_at<KIND>(kh + slots[j] * D, d);
           kf = kbuf.data();
         }
         for (int64_t g = 0; g < G; ++g) {
-          const float* qr = qb + g * q.stride(1);
+          const float* qr = qb + g * qs1;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < D; ++d) dot += qr[d] * kf[d];
@@ -278,20 +323,17 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for (int64_t g = 0; g < G; ++g) {  // softmax
         float* sr = scores.data() + g * L;
         const float mx = *std::max_element(sr, sr + L);
-        float sum = 0.f;
-        for (int64_t j = 0; j < L; ++j) sum += (sr[j] = std::exp(sr[j] - mx));
-        const float inv = vscale / sum;
+        const float inv = vscale / exp_sum_(sr, L, mx);
+#pragma omp simd
         for (int64_t j = 0; j < L; ++j) sr[j] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < L; ++j) {  // out = p . v
-        const int64_t slot = tb[b * W + j / bs] * bs + j % bs;
-        const void* vr = kv_row<KIND>(v_cache, (h * S + slot) * D);
         const float* vf;
         if constexpr (KIND == Kv::F32) {
-          vf = static_cast<const float*>(vr);
+          vf = vh + slots[j] * D;
         } else {
-          for (int64_t d = 0; d < D; ++d) kbuf[d] = kv_at<KIND>(vr, d);
+          for (int64_t d = 0; d < D; ++d) kbuf[d] = kv_at<KIND>(vh + slots[j] * D, d);
           vf = kbuf.data();
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -301,8 +343,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           for (int64_t d = 0; d < D; ++d) ar[d] += p * vf[d];
         }
       }
-      for (int64_t g = 0; g < G; ++g)
-        std::memcpy(out.data_ptr<float>() + (b * H + h * G + g) * D, acc.data() + g * D, D * sizeof(float));
+      for (int64_t g = 0; g < G; ++g) std::memcpy(op + (b * H + h * G + g) * D, acc.data() + g * D, D * sizeof(float));
     }
   });
 }

@@ -142,6 +142,13 @@ static inline void dot_4blocks(const uint8_t* blk, int64_t bb, const float* x0, 
     const __m256i* c2 = reinterpret_cast<const __m256i*>(blk + 2 * bb);
     const __m256i* c3 = reinterpret_cast<const __m256i*>(blk + 3 * bb);
     for (int64_t kb = k0 / 8; kb < k1 / 8; ++kb) {
+      if ((kb & 1) == 0) {  // the next tile's codes (4 blocks on), one cache line per stream: a decode step
+        const char* next = reinterpret_cast<const char*>(c0 + kb) + 4 * bb;  // streams each layer once
+        _mm_prefetch(next, _MM_HINT_T0);
+        _mm_prefetch(next + bb, _MM_HINT_T0);
+        _mm_prefetch(next + 2 * bb, _MM_HINT_T0);
+        _mm_prefetch(next + 3 * bb, _MM_HINT_T0);
+      }
       const __m256i v0 = _mm256_loadu_si256(c0 + kb), v1 = _mm256_loadu_si256(c1 + kb);
       const __m256i v2 = _mm256_loadu_si256(c2 + kb), v3 = _mm256_loadu_si256(c3 + kb);
       const float* xa = x0 + 8 * kb;

@@ -56,6 +56,7 @@ class LlamaModel(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         self.cpu_ops = self._cpu_ops()
+        self._plan = None  # per layer, the projections' callables (built at the first fused forward)
 
     def _cpu_ops(self):
         """qtk's fused CPU ops (kernels/csrc/cpu_layers.cpp) for a float32 model on CPU, or None."""
@@ -103,40 +104,52 @@ class LlamaModel(nn.Module):
     def _forward_fused(self, h, cos, sin, meta, kv_caches) -> torch.Tensor:
         """forward() with qtk's fused CPU ops: the same math in a fifth of the calls. The residual
         stream h is added to and normalized in one op (add_rms_norm_), RoPE rotates q and k in
-        place in the projection's output, SiLU-and-multiply is one op."""
+        place in the projection's output, SiLU-and-multiply is one op; the projections qtk's
+        kernel runs are called directly (a plan built once: at batch 1 a step is ~300 calls, and
+        Python's module machinery would cost as much as the attention)."""
         ops = self.cpu_ops
+        if self._plan is None:
+            self._plan = [self._layer_plan(layer) for layer in self.layers]
+        T, H, KV, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk_norm = self.family.qk_norm
         norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
         x = ops.rms_norm(h, norms[0].weight, norms[0].variance_epsilon)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            a = self._attention_fused(layer.self_attn, x, cos, sin, meta, cache)
-            post = layer.post_attention_layernorm
-            x = ops.add_rms_norm_(h, a, post.weight, post.variance_epsilon)
-            mlp = layer.mlp
-            if hasattr(mlp, "gate_up_proj"):
-                m = mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(x)))
+            qkv, q_proj, k_proj, v_proj, o_proj, gate_up, down = self._plan[i]
+            attn = layer.self_attn
+            if qkv is not None:
+                y = qkv(x)
+                q, k, v = y.split([H * D, KV * D, KV * D], dim=-1)
             else:
-                m = mlp(x)
+                q, k, v = q_proj(x), k_proj(x), v_proj(x)
+            if qk_norm:
+                q = attn.q_norm(q.reshape(T, H, D)).reshape(T, H * D)
+                k = attn.k_norm(k.reshape(T, KV, D)).reshape(T, KV * D)
+            if qkv is not None and not qk_norm:  # q and k side by side in each row: one pass
+                ops.rope_(y, cos, sin, H + KV)
+            else:
+                ops.rope_(q, cos, sin, H)
+                ops.rope_(k, cos, sin, KV)
+            o = paged_attention(q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D), cache, meta, self.scale)
+            post = layer.post_attention_layernorm
+            x = ops.add_rms_norm_(h, o_proj(o.view(T, H * D)), post.weight, post.variance_epsilon)
+            m = down(ops.silu_and_mul(gate_up(x))) if gate_up is not None else layer.mlp(x)
             x = ops.add_rms_norm_(h, m, norms[i + 1].weight, norms[i + 1].variance_epsilon)
         return x
 
-    def _attention_fused(self, attn, x, cos, sin, meta, cache) -> torch.Tensor:
-        T, H, KV, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        ops = self.cpu_ops
-        if hasattr(attn, "qkv_proj"):
-            qkv = attn.qkv_proj(x)  # [T, (H + 2 KV) D]
-            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-        else:
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        if self.family.qk_norm:
-            q = attn.q_norm(q.reshape(T, H, D)).reshape(T, H * D)
-            k = attn.k_norm(k.reshape(T, KV, D)).reshape(T, KV * D)
-        if hasattr(attn, "qkv_proj") and not self.family.qk_norm:
-            ops.rope_(qkv, cos, sin, H + KV)  # q and k side by side in each row: one pass
-        else:
-            ops.rope_(q, cos, sin, H)
-            ops.rope_(k, cos, sin, KV)
-        o = paged_attention(q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D), cache, meta, self.scale)
-        return attn.o_proj(o.reshape(T, H * D))
+    @staticmethod
+    def _layer_plan(layer) -> tuple:
+        """(qkv, q, k, v, o, gate_up, down): a callable per projection (the kernel itself for the
+        ones qtk's CPU kernel runs, else the module), None where fused or unfused away."""
+        from ..packed_linear import FusedWOQLinear
+
+        def fn(module):
+            return None if module is None else module.direct() if isinstance(module, FusedWOQLinear) else module
+
+        attn, mlp = layer.self_attn, layer.mlp
+        get = lambda m, name: getattr(m, name, None)  # noqa: E731
+        return (fn(get(attn, "qkv_proj")), fn(get(attn, "q_proj")), fn(get(attn, "k_proj")), fn(get(attn, "v_proj")),
+                fn(attn.o_proj), fn(get(mlp, "gate_up_proj")), fn(mlp.down_proj))
 
     @staticmethod
     def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
