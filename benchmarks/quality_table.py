@@ -59,7 +59,11 @@ def main():
     ap.add_argument("--only", default=None, help="comma-separated row names to run (others are read back)")
     ap.add_argument("--requantize", action="store_true", help="quantize again even where a checkpoint exists")
     ap.add_argument("--readme", action="store_true", help="also write the table into README.md")
+    ap.add_argument("--render", action="store_true", help="only write the tables again from quality.json")
     args = ap.parse_args()
+    if args.render:
+        saved = json.loads((ROOT / "benchmarks" / "results" / "quality.json").read_text())
+        return write_tables(saved["rows"], Path(saved["gates"]), saved["num_samples"], args.readme)
 
     from qtk.evals.gates import load_gates, score_model, verdict
     from qtk.evals.report import write_report
@@ -105,14 +109,18 @@ def main():
         print(f"[{name}] {'PASS' if v.passed else 'FAIL ' + ', '.join(failed)} ({rows[-1]['seconds']:.0f} s)",
               flush=True)
 
-    table = render(rows, gates.path, args.num_samples)
     out_json.write_text(json.dumps({"gates": str(gates.path), "num_samples": args.num_samples, "rows": rows},
                                    indent=2) + "\n")
-    (results_dir / "quality.md").write_text(
+    write_tables(rows, gates.path, args.num_samples, args.readme)
+
+
+def write_tables(rows: list[dict], gates_path, num_samples: int, readme: bool) -> None:
+    table = render(rows, gates_path, num_samples)
+    (ROOT / "benchmarks" / "results" / "quality.md").write_text(
         "# Quality of each scheme on the bundled model\n\nWritten by `python benchmarks/quality_table.py`.\n\n"
         + table + "\n")
     print(table)
-    if args.readme:
+    if readme:
         readme = ROOT / "README.md"
         text = readme.read_text()
         if MARK_BEGIN not in text or MARK_END not in text:
@@ -123,19 +131,20 @@ def main():
 
 
 def render(rows: list[dict], gates_path, num_samples: int) -> str:
-    lines = ["| scheme | KV cache | perplexity | needle | JSON parse | JSON valid | size on disk | default gates |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| scheme | KV cache | perplexity | needle | JSON parse | JSON valid | JSON valid, constrained | "
+             "size on disk | default gates |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         verdict = "baseline" if r["report"] is None else (
             f"[{'PASS' if r['passed'] else 'FAIL'}]({Path(r['report']).relative_to('benchmarks/results')}/report.md)"
             + ("" if r["passed"] else f": {', '.join(r['failed'])}"))
         kv = {"auto": "float32", "fp8": "FP8 e4m3", "int8": "INT8"}[r["kv_cache_dtype"]]
         lines.append(f"| {r['label']} | {kv} | {r['ppl']:.2f} | {r['needle']:.0%} | {r['json_parse']:.0%} | "
-                     f"{r['json_valid']:.0%} | {r['size_bytes'] / 1e6:.0f} MB | {verdict} |")
+                     f"{r['json_valid']:.0%} | {r['json_constrained_valid']:.0%} | {r['size_bytes'] / 1e6:.0f} MB | {verdict} |")
     return "\n".join(lines + [
         "",
         f"Perplexity: 8 windows of 1024 tokens of the built-in text; needle: lengths 256/1024/2048 x depths "
-        f"0-100%; JSON: 30 prompts of qtk's set, unaided (with structured outputs every row is 100%); gates: "
+        f"0-100%; JSON: 30 prompts of qtk's set, greedy, 256 tokens at most, unaided and with structured outputs "
+        f"(constrained: an answer cut off by max_tokens counts as invalid); gates: "
         f"`{Path(gates_path).relative_to(ROOT) if Path(gates_path).is_relative_to(ROOT) else gates_path}`. "
         f"{num_samples} calibration samples of 512 tokens for every scheme; size: the safetensors files."])
 

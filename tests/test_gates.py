@@ -178,15 +178,18 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_ci_gates_pass_a_sound_checkpoint_and_fail_a_broken_one(checkpoints, tmp_path):
+def test_default_gates_pass_a_sound_checkpoint_and_fail_a_broken_one(checkpoints, tmp_path):
+    """qtk's default gates (every task: perplexity, needle, JSON unaided and constrained, lm-eval
+    tasks) on the bundled model: RTN w8a16 passes (exit 0), a quarter of the packed words scrambled
+    fails (exit 1), the baseline scored once."""
     sound, broken = checkpoints
     report = tmp_path / "report"
-    r = CliRunner().invoke(main, ["eval", str(sound), "--baseline", "smollm2-135m", "--gates", "ci",
+    r = CliRunner().invoke(main, ["eval", str(sound), "--baseline", "smollm2-135m", "--gates", "default",
                                   "--dtype", "float32", "--report", str(report)])
     assert r.exit_code == 0, r.output
     assert "PASS" in r.output and (report / "report.md").read_text().startswith("# Quality gates: PASS")
-    assert (report / "needle.png").exists()
-    r = CliRunner().invoke(main, ["eval", str(broken), "--baseline", "smollm2-135m", "--gates", "ci",
+    assert (report / "needle.png").exists() and (report / "metrics.png").exists()
+    r = CliRunner().invoke(main, ["eval", str(broken), "--baseline", "smollm2-135m", "--gates", "default",
                                   "--dtype", "float32", "--json", str(tmp_path / "v.json")])
     assert r.exit_code == 1, r.output
     assert "[baseline] ppl: cached" in r.output  # the baseline was scored once, by content hash
