@@ -271,6 +271,17 @@ inline float kv_at(const kv_t<KIND>* row, int64_t d) {
   else return static_cast<float>(row[d]);
 }
 
+// Cache row `slot` of one head as float32: the row itself (float32 cache) or decoded into buf.
+template <Kv KIND>
+inline const float* row_f32(const kv_t<KIND>* head, int64_t slot, int64_t D, float* buf) {
+  if constexpr (KIND == Kv::F32) {
+    return head + slot * D;
+  } else {
+    for (int64_t d = 0; d < D; ++d) buf[d] = kv_at<KIND>(head + slot * D, d);
+    return buf;
+  }
+}
+
 template <Kv KIND>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
             const at::Tensor& lens, int64_t bs, double scale, const float* ks, int64_t nks, const float* vs,
@@ -305,13 +316,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const kv_t<KIND>* kh = kc + h * S * D;
       const kv_t<KIND>* vh = vc + h * S * D;
       for (int64_t j = 0; j < L; ++j) {  // scores: q . k over the context
-        const float* kf;
-        if constexpr (KIND == Kv::F32) {
-          kf = kh + slots[j] * D;
-        } else {
-          for (int64_t d = 0; d < D; ++d) kbuf[d] = kv_at<KIND>(kh + slots[j] * D, d);
-          kf = kbuf.data();
-        }
+        const float* kf = row_f32<KIND>(kh, slots[j], D, kbuf.data());
         for (int64_t g = 0; g < G; ++g) {
           const float* qr = qb + g * qs1;
           float dot = 0.f;
@@ -329,13 +334,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < L; ++j) {  // out = p . v
-        const float* vf;
-        if constexpr (KIND == Kv::F32) {
-          vf = vh + slots[j] * D;
-        } else {
-          for (int64_t d = 0; d < D; ++d) kbuf[d] = kv_at<KIND>(vh + slots[j] * D, d);
-          vf = kbuf.data();
-        }
+        const float* vf = row_f32<KIND>(vh, slots[j], D, kbuf.data());
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + j];
           float* ar = acc.data() + g * D;
