@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..runtime.bench import _cpu_name as cpu_name
 from . import cpu
+from .bench import git_commit
 from .dispatch import cpu_packed_weight, packed_linear
 
 # name -> (layers per model, [(layer, K, N, count per layer)], lm_head (K, N))
@@ -135,8 +135,8 @@ def run(shapes: str = "smollm2-135m", ms: list[int] | None = None, out: str | Pa
     result = {
         "command": " ".join(["qtk", *sys.argv[1:]]) if Path(sys.argv[0]).name == "qtk" else
         f"qtk bench kernels --device cpu --shapes {shapes} --m {','.join(map(str, ms))}",
-        "commit": _git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "cpu": _cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(), "variant": name,
+        "commit": git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(), "variant": name,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "shapes": shapes,
         "copy_gbps": bw, "lm_head_fp32_us_m1": head_us, "decoder_ms_per_token_m1": per_token, "rows": rows,
     }
@@ -163,21 +163,3 @@ def summarize(r: dict) -> str:
                  f"({t['fp32'] / t['int4']:.2f}x), int8 {t['int8']:.1f} ms; the float32 lm_head adds "
                  f"{r['lm_head_fp32_us_m1'] / 1e3:.1f} ms")
     return "\n".join(lines)
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {torch.get_num_threads()} threads"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
