@@ -69,7 +69,6 @@ def main():
 
     from qtk.evals.gates import load_gates, score_model, verdict
     from qtk.evals.report import write_report
-    from qtk.models import resolve
 
     gates = load_gates(args.gates)
     engine = {"dtype": "float32", "device": "cpu"}
@@ -98,16 +97,9 @@ def main():
             write_report(report, v, BASE, f"{label} ({model})", str(gates.path))
         metrics = {k: v for m in cand.values() for k, v in m.items() if not k.startswith("_")}
         failed = [r.gate for r in v.rows if r.passed is False] + ([] if v.soft_passed else ["soft score"])
-        rows.append({"name": name, "label": label, "kv_cache_dtype": kv, "model": model,
-                     "size_bytes": size_on_disk(Path(resolve(model))),
-                     "ppl": metrics["ppl"], "needle": metrics["accuracy"],
-                     "json_parse": metrics["parse_rate"], "json_valid": metrics["valid_rate"],
-                     "json_constrained_valid": metrics["constrained_valid_rate"],
-                     "json_constrained_truncated": metrics["constrained_truncated_rate"],
-                     "mc_acc": metrics["qtk_mc/acc"], "bpb": metrics["qtk_paragraphs/bits_per_byte"],
-                     "soft_score_pct": v.soft_score_pct, "passed": v.passed, "failed": failed,
-                     "report": None if name == "baseline" else str(report.relative_to(ROOT)),
-                     "seconds": round(time.perf_counter() - t0, 1)})
+        rows.append(row(name, label, kv, model, metrics, v.passed, failed, v.soft_score_pct,
+                        None if name == "baseline" else str(report.relative_to(ROOT)),
+                        round(time.perf_counter() - t0, 1)))
         print(f"[{name}] {'PASS' if v.passed else 'FAIL ' + ', '.join(failed)} ({rows[-1]['seconds']:.0f} s)",
               flush=True)
 
