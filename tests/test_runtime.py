@@ -297,14 +297,14 @@ def test_fused_packed_projections_keep_the_logits(family):
 @pytest.mark.parametrize("scheme", ["w4a16", "w4a16_asym", "w8a16"])
 def test_fused_weight_only_projections_keep_the_logits(scheme):
     """Weight-only QuantLinears (q/k/v, gate/up) that qtk's CPU kernel runs are fused into one
-    kernel call each (FusedWOQLinear): the logits equal the unfused model's."""
+    kernel call each (WOQLinear): the logits equal the unfused model's."""
     import copy
 
     from qtk.kernels import cpu as cpu_kernels
     from qtk.quant import quantize_weight
     from qtk.quant_linear import QuantLinear
     from qtk.runtime.models.llama import FUSED
-    from qtk.runtime.packed_linear import FusedWOQLinear, pack_linears
+    from qtk.runtime.packed_linear import WOQLinear, pack_linears
     from qtk.schemes import preset
 
     if cpu_kernels.ops() is None:
@@ -321,7 +321,7 @@ def test_fused_weight_only_projections_keep_the_logits(scheme):
     fused = copy.deepcopy(model)
     pack_linears(fused, fuse=FUSED)
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
-    assert isinstance(attn.qkv_proj, FusedWOQLinear) and isinstance(mlp.gate_up_proj, FusedWOQLinear)
+    assert isinstance(attn.qkv_proj, WOQLinear) and isinstance(mlp.gate_up_proj, WOQLinear)
     prompts = [list(range(30, 41)), list(range(60, 63))]
     _, want, _ = greedy_through_runtime(model, prompts, new_tokens=4)
     _, got, _ = greedy_through_runtime(fused, prompts, new_tokens=4)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import statistics
 import sys
 import time
@@ -30,6 +31,8 @@ from ..runtime.bench import _cpu_name as cpu_name
 from . import cpu
 from .bench import git_commit
 from .dispatch import cpu_packed_weight, packed_linear
+
+log = logging.getLogger(__name__)
 
 # name -> (layers per model, [(layer, K, N, count per layer)], lm_head (K, N))
 SHAPES = {
@@ -122,9 +125,9 @@ def run(shapes: str = "smollm2-135m", ms: list[int] | None = None, out: str | Pa
         for r in bench_shape(k, n, ms, lib, repeats):
             rows.append({"layer": layer, "count": count, **r})
             u = r["us"]
-            print(f"{layer:8s} K={k:5d} N={n:6d} M={r['m']:4d}  fp32 {u['fp32']:9.1f} us  int4 {u['int4']:9.1f} us "
-                  f"({r['speedup_int4']:4.2f}x, {r['gbps']['int4']:5.1f} GB/s = {r['gbps']['int4'] / bw:4.0%} of copy)  "
-                  f"int8 {u['int8']:9.1f} us ({r['speedup_int8']:4.2f}x)  deq+mm {u['deq+mm']:9.1f} us", flush=True)
+            log.info(f"{layer:8s} K={k:5d} N={n:6d} M={r['m']:4d}  fp32 {u['fp32']:9.1f} us  int4 {u['int4']:9.1f} us "
+                     f"({r['speedup_int4']:4.2f}x, {r['gbps']['int4']:5.1f} GB/s = {r['gbps']['int4'] / bw:4.0%} of copy)  "
+                     f"int8 {u['int8']:9.1f} us ({r['speedup_int8']:4.2f}x)  deq+mm {u['deq+mm']:9.1f} us")
     head = torch.randn(hn, hk) * 0.02
     head_packed = cpu_packed_weight(head)
     x1 = torch.randn(1, hk)

@@ -28,10 +28,13 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
-class FusedWOQLinear(nn.Module):
-    """Weight-only QuantLinears run by qtk's CPU kernel straight from the module (no dispatch on
-    each call); several that read the same input (q/k/v, gate/up) become one layer: one call per
-    step instead of three, and more columns to share among threads."""
+class WOQLinear(nn.Module):
+    """A layer qtk's CPU kernel runs straight from the module (no dispatch on each call):
+    - weight-only QuantLinears, and several that read the same input (q/k/v, gate/up) joined into
+      one: one call per step instead of three, and more columns to share among threads;
+    - a float32 Linear whose weight holds only bf16 numbers (a bf16 checkpoint's, upcast), kept in
+      bf16: exactly the float32 products at half the bytes. The engine gives it the lm_head, read
+      in full at every decode step (113 of the bundled model's 540 MB in float32)."""
 
     def __init__(self, runtime: CpuWOQ, in_features: int):
         super().__init__()
@@ -47,34 +50,17 @@ class FusedWOQLinear(nn.Module):
         w, bias, op = self.runtime.w, self.runtime.bias, self.runtime.lib.woq_linear
         return lambda x: op(x, w.codes, w.scales, w.zs, bias, w.bits, w.n, cpu_kernels.M_GEMV_MAX)
 
-    def extra_repr(self) -> str:
-        w = self.runtime.w
-        return f"in_features={self.in_features}, out_features={self.out_features}, int{w.bits}, qtk CPU kernel"
-
-
-class Bf16Linear(nn.Module):
-    """A float32 CPU Linear whose weight holds only bf16 numbers (a bf16 checkpoint's), kept in
-    bf16 and multiplied by qtk's CPU kernel in float32: exactly the float32 products, reading half
-    the bytes. The engine gives it the lm_head, read in full at every decode step (113 of the
-    bundled model's 540 MB in float32)."""
-
-    def __init__(self, w: cpu_kernels.PackedWOQ, bias: torch.Tensor | None, in_features: int, lib):
-        super().__init__()
-        self.in_features, self.out_features = in_features, w.n
-        self.w, self.bias, self.lib = w, bias, lib
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = cpu_kernels.woq_linear(x.reshape(-1, shape[-1]).float(), self.w, self.bias, self.lib)
-        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+    @property
+    def weights(self) -> str:
+        return "bf16" if self.runtime.w.bits == 16 else f"int{self.runtime.w.bits}"
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 weight, qtk CPU kernel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.weights}, qtk CPU kernel"
 
 
 def bf16_lm_head(model: nn.Module) -> bool:
     """Give a float32 CPU model's lm_head (a plain nn.Linear; run this before pack_linears) to
-    Bf16Linear where its weight is all bf16 numbers and qtk's CPU kernel is built (a tied
+    a bf16 WOQLinear where its weight is all bf16 numbers and qtk's CPU kernel is built (a tied
     embedding keeps the float32 weight). True if it did."""
     head = getattr(model, "lm_head", None)
     if type(head) is not nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
@@ -84,12 +70,12 @@ def bf16_lm_head(model: nn.Module) -> bool:
     if packed is None:
         return False
     bias = None if head.bias is None else head.bias.detach().float().contiguous()
-    model.lm_head = Bf16Linear(packed, bias, head.in_features, lib)
+    model.lm_head = WOQLinear(CpuWOQ(packed, None, bias, lib), head.in_features)
     return True
 
 
-def _fused_woq(linears: list[nn.Module]) -> FusedWOQLinear | None:
-    """One FusedWOQLinear for sibling weight-only QuantLinears on CPU that qtk's kernel runs with
+def _fused_woq(linears: list[nn.Module]) -> WOQLinear | None:
+    """One WOQLinear for sibling weight-only QuantLinears on CPU that qtk's kernel runs with
     one layout, or None."""
     if not linears or not all(isinstance(m, QuantLinear) and hasattr(m, "weight_scale") for m in linears):
         return None
@@ -106,7 +92,7 @@ def _fused_woq(linears: list[nn.Module]) -> FusedWOQLinear | None:
     biases = [r.bias for r in runtimes]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else torch.zeros(r.w.n) for r, b in zip(runtimes, biases)])
-    return FusedWOQLinear(CpuWOQ(w, None, bias, runtimes[0].lib), linears[0].in_features)
+    return WOQLinear(CpuWOQ(w, None, bias, runtimes[0].lib), linears[0].in_features)
 
 
 def _packed(linears: list[nn.Module]) -> PackedLinear | None:
@@ -130,7 +116,7 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
     Dense runtime packs its decoded weight. `fuse` {new name: (names, ...)}: sibling Linears that
     read the same input (q/k/v, gate/up) become one matmul under the new name, the old ones are
     dropped (the runtime's forward splits the output); so do sibling weight-only QuantLinears that
-    qtk's CPU kernel runs (FusedWOQLinear). Returns how many modules were packed or fused."""
+    qtk's CPU kernel runs (WOQLinear). Returns how many modules were packed or fused."""
     count = 0
     for parent in list(model.modules()):
         if isinstance(parent, QuantLinear):
@@ -154,7 +140,7 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
 
 
 def kernel_summary(model: nn.Module) -> str:
-    """Which kernel runs the linear layers, counted: "90 CpuWOQ (qtk_cpu_avx2), 1 Bf16Linear (...)"."""
+    """Which kernel runs the linear layers, counted: "120 WOQLinear int4 (qtk_cpu_avx2), 1 WOQLinear bf16 (...)"."""
     from collections import Counter
 
     def named(kind: str, runtime) -> str:
@@ -166,8 +152,8 @@ def kernel_summary(model: nn.Module) -> str:
         if isinstance(m, QuantLinear):
             cached = getattr(m, "_qtk_runtime", None)
             kinds[named(type(cached.runtime).__name__, cached.runtime) if cached else "not built yet"] += 1
-        elif isinstance(m, (FusedWOQLinear, Bf16Linear)):
-            kinds[named(type(m).__name__, m.runtime if isinstance(m, FusedWOQLinear) else m)] += 1
+        elif isinstance(m, WOQLinear):
+            kinds[named(f"WOQLinear {m.weights}", m.runtime)] += 1
         elif isinstance(m, PackedLinear):
             kinds["PackedLinear (oneDNN float32)"] += 1
         elif type(m) is nn.Linear:
