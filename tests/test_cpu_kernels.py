@@ -5,6 +5,7 @@ portable one, which is what a CPU without AVX2 runs; QTK_CPU_KERNEL=off (the ref
 covered in test_kernels.py's dispatch table."""
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -268,3 +269,25 @@ def test_fused_forward_equals_the_torch_forward():
             runs.append(out)
         for a, b in zip(*runs):
             torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+def test_bench_kernels_cpu_records_each_shape(tmp_path, monkeypatch):
+    """`qtk bench kernels --device cpu` on a tiny stand-in model: every shape and M gets its times,
+    GB/s against copy and a plain read, and the per-token sums as separate and as joined layers."""
+    from qtk.kernels import bench_cpu
+
+    if cpu.ops() is None:
+        pytest.skip("qtk's CPU kernel is not built here")
+    monkeypatch.setitem(bench_cpu.SHAPES, "tiny", (2, [("q", 64, 16, 2, 0), ("qk", 64, 32, 0, 1)], (64, 40)))
+    monkeypatch.setattr(bench_cpu, "CACHE_BYTES", 1 << 16)
+    result, summary = bench_cpu.run("tiny", [1, 3], tmp_path, repeats=2)
+    assert [(r["layer"], r["m"]) for r in result["rows"]] == [("q", 1), ("q", 3), ("qk", 1), ("qk", 3)]
+    for r in result["rows"]:
+        assert all(r["us"][a] > 0 for a in ("fp32", "int4", "int8", "deq+mm", "read"))
+        assert r["gbps"]["int4"] == pytest.approx(r["weight_bytes"]["int4"] / r["us"]["int4"] / 1e3)
+    t, q1, qk1 = result["decoder_ms_per_token_m1"], result["rows"][0], result["rows"][2]
+    assert t["int4"] == pytest.approx(2 * 2 * q1["us"]["int4"] / 1e3)
+    assert t["int4_engine"] == pytest.approx(2 * qk1["us"]["int4"] / 1e3)
+    path = tmp_path / f"kernels-cpu-tiny-{result['capability'].lower()}.json"
+    assert json.loads(path.read_text())["rows"] == result["rows"]
+    assert "| q | 64 x 16 | 1 |" in summary and result["copy_gbps"] > 0

@@ -5,13 +5,18 @@ For each layer (K x N) and M: the median time of
     fp32      the engine's float32 path: oneDNN's packed matmul (dispatch.cpu_packed_weight) where
               oneDNN is there, else F.linear, on float32 weights;
     int4      qtk_cpu.woq_linear, int4 asymmetric codes in groups of 64 (the default recipe's);
+    read      torch's sum over as many bytes as the int4 layer's, out of cache: what merely reading
+              that much costs at this size (a small layer never reaches the streaming rate of a
+              256 MB copy: the first misses and the prefetchers' ramp dominate);
     int8      qtk_cpu.woq_linear, int8 symmetric per-channel codes;
     deq+mm    decoding the int4 weight to float32 on each call, then F.linear (the naive kernel);
 with the weights out of cache as in decoding: each case cycles through copies of its weight that
 together exceed the last-level cache several times. GB/s counts the weight side (codes, scales,
 zeros) read once per call. The copy bandwidth is measured in the same run: torch's copy_ of a
 256 MB float32 buffer, (bytes read + bytes written) / time, as STREAM's Copy. The per-token sum
-multiplies each layer by the model's layer count and adds the float32 lm_head.
+multiplies each layer by the model's layer count, once as separate layers and once as the engine
+runs a weight-only model (q/k/v and gate/up joined: the qkv and gate_up rows); the lm_head is
+timed apart, in float32 and as the engine keeps a bf16 checkpoint's (bf16 weights, this kernel).
 Writes JSON (command, commit, CPU, versions, date, rows) into --out and prints a table.
 """
 from __future__ import annotations
@@ -34,12 +39,16 @@ from .dispatch import cpu_packed_weight, packed_linear
 
 log = logging.getLogger(__name__)
 
-# name -> (layers per model, [(layer, K, N, count per layer)], lm_head (K, N))
+# name -> (layers per model, [(layer, K, N, count per layer as separate layers, count as the engine runs
+# them)], lm_head (K, N)). The engine joins q/k/v and gate/up of a weight-only layer into one call each
+# (runtime/packed_linear.WOQLinear), so a decode step runs qkv, o, gate_up and down.
 SHAPES = {
-    "smollm2-135m": (30, [("q/o", 576, 576, 2), ("k/v", 576, 192, 2), ("gate/up", 576, 1536, 2),
-                          ("down", 1536, 576, 1)], (576, 49152)),
-    "llama3-8b": (32, [("q/o", 4096, 4096, 2), ("k/v", 4096, 1024, 2), ("gate/up", 4096, 14336, 2),
-                       ("down", 14336, 4096, 1)], (4096, 128256)),
+    "smollm2-135m": (30, [("q/o", 576, 576, 2, 1), ("k/v", 576, 192, 2, 0), ("gate/up", 576, 1536, 2, 0),
+                          ("down", 1536, 576, 1, 1), ("qkv", 576, 960, 0, 1), ("gate_up", 576, 3072, 0, 1)],
+                     (576, 49152)),
+    "llama3-8b": (32, [("q/o", 4096, 4096, 2, 1), ("k/v", 4096, 1024, 2, 0), ("gate/up", 4096, 14336, 2, 0),
+                       ("down", 14336, 4096, 1, 1), ("qkv", 4096, 6144, 0, 1), ("gate_up", 4096, 28672, 0, 1)],
+                  (4096, 128256)),
 }
 CACHE_BYTES = 32 << 20  # rotate through at least 4x this much weight per case (LLC of most servers)
 
@@ -90,6 +99,8 @@ def bench_shape(k: int, n: int, ms: list[int], lib, repeats: int) -> list[dict]:
     p8 = cpu.pack(q8, s8, None, 8)
     int8 = _rotating(lambda: cpu.pack(q8, s8, None, 8), p8.nbytes)
     raw = _rotating(lambda: (q4.clone(), s4.clone(), z4.clone()), n * k + 8 * s4.numel())
+    plain = _rotating(lambda: torch.rand(p4.nbytes // 4), p4.nbytes)  # the int4 layer's bytes, as floats
+    read_s = timed(lambda: plain().sum(), repeats)
     rows = []
     for m in ms:
         x = torch.randn(m, k, generator=g)
@@ -101,11 +112,11 @@ def bench_shape(k: int, n: int, ms: list[int], lib, repeats: int) -> list[dict]:
 
         t = {"fp32": timed(f32, repeats), "int4": timed(lambda: cpu.woq_linear(x, int4(), None, lib), repeats),
              "int8": timed(lambda: cpu.woq_linear(x, int8(), None, lib), repeats),
-             "deq+mm": timed(deq_mm, max(3, repeats // 4))}
+             "deq+mm": timed(deq_mm, max(3, repeats // 4)), "read": read_s}
         rows.append({"k": k, "n": n, "m": m, "us": {a: v * 1e6 for a, v in t.items()},
                      "weight_bytes": {"fp32": n * k * 4, "int4": p4.nbytes, "int8": p8.nbytes},
                      "gbps": {"fp32": n * k * 4 / t["fp32"] / 1e9, "int4": p4.nbytes / t["int4"] / 1e9,
-                              "int8": p8.nbytes / t["int8"] / 1e9},
+                              "int8": p8.nbytes / t["int8"] / 1e9, "read": p4.nbytes / t["read"] / 1e9},
                      "speedup_int4": t["fp32"] / t["int4"], "speedup_int8": t["fp32"] / t["int8"],
                      "int4_vs_deq_mm": t["deq+mm"] / t["int4"]})
     return rows
@@ -121,27 +132,31 @@ def run(shapes: str = "smollm2-135m", ms: list[int] | None = None, out: str | Pa
     layers, model_shapes, (hk, hn) = SHAPES[shapes]
     bw = copy_bandwidth()
     rows = []
-    for layer, k, n, count in model_shapes:
+    for layer, k, n, count, fused_count in model_shapes:
         for r in bench_shape(k, n, ms, lib, repeats):
-            rows.append({"layer": layer, "count": count, **r})
+            rows.append({"layer": layer, "count": count, "engine_count": fused_count, **r})
             u = r["us"]
             log.info(f"{layer:8s} K={k:5d} N={n:6d} M={r['m']:4d}  fp32 {u['fp32']:9.1f} us  int4 {u['int4']:9.1f} us "
-                     f"({r['speedup_int4']:4.2f}x, {r['gbps']['int4']:5.1f} GB/s = {r['gbps']['int4'] / bw:4.0%} of copy)  "
+                     f"({r['speedup_int4']:4.2f}x, {r['gbps']['int4']:5.1f} GB/s = {r['gbps']['int4'] / bw:4.0%} of copy, "
+                     f"{r['gbps']['int4'] / r['gbps']['read']:4.0%} of a read)  "
                      f"int8 {u['int8']:9.1f} us ({r['speedup_int8']:4.2f}x)  deq+mm {u['deq+mm']:9.1f} us")
     head = torch.randn(hn, hk) * 0.02
     head_packed = cpu_packed_weight(head)
     x1 = torch.randn(1, hk)
     head_us = 1e6 * timed(lambda: packed_linear(x1, head_packed, None) if head_packed is not None
                           else F.linear(x1, head), 10)
+    head_bf16 = cpu.pack_bf16(head.bfloat16().float())
+    head_bf16_us = 1e6 * timed(lambda: cpu.woq_linear(x1, head_bf16, None, lib), 10)
     per_token = {a: sum(r["us"][a] * r["count"] * layers for r in rows if r["m"] == 1) / 1e3
                  for a in ("fp32", "int4", "int8")}
+    per_token["int4_engine"] = sum(r["us"]["int4"] * r["engine_count"] * layers for r in rows if r["m"] == 1) / 1e3
     result = {
         "command": " ".join(["qtk", *sys.argv[1:]]) if Path(sys.argv[0]).name == "qtk" else
         f"qtk bench kernels --device cpu --shapes {shapes} --m {','.join(map(str, ms))}",
         "commit": git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(), "variant": name,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "shapes": shapes,
-        "copy_gbps": bw, "lm_head_fp32_us_m1": head_us, "decoder_ms_per_token_m1": per_token, "rows": rows,
+        "copy_gbps": bw, "lm_head_fp32_us_m1": head_us, "lm_head_bf16_us_m1": head_bf16_us, "decoder_ms_per_token_m1": per_token, "rows": rows,
     }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,15 +169,18 @@ def run(shapes: str = "smollm2-135m", ms: list[int] | None = None, out: str | Pa
 def summarize(r: dict) -> str:
     lines = [f"CPU: {r['cpu']} ({r['capability']}, kernel build {r['variant']}, {r['threads']} threads); "
              f"copy bandwidth {r['copy_gbps']:.1f} GB/s",
-             "| layer | K x N | M | fp32 us | int4 us | int4 / fp32 speedup | int4 GB/s (% of copy) | int8 us | "
-             "int8 speedup | int4 vs deq+mm |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| layer | K x N | M | fp32 us | int4 us | int4 / fp32 speedup | int4 GB/s (% of copy) | "
+             "read of the int4 bytes: GB/s (int4 / read) | int8 us | int8 speedup | int4 vs deq+mm |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         u = x["us"]
         lines.append(f"| {x['layer']} | {x['k']} x {x['n']} | {x['m']} | {u['fp32']:.1f} | {u['int4']:.1f} | "
                      f"{x['speedup_int4']:.2f}x | {x['gbps']['int4']:.1f} ({x['gbps']['int4'] / r['copy_gbps']:.0%}) | "
+                     f"{x['gbps']['read']:.1f} ({x['gbps']['int4'] / x['gbps']['read']:.0%}) | "
                      f"{u['int8']:.1f} | {x['speedup_int8']:.2f}x | {x['int4_vs_deq_mm']:.2f}x |")
     t = r["decoder_ms_per_token_m1"]
     lines.append(f"\nDecoder linears per token at M=1: fp32 {t['fp32']:.1f} ms, int4 {t['int4']:.1f} ms "
-                 f"({t['fp32'] / t['int4']:.2f}x), int8 {t['int8']:.1f} ms; the float32 lm_head adds "
-                 f"{r['lm_head_fp32_us_m1'] / 1e3:.1f} ms")
+                 f"({t['fp32'] / t['int4']:.2f}x; {t['int4_engine']:.1f} ms as the engine joins q/k/v and "
+                 f"gate/up), int8 {t['int8']:.1f} ms; the lm_head adds {r['lm_head_fp32_us_m1'] / 1e3:.1f} ms in float32, "
+                 f"{r.get('lm_head_bf16_us_m1', float('nan')) / 1e3:.1f} ms in bf16 through this kernel")
     return "\n".join(lines)

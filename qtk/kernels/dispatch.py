@@ -149,7 +149,7 @@ class CpuWOQ:
     w: cpu_kernels.PackedWOQ
     perm: torch.Tensor | None
     bias: torch.Tensor | None  # float32
-    lib: object  # torch.ops.qtk_cpu_<variant>
+    lib: object  # the kernel build (kernels.cpu.library)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:

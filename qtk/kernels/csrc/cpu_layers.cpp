@@ -20,6 +20,7 @@
 // All parallelise over rows (or sequence x KV head) with at::parallel_for.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -395,3 +396,18 @@ QTK_IMPL(QTK_LIB, CPU, m) {
   m.impl("store_kv_", &store_kv_);
   m.impl("paged_decode_attention", &paged_decode_attention);
 }
+
+// Python calls these directly (csrc/cpu_bindings.cpp): a pybind11 call costs ~1 us where torch.ops'
+// schema-driven one cost ~4.5 us, which a decode step pays some 300 times.
+namespace QTK_LIB {
+void bind_layers(pybind11::module_& m) {
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, nogil);
+  m.def("add_rms_norm_", &add_rms_norm_, nogil);
+  m.def("rope_", &rope_, nogil);
+  m.def("silu_and_mul", &silu_and_mul, nogil);
+  m.def("store_kv_", &store_kv_, nogil);
+  m.def("paged_decode_attention", &paged_decode_attention, nogil);
+}
+}  // namespace QTK_LIB
+

@@ -30,8 +30,10 @@
 //         in its cache, then multiplies with at::mm_out (MKL / oneDNN sgemm) straight into y.
 // Both parallelise over column tiles with torch's intra-op threads (at::parallel_for).
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -105,13 +107,22 @@ static inline __m256 nibble(__m256i v) {
 }
 
 // acc[r][t] += sum_{k0 <= k < k1} code[k, block t] * x_r[k] for 4 column blocks and MR (1 or 2) rows.
+// Eight FMA chains either way, as the FMA units need (Zen 3: 2 per cycle at a latency of 4): two rows,
+// or one row whose even and odd steps (`odd`) go to separate chains. With only 4 chains one row ran at
+// one FMA per cycle (measured: 8.5 weights per cycle, compute-bound even with the codes in L2).
 // One variable per accumulator: with arrays GCC kept them on the stack (a store-forward per FMA).
 template <int MR>
 struct Acc4 {
   __m256 a00, a01, a02, a03, a10, a11, a12, a13;
   Acc4() { a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = _mm256_setzero_ps(); }
+  template <bool ODD>
   inline void fma(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float* x0, const float* x1) {
     const __m256 xa = _mm256_broadcast_ss(x0);
+    if constexpr (MR == 1 && ODD) {
+      a10 = _mm256_fmadd_ps(w0, xa, a10); a11 = _mm256_fmadd_ps(w1, xa, a11);
+      a12 = _mm256_fmadd_ps(w2, xa, a12); a13 = _mm256_fmadd_ps(w3, xa, a13);
+      return;
+    }
     a00 = _mm256_fmadd_ps(w0, xa, a00); a01 = _mm256_fmadd_ps(w1, xa, a01);
     a02 = _mm256_fmadd_ps(w2, xa, a02); a03 = _mm256_fmadd_ps(w3, xa, a03);
     if constexpr (MR == 2) {
@@ -121,15 +132,20 @@ struct Acc4 {
     }
   }
   inline void get(__m256 (&acc)[2][NT]) const {
-    acc[0][0] = a00; acc[0][1] = a01; acc[0][2] = a02; acc[0][3] = a03;
-    acc[1][0] = a10; acc[1][1] = a11; acc[1][2] = a12; acc[1][3] = a13;
+    if constexpr (MR == 1) {
+      acc[0][0] = _mm256_add_ps(a00, a10); acc[0][1] = _mm256_add_ps(a01, a11);
+      acc[0][2] = _mm256_add_ps(a02, a12); acc[0][3] = _mm256_add_ps(a03, a13);
+    } else {
+      acc[0][0] = a00; acc[0][1] = a01; acc[0][2] = a02; acc[0][3] = a03;
+      acc[1][0] = a10; acc[1][1] = a11; acc[1][2] = a12; acc[1][3] = a13;
+    }
   }
 };
 
 template <int I, int MR>
 static inline void int4_step(Acc4<MR>& acc, __m256i v0, __m256i v1, __m256i v2, __m256i v3, const float* x0,
                              const float* x1) {
-  acc.fma(nibble<I>(v0), nibble<I>(v1), nibble<I>(v2), nibble<I>(v3), x0 + I, x1 + I);
+  acc.template fma<I % 2 == 1>(nibble<I>(v0), nibble<I>(v1), nibble<I>(v2), nibble<I>(v3), x0 + I, x1 + I);
 }
 
 template <int BITS, int MR>
@@ -163,9 +179,17 @@ static inline void dot_4blocks(const uint8_t* blk, int64_t bb, const float* x0, 
       int4_step<7, MR>(acc, v0, v1, v2, v3, xa, xb);
     }
   } else {
-    for (int64_t k = k0; k < k1; ++k)
-      acc.fma(load_lanes<BITS>(blk, k), load_lanes<BITS>(blk + bb, k), load_lanes<BITS>(blk + 2 * bb, k),
-              load_lanes<BITS>(blk + 3 * bb, k), x0 + k, x1 + k);
+    int64_t k = k0;
+    for (; k + 2 <= k1; k += 2) {
+      acc.template fma<false>(load_lanes<BITS>(blk, k), load_lanes<BITS>(blk + bb, k),
+                              load_lanes<BITS>(blk + 2 * bb, k), load_lanes<BITS>(blk + 3 * bb, k), x0 + k, x1 + k);
+      acc.template fma<true>(load_lanes<BITS>(blk, k + 1), load_lanes<BITS>(blk + bb, k + 1),
+                             load_lanes<BITS>(blk + 2 * bb, k + 1), load_lanes<BITS>(blk + 3 * bb, k + 1), x0 + k + 1,
+                             x1 + k + 1);
+    }
+    if (k < k1)
+      acc.template fma<false>(load_lanes<BITS>(blk, k), load_lanes<BITS>(blk + bb, k),
+                              load_lanes<BITS>(blk + 2 * bb, k), load_lanes<BITS>(blk + 3 * bb, k), x0 + k, x1 + k);
   }
   acc.get(out);
 }
@@ -229,6 +253,21 @@ static void gemv(const Args& a) {
   const int64_t nblocks = (a.N + LANES - 1) / LANES;
   const int64_t ntiles = (nblocks + NT - 1) / NT;
   at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+#ifdef QTK_AVX2
+    {  // The first tile has no tile before it to prefetch it (the loop prefetches one tile ahead): ask
+       // for all of it at once rather than miss line by line (a small layer is only a few tiles).
+      const int64_t bb = block_bytes<BITS>(a.K), nb = std::min<int64_t>(NT, nblocks - t0 * NT);
+      const char* c = reinterpret_cast<const char*>(a.codes + t0 * NT * bb);
+      for (int64_t i = 0; i < nb * bb; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+      const int64_t sb = nb * a.G * LANES * sizeof(float);
+      const char* sc = reinterpret_cast<const char*>(a.scales + t0 * NT * a.G * LANES);
+      const char* zc = reinterpret_cast<const char*>(a.zs ? a.zs + t0 * NT * a.G * LANES : nullptr);
+      for (int64_t i = 0; i < sb; i += 64) {
+        _mm_prefetch(sc + i, _MM_HINT_T0);
+        if (zc) _mm_prefetch(zc + i, _MM_HINT_T0);
+      }
+    }
+#endif
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t nb0 = t * NT;
       const int nt = static_cast<int>(std::min<int64_t>(NT, nblocks - nb0));
@@ -310,37 +349,52 @@ at::Tensor woq_linear(const at::Tensor& x_in, const at::Tensor& codes, const at:
   const int64_t G = scales.size(1);
   TORCH_CHECK(G > 0 && K % G == 0 && (bits != 4 || (K / G) % 8 == 0), "woq_linear: ", G,
               " groups do not divide K=", K, " (int4: into multiples of 8)");
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  // Tensor ops below only where needed: at M = 1 each dispatcher round trip (reshape, to, empty) is a
+  // visible part of a small layer's time.
+  const at::Tensor x = x_in.dim() == 2 && x_in.is_contiguous() ? x_in : x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = n;
-  at::Tensor y = at::empty({M, n}, x.options());
-  if (M == 0) return y.reshape(out_shape);
-  const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor y = at::detail::empty_cpu(out_shape, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  if (M == 0) return y;
+  const at::Tensor b = !bias ? at::Tensor()
+                       : bias->scalar_type() == at::kFloat && bias->is_contiguous() ? *bias
+                                                                                    : bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(!zs || (zs->scalar_type() == at::kFloat && zs->sizes() == scales.sizes()),
+              "woq_linear: zs must be float32 shaped as scales");
   const at::Tensor zsc = zs ? zs->contiguous() : at::Tensor();
   const float* xp = x.data_ptr<float>();
   const int64_t gsize = K / G;
   const bool gemv_path = M <= m_gemv_max;
   // per call, small: the group sums of x (for the zeros) and, for the int4 gemv, x / 16^(k % 8)
+  // (vectorizable loops: at M = 1 this prologue is part of a small layer's fixed cost)
   std::vector<float> xsum(zs ? M * G : 0), xs(gemv_path && bits == 4 ? M * K : 0);
   for (int64_t m = 0; m < (zs ? M : 0); ++m)
     for (int64_t g = 0; g < G; ++g) {
+      const float* xg = xp + m * K + g * gsize;
+      float part[8] = {};
+      int64_t k = 0;
+      for (; k + 8 <= gsize; k += 8)
+        for (int i = 0; i < 8; ++i) part[i] += xg[k + i];
       float acc = 0.f;
-      for (int64_t k = g * gsize; k < (g + 1) * gsize; ++k) acc += xp[m * K + k];
+      for (; k < gsize; ++k) acc += xg[k];
+      for (int i = 0; i < 8; ++i) acc += part[i];
       xsum[m * G + g] = acc;
     }
   static const float INV16[8] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096, 1.f / 65536, 1.f / 1048576,
                                  1.f / 16777216, 1.f};
-  for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i) xs[i] = xp[i] * INV16[(i % K) % 8];
+  for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); i += 8)  // K % 8 == 0 for int4
+    for (int j = 0; j < 8; ++j) xs[i + j] = xp[i + j] * INV16[j];
   Args a{xp, xs.empty() ? xp : xs.data(), M, K, n, reinterpret_cast<const uint8_t*>(codes.data_ptr()),
          scales.data_ptr<float>(), zs ? zsc.data_ptr<float>() : nullptr, bias ? b.data_ptr<float>() : nullptr,
          zs ? xsum.data() : nullptr, G, gsize, y.data_ptr<float>()};
   if (gemv_path) {
     bits == 4 ? gemv<4>(a) : bits == 8 ? gemv<8>(a) : gemv<16>(a);
   } else {
-    bits == 4 ? tiles<4>(a, x, y, b) : bits == 8 ? tiles<8>(a, x, y, b) : tiles<16>(a, x, y, b);
+    const at::Tensor y2 = y.view({M, n});
+    bits == 4 ? tiles<4>(a, x, y2, b) : bits == 8 ? tiles<8>(a, x, y2, b) : tiles<16>(a, x, y2, b);
   }
-  return y.reshape(out_shape);
+  return y;
 }
 
 bool compiled_avx2() {
@@ -367,3 +421,11 @@ QTK_LIBRARY(QTK_LIB, m) {
 }
 
 QTK_LIBRARY_IMPL(QTK_LIB, CPU, m) { m.impl("woq_linear", &woq_linear); }
+
+namespace QTK_LIB {
+void bind_woq(pybind11::module_& m) {
+  m.def("woq_linear", &woq_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("compiled_avx2", &compiled_avx2);
+}
+}  // namespace QTK_LIB
+

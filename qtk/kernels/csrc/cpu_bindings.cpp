@@ -1,0 +1,18 @@
+// The Python module of a kernel build (qtk.kernels.cpu.library): the functions of cpu_woq.cpp and
+// cpu_layers.cpp as plain pybind11 functions. The same functions are also torch operators
+// (torch.ops.<QTK_LIB>.*, for graphs); the engine calls these, which cost a quarter as much per call.
+#include <torch/csrc/utils/pybind.h>
+
+#ifndef QTK_LIB
+#define QTK_LIB qtk_cpu_generic
+#endif
+
+namespace QTK_LIB {
+void bind_woq(pybind11::module_& m);
+void bind_layers(pybind11::module_& m);
+}  // namespace QTK_LIB
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  QTK_LIB::bind_woq(m);
+  QTK_LIB::bind_layers(m);
+}
