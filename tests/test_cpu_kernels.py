@@ -208,13 +208,15 @@ def test_silu_and_mul(lib):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8, torch.float8_e4m3fn])
-def test_store_and_decode_match_the_torch_path(lib, kv_dtype):
+@pytest.mark.parametrize("lens,D", [([1, 5, 17, 40], 32), ([37], 36), ([9, 40], 72)])
+def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D):
     """store_kv_ writes the bytes attention.write_kv writes; paged_decode_attention gives what the
-    torch decode gives, over random block tables, context lengths and GQA, per-head scales."""
+    torch decode gives, over random block tables, context lengths and GQA, per-head scales; head
+    sizes in and out of whole vectors, and one sequence (its query heads split over threads)."""
     from qtk.runtime.attention import AttentionMetadata, KVCache, _bytes, _decode, write_kv
 
     g = torch.Generator().manual_seed(0)
-    KV, H, D, bs, blocks = 2, 6, 32, 4, 40
+    KV, H, bs, blocks = 2, 6, 4, 40
     quant = kv_dtype != torch.float32
     scales = (torch.rand(KV, 1, 1, generator=g) + 0.5, torch.rand(KV, 1, 1, generator=g) + 0.5) if quant else (None, None)
     make = lambda: KVCache(torch.zeros(KV, blocks * bs, D, dtype=kv_dtype), torch.zeros(KV, blocks * bs, D, dtype=kv_dtype),
@@ -226,12 +228,12 @@ def test_store_and_decode_match_the_torch_path(lib, kv_dtype):
     flat = (None, None) if not quant else (scales[0].reshape(-1), scales[1].reshape(-1))
     lib.store_kv_(_bytes(ours.k), _bytes(ours.v), k, v, slots, *flat)
     assert torch.equal(_bytes(ours.k), _bytes(ref.k)) and torch.equal(_bytes(ours.v), _bytes(ref.v))
-    lens = torch.tensor([1, 5, 17, 40])
-    width = 10
+    lens = torch.tensor(lens)
+    B, width = len(lens), 10
     tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in lens])
     mask = torch.arange(width * bs)[None, :] < lens[:, None]
-    meta = AttentionMetadata(slots[:4], torch.arange(4), tables, mask, [], bs, lens)
-    q = torch.randn(4, H, D, generator=g)
+    meta = AttentionMetadata(slots[:B], torch.arange(B), tables, mask, [], bs, lens)
+    q = torch.randn(B, H, D, generator=g)
     want = _decode(q, ref, meta, 0.125)
     got = lib.paged_decode_attention(q, _bytes(ours.k), _bytes(ours.v), tables, lens, bs, 0.125, *flat)
     assert rel_err(got, want) < 1e-5

@@ -42,7 +42,11 @@ M_GEMV_MAX = 64  # rows of x up to which the register-blocked gemv runs (measure
 
 def variant() -> str | None:
     """The kernel build for this CPU (QTK_CPU_KERNEL overrides), or None for the reference path."""
-    forced = os.environ.get(OVERRIDE, "")
+    return _variant(os.environ.get(OVERRIDE, ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _variant(forced: str) -> str | None:  # cached: the runtime asks once per layer and step
     if forced:
         if forced not in (*VARIANTS, "off"):
             raise InputError(f"{OVERRIDE} must be one of {', '.join(VARIANTS)}, off (or unset), got {forced!r}")

@@ -99,12 +99,13 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, heads, D], k/v [T, kv_heads, D] of the step's tokens -> attention output [T, heads, D]."""
+                    meta: AttentionMetadata, scale: float, cpu_ops=None) -> torch.Tensor:
+    """q [T, heads, D], k/v [T, kv_heads, D] of the step's tokens -> attention output [T, heads, D].
+    cpu_ops: qtk's CPU kernel library for the "cpu" backend, where the caller holds it already."""
     if meta.backend == "triton":
         return _triton_attention(q, k, v, cache, meta, scale)
     if meta.backend == "cpu":
-        return _cpu_attention(q, k, v, cache, meta, scale)
+        return _cpu_attention(q, k, v, cache, meta, scale, cpu_ops)
     write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_index.numel():
@@ -136,10 +137,10 @@ def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: flo
     return o.transpose(0, 1).reshape(B, H, D)
 
 
-def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: float, ops=None) -> torch.Tensor:
     from ..kernels import cpu as cpu_kernels
 
-    ops = cpu_kernels.ops()
+    ops = ops or cpu_kernels.ops()
     scales = (None, None) if not cache.quantized else (cache.k_scale.reshape(-1), cache.v_scale.reshape(-1))
     kc, vc = _bytes(cache.k), _bytes(cache.v)
     ops.store_kv_(kc, vc, k, v, meta.slot_mapping, *scales)

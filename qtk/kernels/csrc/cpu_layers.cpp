@@ -17,7 +17,7 @@
 //   paged_decode_attention(q, k_cache, v_cache, block_tables, lens, block_size, scale, k_scale, v_scale)
 //                                      one query token per sequence: q [B, H, D] over each sequence's
 //                                      cached keys/values through its block table; GQA as repeat_kv
-// All parallelise over rows (or sequence x KV head) with at::parallel_for.
+// All parallelise over rows (or sequence x KV head, and query heads at small batches) with at::parallel_for.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
@@ -283,6 +283,68 @@ inline const float* row_f32(const kv_t<KIND>* head, int64_t slot, int64_t D, flo
   }
 }
 
+#ifdef QTK_AVX2
+// q . k for 8 keys at once: 8 FMA chains over D (D % 8 == 0), then the 8 sums across lanes by a
+// transpose of adds, into one vector of 8 scores (one horizontal sum per key cost more than the dots).
+static inline __m256 dot8(const float* q, const float* const* rows, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[0] + d), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[1] + d), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[2] + d), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[3] + d), a3);
+    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[4] + d), a4);
+    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[5] + d), a5);
+    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[6] + d), a6);
+    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[7] + d), a7);
+  }
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // [a0..a3 lo | a0..a3 hi]
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// out[d0 .. d0 + 8NV) = sum_j p[j] * rows[j][d0 ..]: NV accumulators held in registers over the context.
+template <int NV>
+static inline void pv_chunk(const float* p, const float* const* rows, int64_t L, int64_t d0, float* out) {
+  __m256 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    const __m256 pj = _mm256_broadcast_ss(p + j);
+    const float* r = rows[j] + d0;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + d0 + 8 * v, acc[v]);
+}
+#endif
+
+// out [D] = sum_j p[j] * rows[j] over the context.
+static void weighted_rows(const float* p, const float* const* rows, int64_t L, int64_t D, float* out) {
+  int64_t d0 = 0;
+#ifdef QTK_AVX2
+  for (; d0 + 64 <= D; d0 += 64) pv_chunk<8>(p, rows, L, d0, out);
+  switch ((D - d0) / 8) {
+    case 1: pv_chunk<1>(p, rows, L, d0, out); break;
+    case 2: pv_chunk<2>(p, rows, L, d0, out); break;
+    case 3: pv_chunk<3>(p, rows, L, d0, out); break;
+    case 4: pv_chunk<4>(p, rows, L, d0, out); break;
+    case 5: pv_chunk<5>(p, rows, L, d0, out); break;
+    case 6: pv_chunk<6>(p, rows, L, d0, out); break;
+    case 7: pv_chunk<7>(p, rows, L, d0, out); break;
+    default: break;
+  }
+  d0 += (D - d0) / 8 * 8;
+#endif
+  for (int64_t d = d0; d < D; ++d) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < L; ++j) acc += p[j] * rows[j][d];
+    out[d] = acc;
+  }
+}
+
+// One work item: the query heads g0..g1 of KV head h of sequence b. With few sequences (B * KV items
+// would leave threads idle, as at batch 1) the query heads of a KV head are split over items too.
 template <Kv KIND>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
             const at::Tensor& lens, int64_t bs, double scale, const float* ks, int64_t nks, const float* vs,
@@ -296,54 +358,56 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const kv_t<KIND>* kc = static_cast<const kv_t<KIND>*>(k_cache.data_ptr());
   const kv_t<KIND>* vc = static_cast<const kv_t<KIND>*>(v_cache.data_ptr());
   float* op = out.data_ptr<float>();
-  int64_t work = 0;  // keys and values to read: a small step runs on the calling thread
+  int64_t work = 0;  // keys and values to read: a tiny step runs on the calling thread
   for (int64_t b = 0; b < B; ++b) work += ln[b] * KV * D;
-  at::parallel_for(0, B * KV, work < (1 << 16) ? B * KV : 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores, kbuf(D), acc(G * D);
-    std::vector<int64_t> slots;
+  const int64_t splits = B * KV < 2 * at::get_num_threads() ? G : 1;
+  const int64_t items = B * KV * splits;
+  at::parallel_for(0, items, work < (1 << 12) ? items : 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores, kbuf, vbuf;
+    std::vector<const float*> krow, vrow;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / KV, h = i % KV, L = ln[b];
+      const int64_t b = i / (KV * splits), h = (i / splits) % KV, s = i % splits;
+      const int64_t g0 = s * G / splits, g1 = (s + 1) * G / splits, ng = g1 - g0, L = ln[b];
       TORCH_CHECK(L >= 1 && (L + bs - 1) / bs <= W, "paged_decode_attention: context longer than its block table");
-      slots.resize(L);  // the context's slots, through the block table
+      const kv_t<KIND>* kh = kc + h * S * D;
+      const kv_t<KIND>* vh = vc + h * S * D;
+      krow.resize(L);  // the context's rows, through the block table (decoded once for INT8 / FP8)
+      vrow.resize(L);
+      if constexpr (KIND != Kv::F32) {
+        kbuf.resize(L * D);
+        vbuf.resize(L * D);
+      }
       for (int64_t j0 = 0, blk = 0; j0 < L; j0 += bs, ++blk) {
         const int64_t base = tb[b * W + blk] * bs;
         TORCH_CHECK(base >= 0 && base + bs <= S, "paged_decode_attention: block table points outside the cache");
-        for (int64_t o = 0; o < bs && j0 + o < L; ++o) slots[j0 + o] = base + o;
+        for (int64_t o = 0; o < bs && j0 + o < L; ++o) {
+          const int64_t j = j0 + o;
+          krow[j] = row_f32<KIND>(kh, base + o, D, KIND == Kv::F32 ? nullptr : kbuf.data() + j * D);
+          vrow[j] = row_f32<KIND>(vh, base + o, D, KIND == Kv::F32 ? nullptr : vbuf.data() + j * D);
+        }
       }
-      scores.resize(G * L);
+      scores.resize(ng * L);
       const float kscale = static_cast<float>(scale) * (ks ? ks[nks == 1 ? 0 : h] : 1.f);
       const float vscale = vs ? vs[nvs == 1 ? 0 : h] : 1.f;
-      const float* qb = qp + b * qs0 + h * G * qs1;
-      const kv_t<KIND>* kh = kc + h * S * D;
-      const kv_t<KIND>* vh = vc + h * S * D;
-      for (int64_t j = 0; j < L; ++j) {  // scores: q . k over the context
-        const float* kf = row_f32<KIND>(kh, slots[j], D, kbuf.data());
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qr = qb + g * qs1;
+      for (int64_t g = g0; g < g1; ++g) {
+        const float* qr = qp + b * qs0 + (h * G + g) * qs1;
+        float* sr = scores.data() + (g - g0) * L;
+        int64_t j = 0;
+#ifdef QTK_AVX2
+        if (D % 8 == 0)
+          for (; j + 8 <= L; j += 8) _mm256_storeu_ps(sr + j, _mm256_mul_ps(dot8(qr, &krow[j], D), _mm256_set1_ps(kscale)));
+#endif
+        for (; j < L; ++j) {  // scores: q . k over the context
           float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kf[d];
-          scores[g * L + j] = dot * kscale;
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * krow[j][d];
+          sr[j] = dot * kscale;
         }
-      }
-      for (int64_t g = 0; g < G; ++g) {  // softmax
-        float* sr = scores.data() + g * L;
-        const float mx = *std::max_element(sr, sr + L);
+        const float mx = *std::max_element(sr, sr + L);  // softmax, the value scale folded in
         const float inv = vscale / exp_sum_(sr, L, mx);
 #pragma omp simd
-        for (int64_t j = 0; j < L; ++j) sr[j] *= inv;
+        for (int64_t jj = 0; jj < L; ++jj) sr[jj] *= inv;
+        weighted_rows(sr, vrow.data(), L, D, op + (b * H + h * G + g) * D);  // out = p . v
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < L; ++j) {  // out = p . v
-        const float* vf = row_f32<KIND>(vh, slots[j], D, kbuf.data());
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + j];
-          float* ar = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ar[d] += p * vf[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) std::memcpy(op + (b * H + h * G + g) * D, acc.data() + g * D, D * sizeof(float));
     }
   });
 }

@@ -110,16 +110,18 @@ class LlamaModel(nn.Module):
         ops = self.cpu_ops
         if self._plan is None:
             self._plan = [self._layer_plan(layer) for layer in self.layers]
+            norm = lambda n: (n.weight, n.variance_epsilon)  # noqa: E731
+            self._norms = [norm(layer.input_layernorm) for layer in self.layers] + [norm(self.norm)]
+            self._post_norms = [norm(layer.post_attention_layernorm) for layer in self.layers]
         T, H, KV, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qk_norm = self.family.qk_norm
-        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
-        x = ops.rms_norm(h, norms[0].weight, norms[0].variance_epsilon)
+        qk_norm, norms = self.family.qk_norm, self._norms
+        x = ops.rms_norm(h, *norms[0])
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             qkv, q_proj, k_proj, v_proj, o_proj, gate_up, down = self._plan[i]
             attn = layer.self_attn
             if qkv is not None:
                 y = qkv(x)
-                q, k, v = y.split([H * D, KV * D, KV * D], dim=-1)
+                q, k, v = y[:, :H * D], y[:, H * D:(H + KV) * D], y[:, (H + KV) * D:]
             else:
                 q, k, v = q_proj(x), k_proj(x), v_proj(x)
             if qk_norm:
@@ -130,11 +132,10 @@ class LlamaModel(nn.Module):
             else:
                 ops.rope_(q, cos, sin, H)
                 ops.rope_(k, cos, sin, KV)
-            o = paged_attention(q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D), cache, meta, self.scale)
-            post = layer.post_attention_layernorm
-            x = ops.add_rms_norm_(h, o_proj(o.view(T, H * D)), post.weight, post.variance_epsilon)
+            o = paged_attention(q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D), cache, meta, self.scale, ops)
+            x = ops.add_rms_norm_(h, o_proj(o.view(T, H * D)), *self._post_norms[i])
             m = down(ops.silu_and_mul(gate_up(x))) if gate_up is not None else layer.mlp(x)
-            x = ops.add_rms_norm_(h, m, norms[i + 1].weight, norms[i + 1].variance_epsilon)
+            x = ops.add_rms_norm_(h, m, *norms[i + 1])
         return x
 
     @staticmethod
