@@ -191,7 +191,7 @@ def record(res: dict, out: str | Path, name: str | None) -> dict:
                threads=torch.get_num_threads(), torch=torch.__version__)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = name or f"engine-{Path(res['model']).name}-{res['dtype']}"
+    stem = (name or f"engine-{Path(res['model']).name}-{res['dtype']}").removesuffix(".json")
     (out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
     return res
 
