@@ -294,10 +294,12 @@ def test_fused_packed_projections_keep_the_logits(family):
         torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("scheme", ["w4a16", "w4a16_asym", "w8a16"])
-def test_fused_weight_only_projections_keep_the_logits(scheme):
+@pytest.mark.parametrize("scheme,family", [("w4a16", "qwen2"), ("w4a16_asym", "qwen2"), ("w8a16", "qwen2"),
+                                           ("w4a16_asym", "qwen3")])
+def test_fused_weight_only_projections_keep_the_logits(scheme, family):
     """Weight-only QuantLinears (q/k/v, gate/up) that qtk's CPU kernel runs are fused into one
-    kernel call each (WOQLinear): the logits equal the unfused model's."""
+    kernel call each (WOQLinear): the logits equal the unfused model's (Qwen2: q/k/v biases;
+    Qwen3: q/k norms between the projection and RoPE)."""
     import copy
 
     from qtk.kernels import cpu as cpu_kernels
@@ -309,7 +311,7 @@ def test_fused_weight_only_projections_keep_the_logits(scheme):
 
     if cpu_kernels.ops() is None:
         pytest.skip("no C++ compiler: weight-only layers run Dense")
-    model = hf_model("qwen2")  # q/k/v with biases
+    model = hf_model(family)
     s = preset(scheme, group_size=None if scheme == "w8a16" else 16)
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):

@@ -138,9 +138,10 @@ def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: flo
 
 
 def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: float, ops=None) -> torch.Tensor:
-    from ..kernels import cpu as cpu_kernels
+    if ops is None:
+        from ..kernels import cpu as cpu_kernels
 
-    ops = ops or cpu_kernels.ops()
+        ops = cpu_kernels.ops()
     scales = (None, None) if not cache.quantized else (cache.k_scale.reshape(-1), cache.v_scale.reshape(-1))
     kc, vc = _bytes(cache.k), _bytes(cache.v)
     ops.store_kv_(kc, vc, k, v, meta.slot_mapping, *scales)

@@ -114,25 +114,24 @@ class LlamaModel(nn.Module):
             self._norms = [norm(layer.input_layernorm) for layer in self.layers] + [norm(self.norm)]
             self._post_norms = [norm(layer.post_attention_layernorm) for layer in self.layers]
         T, H, KV, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qk_norm, norms = self.family.qk_norm, self._norms
+        qk_norm, norms, heads = self.family.qk_norm, self._norms, [H, KV, KV]
         x = ops.rms_norm(h, *norms[0])
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             qkv, q_proj, k_proj, v_proj, o_proj, gate_up, down = self._plan[i]
             attn = layer.self_attn
             if qkv is not None:
                 y = qkv(x)
-                q, k, v = y[:, :H * D], y[:, H * D:(H + KV) * D], y[:, (H + KV) * D:]
+                q, k, v = y.view(T, H + 2 * KV, D).split_with_sizes(heads, 1)  # views of y, one call
             else:
-                q, k, v = q_proj(x), k_proj(x), v_proj(x)
+                q, k, v = q_proj(x).view(T, H, D), k_proj(x).view(T, KV, D), v_proj(x).view(T, KV, D)
             if qk_norm:
-                q = attn.q_norm(q.reshape(T, H, D)).reshape(T, H * D)
-                k = attn.k_norm(k.reshape(T, KV, D)).reshape(T, KV * D)
+                q, k = attn.q_norm(q), attn.k_norm(k)
             if qkv is not None and not qk_norm:  # q and k side by side in each row: one pass
                 ops.rope_(y, cos, sin, H + KV)
-            else:
-                ops.rope_(q, cos, sin, H)
-                ops.rope_(k, cos, sin, KV)
-            o = paged_attention(q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D), cache, meta, self.scale, ops)
+            else:  # in place, through 2-D views
+                ops.rope_(q.view(T, H * D), cos, sin, H)
+                ops.rope_(k.view(T, KV * D), cos, sin, KV)
+            o = paged_attention(q, k, v, cache, meta, self.scale, ops)
             x = ops.add_rms_norm_(h, o_proj(o.view(T, H * D)), *self._post_norms[i])
             m = down(ops.silu_and_mul(gate_up(x))) if gate_up is not None else layer.mlp(x)
             x = ops.add_rms_norm_(h, m, *norms[i + 1])
