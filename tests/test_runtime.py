@@ -115,8 +115,22 @@ def test_engine_input_errors(tiny_dir):
         SamplingParams(top_p=0)
     with pytest.raises(InputError, match="holds .* tokens, fewer than max_model_len 256"):
         LLM(str(tiny_dir), max_model_len=256, kv_cache_memory=2**14)
+    V = llm.vocab_size
+    with pytest.raises(InputError, match=f"token id {V} \\(position 1 of the prompt\\) is outside this model's "
+                                         f"vocabulary: ids run from 0 to {V - 1}"):
+        llm.generate([[1, V, 3]])  # would fail inside a step, with the batch's other requests
+    with pytest.raises(InputError, match="outside this model's vocabulary"):
+        llm.add_request({"prompt_token_ids": [-1]})
+    with pytest.raises(InputError, match="position 1 of the prompt holds 2.5"):
+        llm.add_request([1, 2.5])
+    with pytest.raises(InputError, match="a prompt dict needs 'prompt'"):
+        llm.generate({"text": "hi"})
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))  # and it goes on serving
     assert len(out[0].outputs[0].token_ids) <= 3
+    same = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0))
+    assert same[0].outputs[0].token_ids == out[0].outputs[0].token_ids  # vLLM's prompt dicts
+    text = llm.generate({"prompt": "Hello"}, SamplingParams(max_tokens=2, temperature=0))
+    assert text[0].prompt_token_ids == llm.tokenizer("Hello").input_ids
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dir):

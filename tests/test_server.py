@@ -95,6 +95,7 @@ def test_concurrent_requests_equal_the_same_requests_alone(client):
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": list(range(300, 450))}, "context length"),
     ({"prompt": "hi", "n": "many"}, "n"),
+    ({"prompt": [1, 10 ** 9, 2]}, "vocabulary"),
 ])
 def test_bad_requests_are_4xx_that_name_the_field(server, body, field):
     r = httpx.post(server[0] + "/v1/completions", json={"model": "tiny", **body},

@@ -11,6 +11,7 @@ are all computed, and finished sequences give back their KV blocks.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, field, replace
 
@@ -92,6 +93,7 @@ class LLM:
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len),
                                    self.block_manager)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.kv_dtype, kv_scales, device=device)
+        self.vocab_size = hf_model.get_input_embeddings().num_embeddings  # the ids a prompt may hold
         self.eos_token_ids = self._eos_ids(hf_model)
         self.grammars = GrammarEngine(self.tokenizer, hf_model.config.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, self.grammars)
@@ -154,10 +156,34 @@ class LLM:
         return ids
 
     # -- requests ----------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def prompt_ids(self, prompt: str | list[int] | dict) -> list[int]:
+        """A prompt as vLLM takes one (text, token ids, {"prompt": text} or {"prompt_token_ids": ids})
+        as token ids, each checked against the vocabulary: an id outside it would fail inside a step,
+        and take the batch's other requests with it."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+                raise InputError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got keys {sorted(prompt)}")
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        if not isinstance(prompt, (list, tuple)):
+            raise InputError(f"a prompt is text, a list of token ids or a dict holding one; got {type(prompt).__name__}")
+        ids = []
+        for i, t in enumerate(prompt):
+            try:
+                ids.append(operator.index(t))
+            except TypeError:
+                raise InputError(f"token ids are integers; position {i} of the prompt holds {t!r}") from None
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InputError(f"token id {ids[bad]} (position {bad} of the prompt) is outside this model's "
+                             f"vocabulary: ids run from 0 to {self.vocab_size - 1}")
+        return ids
+
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
-        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        ids = self.prompt_ids(prompt)
         if not ids:
             raise InputError("the prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -268,10 +294,10 @@ class LLM:
         return out
 
     # -- offline API -------------------------------------------------------------------------
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: str | list[str] | list[list[int]] | list[dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Outputs in the order of the prompts."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
