@@ -118,13 +118,20 @@ def test_engine_input_errors(tiny_dir):
     V = llm.vocab_size
     with pytest.raises(InputError, match=f"token id {V} \\(position 1 of the prompt\\) is outside this model's "
                                          f"vocabulary: ids run from 0 to {V - 1}"):
-        llm.generate([[1, V, 3]])  # would fail inside a step, with the batch's other requests
+        llm.generate([[1, 2], [1, V, 3]])  # would fail inside a step, with the batch's other requests
+    assert not llm.has_unfinished_requests()  # all or nothing: [1, 2] was let go
     with pytest.raises(InputError, match="outside this model's vocabulary"):
         llm.add_request({"prompt_token_ids": [-1]})
     with pytest.raises(InputError, match="position 1 of the prompt holds 2.5"):
         llm.add_request([1, 2.5])
     with pytest.raises(InputError, match="a prompt dict needs 'prompt'"):
         llm.generate({"text": "hi"})
+    with pytest.raises(InputError, match=f"stop_token_ids \\[{V}\\] are outside"):  # min_tokens masks them by id
+        llm.generate([[1, 2]], SamplingParams(min_tokens=2, stop_token_ids=[V]))
+    with pytest.raises(InputError, match="logprobs=21 is more than max_logprobs=20"):
+        llm.generate([[1, 2]], SamplingParams(logprobs=21))
+    with pytest.raises(InputError, match="prompt_logprobs=21 is more than max_logprobs=20"):
+        llm.generate([[1, 2]], SamplingParams(prompt_logprobs=21))
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))  # and it goes on serving
     assert len(out[0].outputs[0].token_ids) <= 3
     same = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0))

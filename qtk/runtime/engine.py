@@ -70,7 +70,7 @@ class LLM:
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9):
+                 kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9, max_logprobs: int = 20):
         from ..models import load_model
 
         t0 = time.perf_counter()
@@ -94,6 +94,7 @@ class LLM:
                                    self.block_manager)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.kv_dtype, kv_scales, device=device)
         self.vocab_size = hf_model.get_input_embeddings().num_embeddings  # the ids a prompt may hold
+        self.max_logprobs = self.vocab_size if max_logprobs == -1 else min(max_logprobs, self.vocab_size)
         self.eos_token_ids = self._eos_ids(hf_model)
         self.grammars = GrammarEngine(self.tokenizer, hf_model.config.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, self.grammars)
@@ -180,10 +181,21 @@ class LLM:
                              f"vocabulary: ids run from 0 to {self.vocab_size - 1}")
         return ids
 
+    def _check_params(self, p: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the limits of this model and engine."""
+        for name, k in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
+            if k is not None and k > self.max_logprobs:
+                raise InputError(f"{name}={k} is more than max_logprobs={self.max_logprobs} (an LLM(...) argument)")
+        bad = [t for t in p.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InputError(f"stop_token_ids {bad} are outside this model's vocabulary: ids run from 0 to "
+                             f"{self.vocab_size - 1}")
+
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         ids = self.prompt_ids(prompt)
+        self._check_params(params)
         if not ids:
             raise InputError("the prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -300,7 +312,14 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.add_request(p, sp))
+        except InputError:  # all or nothing: the prompts taken before the bad one are let go
+            for i in ids:
+                self.abort(i)
+            raise
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():
