@@ -2,6 +2,7 @@
 give transformers' logits for each family, and the engine's greedy text is transformers'."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -113,6 +114,13 @@ def test_engine_input_errors(tiny_dir):
         SamplingParams(max_tokens=0)
     with pytest.raises(InputError, match="top_p must be in"):
         SamplingParams(top_p=0)
+    with pytest.raises(InputError, match="seed must fit in 64 bits"):  # torch's generator would fail in a step
+        SamplingParams(seed=2 ** 70)
+    with pytest.raises(InputError, match="top_k must be an integer, got 2.5"):  # so would topk()
+        SamplingParams(top_k=2.5)
+    with pytest.raises(InputError, match="temperature must be a number, got '1'"):
+        SamplingParams(temperature="1")
+    assert SamplingParams(n=np.int64(2), stop_token_ids=[np.int32(7)]) == SamplingParams(n=2, stop_token_ids=[7])
     with pytest.raises(InputError, match="holds .* tokens, fewer than max_model_len 256"):
         LLM(str(tiny_dir), max_model_len=256, kv_cache_memory=2**14)
     V = llm.vocab_size

@@ -1,6 +1,8 @@
 """SamplingParams: how one request samples, with vLLM's names and defaults, validated at construction."""
 from __future__ import annotations
 
+import numbers
+import operator
 from dataclasses import dataclass
 
 from ..errors import InputError
@@ -33,10 +35,19 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))  # None as vLLM allows: no stop strings
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:  # ints (numpy's too), never floats or bools: a float top_k failed inside a step
+                object.__setattr__(self, name, _integer(name, value))
+        object.__setattr__(self, "stop_token_ids", tuple(_integer("stop_token_ids", t) for t in self.stop_token_ids))
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), numbers.Real):
+                raise InputError(f"{name} must be a number, got {getattr(self, name)!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.seed is None or -2 ** 63 <= self.seed < 2 ** 64, f"seed must fit in 64 bits, got {self.seed}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1 (all), 0 (all) or positive, got {self.top_k}"),
@@ -60,3 +71,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _integer(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise InputError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InputError(f"{name} must be an integer, got {value!r}") from None
