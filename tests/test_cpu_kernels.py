@@ -53,14 +53,15 @@ def rel_err(y, ref):
 @pytest.mark.parametrize("group", [32, 64, 128, 256, None])
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_matches_twin_and_math(lib, bits, group, asym):
-    """Every group size (None: per channel), sym/asym, int4/int8; M across the gemv (<= 16) and
-    tiled paths, odd M; N not a multiple of the 32-column tile nor of 8 (padded blocks)."""
+    """Every group size (None: per channel), sym/asym, int4/int8; M across the gemv (< 20), decoded
+    slices (20..512: 6-row micro-tiles and each remainder) and tiled (> 512) paths, odd M; N not a
+    multiple of the 32-column tile nor of 8 (padded blocks)."""
     k = 512
     for n in (72, 53):
         codes, scale, zero = random_layer(n, k, group, bits, asym)
         w = cpu.pack(codes, scale, zero, bits)
         bias = torch.randn(n)
-        for m in (1, 2, 3, 7, 16, 17, 40):
+        for m in (1, 2, 3, 7, 16, 19, 20, 21, 23, 40, 515):
             x = torch.randn(m, k)
             b = bias if m % 2 else None
             y = cpu.woq_linear(x, w, b, lib)

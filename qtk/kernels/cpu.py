@@ -36,8 +36,7 @@ VARIANTS = {
     "generic": ["-O3", "-fopenmp", "-DQTK_LIB=qtk_cpu_generic"],
 }  # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, and runs serially without it
 LANES = 8  # output columns per packed block (one AVX2 register)
-M_GEMV_MAX = 64  # rows of x up to which the register-blocked gemv runs (measured: it beats decoded
-#                 tiles + sgemm up to about 64 rows on 2 AVX2 cores); above, the tiles
+
 
 
 def variant() -> str | None:
@@ -80,7 +79,7 @@ def library(name: str):
         return None
 
     @torch.library.register_fake(f"qtk_cpu_{name}::woq_linear")
-    def _(x, codes, scales, zs, bias, bits, n, m_gemv_max):  # shapes for torch.compile
+    def _(x, codes, scales, zs, bias, bits, n):  # shapes for torch.compile
         return x.new_empty(*x.shape[:-1], n)
 
     module.torch_ops = getattr(torch.ops, f"qtk_cpu_{name}")  # what torch.compile traces
@@ -180,4 +179,4 @@ def pack_bf16(weight: torch.Tensor) -> PackedWOQ | None:
 def woq_linear(x: torch.Tensor, w: PackedWOQ, bias: torch.Tensor | None, lib) -> torch.Tensor:
     """y = x @ dequant(W)^T + bias for float32 x [..., K]; lib: a kernel library (ops(), library(name))."""
     op = lib.torch_ops.woq_linear if torch.compiler.is_compiling() else lib.woq_linear
-    return op(x, w.codes, w.scales, w.zs, bias, w.bits, w.n, M_GEMV_MAX)
+    return op(x, w.codes, w.scales, w.zs, bias, w.bits, w.n)

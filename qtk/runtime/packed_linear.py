@@ -48,7 +48,7 @@ class WOQLinear(nn.Module):
     def direct(self):
         """The kernel call itself, for float32 [T, K] contiguous x (the runtime's fused forward)."""
         w, bias, op = self.runtime.w, self.runtime.bias, self.runtime.lib.woq_linear
-        return lambda x: op(x, w.codes, w.scales, w.zs, bias, w.bits, w.n, cpu_kernels.M_GEMV_MAX)
+        return lambda x: op(x, w.codes, w.scales, w.zs, bias, w.bits, w.n)
 
     @property
     def weights(self) -> str:

@@ -23,12 +23,14 @@
 // (x scaled once per call, exact powers of two) gives u * x[k]. So a weight costs an AND, a
 // convert and an FMA (the last code of a word: a shift instead of the AND, and x unscaled).
 //
-// Two paths, chosen by M (rows of x):
-//   gemv: 2 rows per pass, register-blocked over 4 column blocks (32 columns) so 4 or 8 FMA chains
-//         run at once; a tile's codes (32 columns x K) stay in L1 between passes.
-//   tiles: larger M: each thread decodes a tile of 64 columns into a float buffer [K, 64] that stays
-//         in its cache, then multiplies with at::mm_out (MKL / oneDNN sgemm) straight into y.
-// Both parallelise over column tiles with torch's intra-op threads (at::parallel_for).
+// Three paths, chosen by M (rows of x; thresholds at M_ROWS_MIN below):
+//   gemv: decode (a few rows): 2 rows per pass, register-blocked over 4 column blocks (32 columns) so
+//         8 FMA chains run at once; a tile's codes (32 columns x K) stay in L1 between passes.
+//   rows: batched decode, short prefill chunks (AVX2 build): each 64-row slice of a 32-column tile is
+//         decoded once into L1 as float weights, then every 6 rows multiply it in 6 x 16 micro-tiles.
+//   tiles: long prefill chunks: each thread decodes a tile of 64 columns into a float buffer [K, 64]
+//         that stays in its cache, then multiplies with at::mm_out (MKL / oneDNN sgemm) straight into y.
+// All parallelise over column tiles with torch's intra-op threads (at::parallel_for).
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -50,6 +52,12 @@ namespace {
 constexpr int64_t LANES = 8;       // columns per block (one AVX2 register of floats)
 constexpr int NT = 4;              // column blocks per gemv tile: 32 columns
 constexpr int64_t TILE_COLS = 64;  // columns per tile on the large-M path
+// The path by rows of x (measured on 2 Zen 3 cores, SmolLM2's shapes, int4 g64, codes out of cache):
+// the gemv wins below ~20 rows (it decodes in registers, with no stores); decoded slices times 6 x 16
+// micro-tiles tie at 16-20 and win from 24 on (1.2x at 64, 1.05-1.25x over decoded tiles + sgemm at
+// 128-512); past 512 rows sgemm's own blocking wins (rows' sums no longer stay in cache). The portable
+// build has only the gemv and the tiles.
+constexpr int64_t M_ROWS_MIN = 20, M_ROWS_MAX = 512, M_GEMV_MAX = 64;
 
 struct Args {
   const float* x;   // [M, K]
@@ -278,19 +286,35 @@ static void gemv(const Args& a) {
   });
 }
 
-// Decode column blocks nb0..nb0+nblk into w [K, ld] (k-major: a block's 8 lanes are 8 adjacent floats).
+// Decode rows k0..k1 of column blocks nb0..nb0+nblk into w [k1 - k0, ld] (k-major: a block's 8 lanes are
+// 8 adjacent floats), as the float weight s * u - s * z'. k0 % 8 == 0 for int4.
 template <int BITS>
-static void decode_tile(const Args& a, int64_t nb0, int64_t nblk, float* w, int64_t ld) {
+static void decode_tile(const Args& a, int64_t nb0, int64_t nblk, float* w, int64_t ld, int64_t k0, int64_t k1) {
   const int64_t bb = block_bytes<BITS>(a.K);
   for (int64_t b = 0; b < nblk; ++b) {
     const uint8_t* blk = a.codes + (nb0 + b) * bb;
-    for (int64_t g = 0; g < a.G; ++g) {
+    for (int64_t k = k0; k < k1;) {
+      const int64_t g = k / a.gsize, kend = std::min(k1, (g + 1) * a.gsize);
       const int64_t so = ((nb0 + b) * a.G + g) * LANES;
       const float* s = a.scales + so;
       float z[LANES] = {};
       if (a.zs) std::memcpy(z, a.zs + so, sizeof(z));
-      for (int64_t k = g * a.gsize; k < (g + 1) * a.gsize; ++k) {
-        float* dst = w + k * ld + b * LANES;
+#ifdef QTK_AVX2
+      if constexpr (BITS == 4) {  // a word at a time: 8 rows, constant shifts (k and kend are multiples of 8)
+        const __m256 sv = _mm256_loadu_ps(s), zv = _mm256_loadu_ps(z);
+        const __m256i mask = _mm256_set1_epi32(0xF);
+        for (; k < kend; k += 8) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk) + k / 8);
+          float* dst = w + (k - k0) * ld + b * LANES;
+#define QTK_ROW(i) _mm256_storeu_ps(dst + (i) * ld, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_and_si256( \
+                       _mm256_srli_epi32(v, 4 * (i)), mask)), sv, zv))
+          QTK_ROW(0); QTK_ROW(1); QTK_ROW(2); QTK_ROW(3); QTK_ROW(4); QTK_ROW(5); QTK_ROW(6); QTK_ROW(7);
+#undef QTK_ROW
+        }
+      }
+#endif
+      for (; k < kend; ++k) {
+        float* dst = w + (k - k0) * ld + b * LANES;
 #ifdef QTK_AVX2
         __m256 c;
         if constexpr (BITS == 4) {
@@ -309,6 +333,117 @@ static void decode_tile(const Args& a, int64_t nb0, int64_t nblk, float* w, int6
   }
 }
 
+#ifdef QTK_AVX2
+constexpr int64_t KC = 64;  // rows of a tile decoded at a time on the batched path: 64 x 32 floats, 8 KB of L1
+constexpr int MRB = 6;      // rows per micro-tile: 6 rows x 16 columns = 12 accumulators (BLIS's Haswell shape)
+
+// acc[r, 0..16) += sum_k x[r, k] * w[k, 0..16) for MR rows: 2 loads of w and MR broadcasts per 2 MR FMAs.
+template <int MR>
+static inline void micro(const float* w, const float* x, int64_t ldx, int64_t kn, float* acc) {
+  __m256 c[MR][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    c[r][0] = _mm256_loadu_ps(acc + r * 32);
+    c[r][1] = _mm256_loadu_ps(acc + r * 32 + 8);
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * 32), w1 = _mm256_loadu_ps(w + k * 32 + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
+      c[r][0] = _mm256_fmadd_ps(w0, b, c[r][0]);
+      c[r][1] = _mm256_fmadd_ps(w1, b, c[r][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(acc + r * 32, c[r][0]);
+    _mm256_storeu_ps(acc + r * 32 + 8, c[r][1]);
+  }
+}
+
+// micro<6> with its 12 accumulators as variables (GCC keeps an array of them on the stack).
+static inline void micro6(const float* w, const float* x, int64_t ldx, int64_t kn, float* acc) {
+#define QTK_LD(r) __m256 c##r##0 = _mm256_loadu_ps(acc + r * 32), c##r##1 = _mm256_loadu_ps(acc + r * 32 + 8);
+  QTK_LD(0) QTK_LD(1) QTK_LD(2) QTK_LD(3) QTK_LD(4) QTK_LD(5)
+#undef QTK_LD
+  for (int64_t k = 0; k < kn; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * 32), w1 = _mm256_loadu_ps(w + k * 32 + 8);
+#define QTK_FMA(r)                                                 \
+  {                                                                \
+    const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);         \
+    c##r##0 = _mm256_fmadd_ps(w0, b, c##r##0);                     \
+    c##r##1 = _mm256_fmadd_ps(w1, b, c##r##1);                     \
+  }
+    QTK_FMA(0) QTK_FMA(1) QTK_FMA(2) QTK_FMA(3) QTK_FMA(4) QTK_FMA(5)
+#undef QTK_FMA
+  }
+#define QTK_ST(r) _mm256_storeu_ps(acc + r * 32, c##r##0); _mm256_storeu_ps(acc + r * 32 + 8, c##r##1);
+  QTK_ST(0) QTK_ST(1) QTK_ST(2) QTK_ST(3) QTK_ST(4) QTK_ST(5)
+#undef QTK_ST
+}
+
+// Batched decode and short prefill chunks (M_ROWS_MIN..M_ROWS_MAX rows): each KC-row slice of a full 32-column tile is decoded
+// once into L1 as float weights, then multiplied by all rows in 6 x 16 micro-tiles (the gemv decodes
+// the codes again for every pair of rows); the rows' sums stay in acc [M, 32].
+template <int BITS>
+static void rows_tile(const Args& a, int64_t nb0, float* wbuf, float* acc) {
+  constexpr int64_t W = NT * LANES;
+  const int64_t M = a.M, K = a.K;
+  const int64_t bb = block_bytes<BITS>(K), nblocks = (a.N + LANES - 1) / LANES;
+  if (nb0 + 2 * NT <= nblocks) {  // the next tile's codes into L2 while this one runs
+    const char* next = reinterpret_cast<const char*>(a.codes + (nb0 + NT) * bb);
+    for (int64_t i = 0; i < NT * bb; i += 64) _mm_prefetch(next + i, _MM_HINT_T1);
+  }
+  std::fill(acc, acc + M * W, 0.f);
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kn = std::min(KC, K - k0);
+    decode_tile<BITS>(a, nb0, NT, wbuf, W, k0, k0 + kn);
+    for (int64_t h = 0; h < W; h += 16)
+      for (int64_t m = 0; m < M; m += MRB) {
+        const float* x = a.x + m * K + k0;
+        float* o = acc + m * W + h;
+        switch (std::min<int64_t>(MRB, M - m)) {
+          case 6: micro6(wbuf + h, x, K, kn, o); break;
+          case 5: micro<5>(wbuf + h, x, K, kn, o); break;
+          case 4: micro<4>(wbuf + h, x, K, kn, o); break;
+          case 3: micro<3>(wbuf + h, x, K, kn, o); break;
+          case 2: micro<2>(wbuf + h, x, K, kn, o); break;
+          default: micro<1>(wbuf + h, x, K, kn, o); break;
+        }
+      }
+  }
+  const int64_t c0 = nb0 * LANES, cols = std::min<int64_t>(W, a.N - c0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < cols; ++i) a.y[m * a.N + c0 + i] = acc[m * W + i] + (a.bias ? a.bias[c0 + i] : 0.f);
+}
+
+template <int BITS>
+static void rows(const Args& a) {
+  const int64_t nblocks = (a.N + LANES - 1) / LANES;
+  const int64_t ntiles = (nblocks + NT - 1) / NT;
+  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> wbuf(KC * NT * LANES), acc(a.M * NT * LANES);
+    {  // the first tile's codes, as the gemv does
+      const int64_t bb = block_bytes<BITS>(a.K), nb = std::min<int64_t>(NT, nblocks - t0 * NT);
+      const char* c = reinterpret_cast<const char*>(a.codes + t0 * NT * bb);
+      for (int64_t i = 0; i < nb * bb; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb0 = t * NT;
+      const int nt = static_cast<int>(std::min<int64_t>(NT, nblocks - nb0));
+      if (nt == NT) {
+        rows_tile<BITS>(a, nb0, wbuf.data(), acc.data());
+        continue;
+      }
+      int64_t m = 0;  // a last, partial tile: the gemv's portable loop
+      for (; m + 2 <= a.M; m += 2) gemv_tile<BITS, 2>(a, m, nb0, nt);
+      if (m < a.M) gemv_tile<BITS, 1>(a, m, nb0, nt);
+    }
+  });
+}
+#endif
+
 template <int BITS>
 static void tiles(const Args& a, const at::Tensor& x, const at::Tensor& y, const at::Tensor& bias) {
   const int64_t nblocks = (a.N + LANES - 1) / LANES;
@@ -321,7 +456,7 @@ static void tiles(const Args& a, const at::Tensor& x, const at::Tensor& y, const
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t nb0 = t * per, nblk = std::min(per, nblocks - nb0);
       const int64_t c0 = nb0 * LANES, cols = std::min(nblk * LANES, a.N - c0);
-      decode_tile<BITS>(a, nb0, nblk, buf.data(), TILE_COLS);
+      decode_tile<BITS>(a, nb0, nblk, buf.data(), TILE_COLS, 0, a.K);
       const at::Tensor w = at::from_blob(buf.data(), {a.K, cols}, {TILE_COLS, 1}, at::kFloat);
       at::Tensor yt = y.narrow(1, c0, cols);
       if (bias.defined())
@@ -334,7 +469,7 @@ static void tiles(const Args& a, const at::Tensor& x, const at::Tensor& y, const
 
 at::Tensor woq_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                       const std::optional<at::Tensor>& zs, const std::optional<at::Tensor>& bias, int64_t bits,
-                      int64_t n, int64_t m_gemv_max) {
+                      int64_t n) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "woq_linear: x must be float32 on CPU");
   TORCH_CHECK(bits == 4 || bits == 8 || bits == 16, "woq_linear: bits must be 4, 8 or 16 (bf16)");
   const int64_t K = x_in.size(-1);
@@ -365,10 +500,14 @@ at::Tensor woq_linear(const at::Tensor& x_in, const at::Tensor& codes, const at:
   const at::Tensor zsc = zs ? zs->contiguous() : at::Tensor();
   const float* xp = x.data_ptr<float>();
   const int64_t gsize = K / G;
-  const bool gemv_path = M <= m_gemv_max;
+#ifdef QTK_AVX2
+  const bool gemv_path = M < M_ROWS_MIN, rows_path = !gemv_path && M <= M_ROWS_MAX;
+#else
+  const bool gemv_path = M <= M_GEMV_MAX, rows_path = false;
+#endif
   // per call, small: the group sums of x (for the zeros) and, for the int4 gemv, x / 16^(k % 8)
   // (vectorizable loops: at M = 1 this prologue is part of a small layer's fixed cost)
-  std::vector<float> xsum(zs ? M * G : 0), xs(gemv_path && bits == 4 ? M * K : 0);
+  std::vector<float> xsum(zs ? M * G : 0), xs(gemv_path && !rows_path && bits == 4 ? M * K : 0);
   for (int64_t m = 0; m < (zs ? M : 0); ++m)
     for (int64_t g = 0; g < G; ++g) {
       const float* xg = xp + m * K + g * gsize;
@@ -388,7 +527,11 @@ at::Tensor woq_linear(const at::Tensor& x_in, const at::Tensor& codes, const at:
   Args a{xp, xs.empty() ? xp : xs.data(), M, K, n, reinterpret_cast<const uint8_t*>(codes.data_ptr()),
          scales.data_ptr<float>(), zs ? zsc.data_ptr<float>() : nullptr, bias ? b.data_ptr<float>() : nullptr,
          zs ? xsum.data() : nullptr, G, gsize, y.data_ptr<float>()};
-  if (gemv_path) {
+  if (rows_path) {
+#ifdef QTK_AVX2
+    bits == 4 ? rows<4>(a) : bits == 8 ? rows<8>(a) : rows<16>(a);
+#endif
+  } else if (gemv_path) {
     bits == 4 ? gemv<4>(a) : bits == 8 ? gemv<8>(a) : gemv<16>(a);
   } else {
     const at::Tensor y2 = y.view({M, n});
@@ -415,8 +558,7 @@ bool compiled_avx2() {
 #define QTK_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 QTK_LIBRARY(QTK_LIB, m) {
-  m.def("woq_linear(Tensor x, Tensor codes, Tensor scales, Tensor? zs, Tensor? bias, int bits, int n, "
-        "int m_gemv_max) -> Tensor");
+  m.def("woq_linear(Tensor x, Tensor codes, Tensor scales, Tensor? zs, Tensor? bias, int bits, int n) -> Tensor");
   m.def("compiled_avx2() -> bool", &compiled_avx2);
 }
 
