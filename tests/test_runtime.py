@@ -120,6 +120,8 @@ def test_engine_input_errors(tiny_dir):
         SamplingParams(top_k=2.5)
     with pytest.raises(InputError, match="temperature must be a number, got '1'"):
         SamplingParams(temperature="1")
+    with pytest.raises(InputError, match="temperature must be finite, got inf"):
+        SamplingParams(temperature=float("inf"))
     assert SamplingParams(n=np.int64(2), stop_token_ids=[np.int32(7)]) == SamplingParams(n=2, stop_token_ids=[7])
     with pytest.raises(InputError, match="holds .* tokens, fewer than max_model_len 256"):
         LLM(str(tiny_dir), max_model_len=256, kv_cache_memory=2**14)
@@ -140,6 +142,8 @@ def test_engine_input_errors(tiny_dir):
         llm.generate([[1, 2]], SamplingParams(logprobs=21))
     with pytest.raises(InputError, match="prompt_logprobs=21 is more than max_logprobs=20"):
         llm.generate([[1, 2]], SamplingParams(prompt_logprobs=21))
+    with pytest.raises(InputError, match="n=300 is more than max_num_seqs=256"):
+        llm.generate([[1, 2]], SamplingParams(n=300))
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))  # and it goes on serving
     assert len(out[0].outputs[0].token_ids) <= 3
     same = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0))
@@ -158,6 +162,27 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dir):
                         [SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True), p,
                          SamplingParams(max_tokens=5, temperature=0.5, ignore_eos=True)])
     assert busy[1].outputs[0].token_ids == alone
+    three = llm.generate(["tell me"], SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3, ignore_eos=True))
+    choices = [c.token_ids for c in three[0].outputs]
+    assert len({tuple(c) for c in choices}) == 3  # choice i draws from seed + i, as in vLLM
+    again = llm.generate(["tell me"], SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True))
+    assert again[0].outputs[0].token_ids == choices[1]
+
+
+@pytest.mark.parametrize("extreme", [dict(top_p=1e-300), dict(temperature=1e-40), dict(temperature=1e-320),
+                                     dict(repetition_penalty=1e-40, temperature=1.0), dict(min_tokens=2, temperature=1e-40),
+                                     dict(top_p=1e-46, min_p=1.0)])
+def test_extreme_sampling_values_draw_a_token_and_the_engine_goes_on(tiny_dir, extreme):
+    """Values in range whose arithmetic overflows float32 (a tiny temperature, top_p or repetition
+    penalty) used to leave torch.multinomial no distribution, fail the step and stop the engine."""
+    from qtk import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), max_model_len=128, kv_cache_memory=2**22)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, **extreme))
+    assert len(out[0].outputs[0].token_ids) == 4
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+    if "repetition_penalty" not in extreme and "min_tokens" not in extreme:  # tiny temperature / top_p: the argmax
+        assert out[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
 
 
 def test_incremental_detokenization_is_the_whole_decode_and_never_half_a_character(tokenizer):

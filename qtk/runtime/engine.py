@@ -186,6 +186,9 @@ class LLM:
         for name, k in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
             if k is not None and k > self.max_logprobs:
                 raise InputError(f"{name}={k} is more than max_logprobs={self.max_logprobs} (an LLM(...) argument)")
+        if p.n > self.scheduler.config.max_num_seqs:
+            raise InputError(f"n={p.n} is more than max_num_seqs={self.scheduler.config.max_num_seqs}, the sequences "
+                             "this engine runs at once")
         bad = [t for t in p.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InputError(f"stop_token_ids {bad} are outside this model's vocabulary: ids run from 0 to "
@@ -203,7 +206,10 @@ class LLM:
         request_id = request_id or str(self._next_id)
         self._next_id += 1
         out = RequestOutput(request_id, ids, [CompletionOutput(i, "", []) for i in range(params.n)])
-        seqs = [Sequence(ids, params, self.block_manager.block_size, request_id=request_id) for _ in range(params.n)]
+        # with a seed, choice i draws from seed + i (as vLLM's parallel sampling): n seeded choices differ
+        seqs = [Sequence(ids, params if params.seed is None or params.n == 1 else
+                         replace(params, seed=(params.seed + i) % 2 ** 64), self.block_manager.block_size,
+                         request_id=request_id) for i in range(params.n)]
         if params.structured_outputs is not None:  # a bad schema fails here, before anything is held
             for s in seqs:
                 s.grammar = self.grammars.matcher(params.structured_outputs)

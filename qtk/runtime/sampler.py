@@ -34,11 +34,19 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         sorted_logits, order = logits.sort(descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        drop[0] = False  # and always the likeliest token (a top_p below float32's range would drop all)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     return logits
+
+
+def finite(logits: torch.Tensor) -> torch.Tensor:
+    """Logits with overflow tamed: +inf (a tiny repetition penalty divides) becomes the largest
+    float, NaN (inf - inf) is excluded like -inf, so the draw always has a distribution (else
+    torch.multinomial fails, and the step with it)."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
 def logprob_entry(logprobs: torch.Tensor, token: int, top: int) -> dict[int, float]:
@@ -70,7 +78,7 @@ class Sampler:
         out = []
         for row, seq in zip(logits, seqs):
             p = seq.params
-            row = apply_penalties(row.clone(), seq)
+            row = finite(apply_penalties(row.clone(), seq))
             if seq.num_generated_tokens < p.min_tokens:  # EOS and stop tokens cannot come yet
                 banned = list((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids))
                 if seq.grammar is None or self._leaves_a_choice(row, banned):  # else the grammar wins
@@ -78,13 +86,19 @@ class Sampler:
             if p.greedy:
                 out.append(int(row.argmax()))
                 continue
-            row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
+            # shifted so the largest is 0 before the temperature (softmax does not change): a tiny
+            # temperature then sends the others to -inf, never the likeliest to +inf
+            row = filter_logits(finite((row - row.max()) / p.temperature), p.top_k, p.top_p, p.min_p)
             gen = None
             if p.seed is not None:
                 gen = self.generators.get(seq.seq_id)
                 if gen is None:
                     gen = self.generators[seq.seq_id] = torch.Generator(device=row.device).manual_seed(p.seed)
-            out.append(int(torch.multinomial(row.softmax(-1), 1, generator=gen)))
+            probs = row.softmax(-1)
+            if not bool(torch.isfinite(probs).all()):  # every token excluded (a grammar's mask): its check fails it
+                out.append(int(row.argmax()))
+                continue
+            out.append(int(torch.multinomial(probs, 1, generator=gen)))
         return out
 
     @staticmethod

@@ -1,6 +1,7 @@
 """SamplingParams: how one request samples, with vLLM's names and defaults, validated at construction."""
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from dataclasses import dataclass
@@ -9,10 +10,13 @@ from ..errors import InputError
 from .structured_outputs import StructuredOutputsParams
 
 
+SAMPLING_EPS = 1e-5  # temperatures below it are greedy, as in vLLM (dividing by them overflows float32)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # completions per prompt
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (below SAMPLING_EPS) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) = all tokens
     min_p: float = 0.0
@@ -43,6 +47,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), numbers.Real):
                 raise InputError(f"{name} must be a number, got {getattr(self, name)!r}")
+            if not math.isfinite(getattr(self, name)):
+                raise InputError(f"{name} must be finite, got {getattr(self, name)!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [
@@ -70,7 +76,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
 def _integer(name: str, value) -> int:
