@@ -3,6 +3,7 @@ reassemble to the non-streamed greedy text), n > 1, concurrency, seeds, bad requ
 a message, the api key, and a client leaving a stream frees its blocks."""
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -96,10 +97,13 @@ def test_concurrent_requests_equal_the_same_requests_alone(client):
     ({"prompt": list(range(300, 450))}, "context length"),
     ({"prompt": "hi", "n": "many"}, "n"),
     ({"prompt": [1, 10 ** 9, 2]}, "vocabulary"),
+    ({"prompt": "a \ud800 b"}, "lone surrogate"),
+    ({"prompt": "hi", "stop": ["\udfff"]}, "lone surrogate"),
+    ({"prompt": "hi", "temperature": 1e400}, "temperature"),
 ])
 def test_bad_requests_are_4xx_that_name_the_field(server, body, field):
-    r = httpx.post(server[0] + "/v1/completions", json={"model": "tiny", **body},
-                   headers={"Authorization": f"Bearer {KEY}"})
+    r = httpx.post(server[0] + "/v1/completions", content=json.dumps({"model": "tiny", **body}),  # ASCII escapes,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})  # as "\ud800"
     assert 400 <= r.status_code < 500, r.text
     assert field in r.json()["error"]["message"] or r.json()["error"]["param"] == field, r.text
 
@@ -113,6 +117,12 @@ def test_malformed_json_and_the_api_key(server):
     r = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}]}, headers={"Authorization": "Bearer no"})
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
     assert httpx.post(url, json={"messages": []}, headers={"Authorization": f"Bearer {KEY}"}).status_code == 400
+    for content, message in (([{"type": "text", "text": 5}], "needs a string 'text'"),
+                             ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}], "text parts only"),
+                             ("\ud800", "lone surrogate")):
+        r = httpx.post(url, content=json.dumps({"messages": [{"role": "user", "content": content}]}),
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
 
 
 def test_a_client_leaving_a_stream_frees_its_blocks(server):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import InputError
 from .sampling_params import SamplingParams
@@ -48,6 +48,27 @@ class StructuredOutputs(BaseModel):
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        """Every string of the body encodes as UTF-8: JSON can carry a lone surrogate ("\\ud800"),
+        which the tokenizer (and the request log) cannot take."""
+        todo = [((), data)]
+        while todo:  # not recursive: a body may nest deeply
+            path, x = todo.pop()
+            if isinstance(x, str):
+                try:
+                    x.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    where = ".".join(map(str, path)) or "the body"
+                    raise ValueError(f"{where} is not valid Unicode: a lone surrogate at character {e.start}") from None
+            elif isinstance(x, dict):
+                todo.extend(((*path, k), v) for k, v in x.items())
+                todo.extend(((*path, "(key)"), k) for k in x)
+            elif isinstance(x, list):
+                todo.extend(((*path, i), v) for i, v in enumerate(x))
+        return data
 
     model: str | None = None
     n: int = 1
@@ -116,6 +137,18 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict], None] = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content):
+        """Content parts are text (qtk's models read text only: an image or audio part would be
+        dropped and the answer made without it, so it is refused)."""
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            if part.get("type") != "text":
+                raise ValueError(f"content part {i} is {part.get('type')!r}: this model takes text parts only")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i}: a text part needs a string 'text'")
+        return content
 
     def text(self) -> str:
         """The content as text: a string, or the text parts of a list of content parts."""

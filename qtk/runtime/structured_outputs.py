@@ -73,6 +73,8 @@ class StructuredOutputsParams:
             return grammar_from("grammar", self.grammar)
         except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
             raise InputError(f"structured outputs: {e}") from e
+        except RecursionError:
+            raise InputError("structured outputs: the schema is nested too deeply") from None
 
 
 class GrammarEngine:
