@@ -97,6 +97,8 @@ def test_concurrent_requests_equal_the_same_requests_alone(client):
     ({"prompt": list(range(300, 450))}, "context length"),
     ({"prompt": "hi", "n": "many"}, "n"),
     ({"prompt": [1, 10 ** 9, 2]}, "vocabulary"),
+    ({"prompt": [1, 10 ** 9, 2], "stream": True}, "vocabulary"),  # a 400, not a 200 and an error event
+    ({"prompt": "hi", "n": 10 ** 12}, "n"),
     ({"prompt": "a \ud800 b"}, "lone surrogate"),
     ({"prompt": "hi", "stop": ["\udfff"]}, "lone surrogate"),
     ({"prompt": "hi", "temperature": 1e400}, "temperature"),

@@ -181,7 +181,7 @@ class LLM:
                              f"vocabulary: ids run from 0 to {self.vocab_size - 1}")
         return ids
 
-    def _check_params(self, p: SamplingParams) -> None:
+    def check_params(self, p: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the limits of this model and engine."""
         for name, k in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
             if k is not None and k > self.max_logprobs:
@@ -198,7 +198,7 @@ class LLM:
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         ids = self.prompt_ids(prompt)
-        self._check_params(params)
+        self.check_params(params)
         if not ids:
             raise InputError("the prompt is empty")
         if len(ids) >= self.max_model_len:

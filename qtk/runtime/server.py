@@ -99,7 +99,10 @@ class Server:
             raise ApiError(503, f"the engine stopped: {self.engine.dead!r}")
 
     def token_ids(self, prompt: str | list[int]) -> list[int]:
-        ids = self.engine.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        try:  # the engine's own check (token ids inside the vocabulary), before any stream starts
+            ids = self.engine.llm.prompt_ids(prompt)
+        except InputError as e:
+            raise ApiError(400, str(e), "prompt") from e
         if not ids:
             raise ApiError(400, "the prompt is empty", "prompt")
         return ids
@@ -250,10 +253,13 @@ class Server:
                 self.engine.llm.grammars.check(structured)
         except InputError as e:
             raise ApiError(400, str(e), field) from e
-        try:
-            return body.sampling_params(max_tokens, logprobs, structured)
+        try:  # SamplingParams' checks, then the engine's (limits of this model), before any stream starts
+            params = body.sampling_params(max_tokens, logprobs, structured)
+            self.engine.llm.check_params(params)
+            return params
         except (InputError, ValueError) as e:
-            raise ApiError(400, str(e)) from e
+            name = str(e).split(" ", 1)[0].split("=", 1)[0]  # the messages start with the field's name
+            raise ApiError(400, str(e), name if name in type(body).model_fields else None) from e
 
     @staticmethod
     async def _last(stream) -> RequestOutput:
