@@ -38,12 +38,11 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))  # None as vLLM allows: no stop strings
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:  # ints (numpy's too), never floats or bools: a float top_k failed inside a step
                 object.__setattr__(self, name, _integer(name, value))
-        object.__setattr__(self, "stop_token_ids", tuple(_integer("stop_token_ids", t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(_integer("stop_token_ids", t) for t in self.stop_token_ids or ()))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), numbers.Real):
                 raise InputError(f"{name} must be a number, got {getattr(self, name)!r}")

@@ -256,33 +256,41 @@ static void gemv_tile(const Args& a, int64_t m0, int64_t nb0, int nt) {
   }
 }
 
+// All rows of x against one column tile of nt blocks, two rows at a time.
+template <int BITS>
+static void gemv_columns(const Args& a, int64_t nb0, int nt) {
+  int64_t m = 0;
+  for (; m + 2 <= a.M; m += 2) gemv_tile<BITS, 2>(a, m, nb0, nt);
+  if (m < a.M) gemv_tile<BITS, 1>(a, m, nb0, nt);
+}
+
+// A thread's first tile has no tile before it to prefetch it (the loops prefetch one tile ahead): ask
+// for all of it (codes, scales, zeros) at once rather than miss line by line (a small layer is only a
+// few tiles).
+template <int BITS>
+static inline void prefetch_first_tile(const Args& a, int64_t nb0, int64_t nblocks) {
+#ifdef QTK_AVX2
+  const int64_t bb = block_bytes<BITS>(a.K), nb = std::min<int64_t>(NT, nblocks - nb0);
+  const char* c = reinterpret_cast<const char*>(a.codes + nb0 * bb);
+  for (int64_t i = 0; i < nb * bb; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+  const int64_t sb = nb * a.G * LANES * sizeof(float);
+  const char* sc = reinterpret_cast<const char*>(a.scales + nb0 * a.G * LANES);
+  const char* zc = reinterpret_cast<const char*>(a.zs ? a.zs + nb0 * a.G * LANES : nullptr);
+  for (int64_t i = 0; i < sb; i += 64) {
+    _mm_prefetch(sc + i, _MM_HINT_T0);
+    if (zc) _mm_prefetch(zc + i, _MM_HINT_T0);
+  }
+#endif
+}
+
 template <int BITS>
 static void gemv(const Args& a) {
   const int64_t nblocks = (a.N + LANES - 1) / LANES;
   const int64_t ntiles = (nblocks + NT - 1) / NT;
   at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-#ifdef QTK_AVX2
-    {  // The first tile has no tile before it to prefetch it (the loop prefetches one tile ahead): ask
-       // for all of it at once rather than miss line by line (a small layer is only a few tiles).
-      const int64_t bb = block_bytes<BITS>(a.K), nb = std::min<int64_t>(NT, nblocks - t0 * NT);
-      const char* c = reinterpret_cast<const char*>(a.codes + t0 * NT * bb);
-      for (int64_t i = 0; i < nb * bb; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-      const int64_t sb = nb * a.G * LANES * sizeof(float);
-      const char* sc = reinterpret_cast<const char*>(a.scales + t0 * NT * a.G * LANES);
-      const char* zc = reinterpret_cast<const char*>(a.zs ? a.zs + t0 * NT * a.G * LANES : nullptr);
-      for (int64_t i = 0; i < sb; i += 64) {
-        _mm_prefetch(sc + i, _MM_HINT_T0);
-        if (zc) _mm_prefetch(zc + i, _MM_HINT_T0);
-      }
-    }
-#endif
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t nb0 = t * NT;
-      const int nt = static_cast<int>(std::min<int64_t>(NT, nblocks - nb0));
-      int64_t m = 0;
-      for (; m + 2 <= a.M; m += 2) gemv_tile<BITS, 2>(a, m, nb0, nt);
-      if (m < a.M) gemv_tile<BITS, 1>(a, m, nb0, nt);
-    }
+    prefetch_first_tile<BITS>(a, t0 * NT, nblocks);
+    for (int64_t t = t0; t < t1; ++t)
+      gemv_columns<BITS>(a, t * NT, static_cast<int>(std::min<int64_t>(NT, nblocks - t * NT)));
   });
 }
 
@@ -426,21 +434,13 @@ static void rows(const Args& a) {
   const int64_t ntiles = (nblocks + NT - 1) / NT;
   at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> wbuf(KC * NT * LANES), acc(a.M * NT * LANES);
-    {  // the first tile's codes, as the gemv does
-      const int64_t bb = block_bytes<BITS>(a.K), nb = std::min<int64_t>(NT, nblocks - t0 * NT);
-      const char* c = reinterpret_cast<const char*>(a.codes + t0 * NT * bb);
-      for (int64_t i = 0; i < nb * bb; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-    }
+    prefetch_first_tile<BITS>(a, t0 * NT, nblocks);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t nb0 = t * NT;
-      const int nt = static_cast<int>(std::min<int64_t>(NT, nblocks - nb0));
-      if (nt == NT) {
-        rows_tile<BITS>(a, nb0, wbuf.data(), acc.data());
-        continue;
-      }
-      int64_t m = 0;  // a last, partial tile: the gemv's portable loop
-      for (; m + 2 <= a.M; m += 2) gemv_tile<BITS, 2>(a, m, nb0, nt);
-      if (m < a.M) gemv_tile<BITS, 1>(a, m, nb0, nt);
+      const int nt = static_cast<int>(std::min<int64_t>(NT, nblocks - t * NT));
+      if (nt == NT)
+        rows_tile<BITS>(a, t * NT, wbuf.data(), acc.data());
+      else
+        gemv_columns<BITS>(a, t * NT, nt);  // a last, partial tile: the gemv's portable loop
     }
   });
 }
