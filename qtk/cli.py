@@ -271,6 +271,8 @@ ENGINE_OPTIONS = [
                       "load when it has none)."),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
                  help="Reuse the KV blocks of a prompt prefix already computed."),
+    click.option("--enforce-eager", is_flag=True,
+                 help="CUDA: run every step eagerly, without the decode steps' CUDA graphs."),
 ]
 
 
@@ -411,14 +413,16 @@ def bench_kernels(device, shapes, ms, out, dtype):
               help=DTYPE_HELP)
 @click.option("--out", type=click.Path(), default="benchmarks/results", show_default=True, help="Directory for the JSON.")
 @click.option("--name", default=None, help="JSON file name (default engine-MODEL-DTYPE).")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N]: where qtk and transformers run.")
+@click.option("--enforce-eager", is_flag=True, help="CUDA: qtk without its decode CUDA graphs.")
 def bench_engine(model, num_prompts, output_len, input_len, batch1_output_len, peers, sequential, gguf, dtype,
-                 out, name):
+                 out, name, device, enforce_eager):
     """qtk's runtime against transformers generate, vLLM's CPU build and llama.cpp (CPU protocol)."""
     from .runtime.bench import run
 
     _, text = run(model, num_prompts=num_prompts, output_len=output_len, batch1_input_len=input_len,
                   batch1_output_len=batch1_output_len, dtype=dtype, peers=peers, sequential=sequential, gguf=gguf,
-                  out=out, name=name)
+                  out=out, name=name, device=device, enforce_eager=enforce_eager)
     click.echo(text)
 
 

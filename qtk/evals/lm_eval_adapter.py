@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).parent / "data" / "lm_eval"
 ENGINE_ARGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-               "kv_cache_memory", "enable_prefix_caching")
+               "kv_cache_memory", "enable_prefix_caching", "enforce_eager", "gpu_memory_utilization")
 IGNORED_ARGS = ("batch_size", "max_batch_size")  # lm-eval's CLI always passes them; the engine forms its own batches
 SAMPLING_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # SamplingParams' names
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
@@ -57,7 +57,8 @@ class QtkLM(TemplateLM):
     """lm-eval's LM on qtk.LLM. model_args: pretrained (any model qtk reads, or a built qtk.LLM
     to share one engine, as HFLM takes a loaded model), device (default: cuda when available, as
     HFLM), and the engine's dtype, kv_cache_dtype, max_model_len, max_num_seqs,
-    max_num_batched_tokens, kv_cache_memory, enable_prefix_caching."""
+    max_num_batched_tokens, kv_cache_memory, enable_prefix_caching, enforce_eager,
+    gpu_memory_utilization."""
 
     def __init__(self, pretrained=None, device: str | None = None, **args):
         super().__init__()

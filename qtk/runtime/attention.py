@@ -58,7 +58,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # long [T]: where each new token's K/V go
     decode_index: torch.Tensor  # long [B]: packed-batch index of each decoding sequence's token
     block_tables: torch.Tensor  # long [B, max_blocks]: their block tables (0 where padded)
-    decode_mask: torch.Tensor  # bool [B, max_blocks * block_size]: True for a real context token
+    decode_mask: torch.Tensor | None  # bool [B, max_blocks * block_size]: True for a real context token
+    # (the torch path's; None in a CUDA graph's step, which runs the Triton kernels)
     prefills: list[PrefillChunk]
     block_size: int
     decode_lens: torch.Tensor | None = None  # long [B]: their context lengths (the Triton kernels')
@@ -178,12 +179,17 @@ def _triton_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: f
     from . import triton_attention as ta
 
     ta.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+
+    def decode(q):
+        return ta.decode_attention(q, cache.k, cache.v, meta.block_tables.to(torch.int32),
+                                   meta.decode_lens.to(torch.int32), scale, meta.block_size, cache.k_scale,
+                                   cache.v_scale)
+    if not meta.prefills:  # a step of decodes only (a CUDA graph's too): token i is sequence i's
+        return decode(q)
     out = torch.empty_like(q)
     i32 = dict(dtype=torch.int32, device=q.device)
     if meta.decode_index.numel():
-        out[meta.decode_index] = ta.decode_attention(
-            q[meta.decode_index], cache.k, cache.v, meta.block_tables.to(torch.int32), meta.decode_lens.to(torch.int32),
-            scale, meta.block_size, cache.k_scale, cache.v_scale)
+        out[meta.decode_index] = decode(q[meta.decode_index])
     if meta.prefills:
         chunks = meta.prefills
         rows = torch.cat([torch.arange(p.start, p.start + p.length, device=q.device) for p in chunks])

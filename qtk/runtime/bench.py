@@ -71,15 +71,15 @@ STARTUP = """
 import time; t0 = time.perf_counter()
 import json, sys
 from qtk import LLM, SamplingParams
-llm = LLM(sys.argv[1], dtype=sys.argv[2])
+llm = LLM(sys.argv[1], dtype=sys.argv[2], **json.loads(sys.argv[4]))
 llm.generate([json.loads(sys.argv[3])], SamplingParams(max_tokens=1))
 print(json.dumps({"startup_s": time.perf_counter() - t0}))
 """
 
 
-def qtk_startup(model: str, dtype: str, prompt: list[int]) -> float:
-    out = subprocess.run([sys.executable, "-c", STARTUP, model, dtype, json.dumps(prompt)], capture_output=True,
-                         text=True, check=True)
+def qtk_startup(model: str, dtype: str, prompt: list[int], engine_args: dict) -> float:
+    out = subprocess.run([sys.executable, "-c", STARTUP, model, dtype, json.dumps(prompt), json.dumps(engine_args)],
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["startup_s"]
 
 
@@ -91,8 +91,8 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int, batch: int, pa
     for i in range(0, len(prompts), batch):
         group = prompts[i:i + batch]
         width = max(map(len, group))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=model.device)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                              do_sample=False, pad_token_id=pad_id)
         tokens += (out.shape[1] - width) * len(group)
@@ -146,15 +146,21 @@ def rate(tokens: int, seconds: float) -> dict:
 def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_len: int = 128,
         batch1_output_len: int = 256, dtype: str = "auto", peers: tuple[str, ...] = ("transformers",),
         sequential: int = 16, gguf: str | None = None, out: str | Path = "benchmarks/results",
-        name: str | None = None) -> tuple[dict, str]:
+        name: str | None = None, device: str = "cpu", enforce_eager: bool = False) -> tuple[dict, str]:
+    """device: where qtk and transformers run (vLLM's CPU build and llama.cpp are CPU peers);
+    enforce_eager: qtk without its CUDA graphs."""
     from ..models import bundled_gguf, load_model, resolve
     from .engine import LLM
 
     if num_prompts < 1 or output_len < 1:
         raise InputError("--num-prompts and --output-len must be at least 1")
-    torch_dtype = choose_dtype(dtype, "cpu").dtype
+    cpu_peers = [p for p in peers if p in ("vllm", "llama.cpp")]
+    if torch.device(device).type != "cpu" and cpu_peers:
+        raise InputError(f"--peer {' '.join(cpu_peers)}: these peers run on the CPU here; bench them with --device cpu")
+    torch_dtype = choose_dtype(dtype, device).dtype
     dtype_name = str(torch_dtype).removeprefix("torch.")
-    llm = LLM(model, dtype=dtype_name)
+    engine_args = {"device": device, "enforce_eager": enforce_eager}
+    llm = LLM(model, dtype=dtype_name, **engine_args)
     prompts = chat_prompts(llm.tokenizer, num_prompts)
     batch1 = text_prompt(llm.tokenizer, batch1_input_len)
     res: dict = {"model": model, "dtype": dtype_name, "num_prompts": num_prompts, "output_len": output_len,
@@ -165,11 +171,11 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
     q = res["engines"]["qtk"] = {"throughput": rate(*qtk_generate(llm, prompts, output_len)),
                                  "batch1": rate(*qtk_generate(llm, [batch1], batch1_output_len))}
     del llm
-    q["startup_s"] = round(qtk_startup(model, dtype_name, prompts[0]), 2)
+    q["startup_s"] = round(qtk_startup(model, dtype_name, prompts[0], engine_args), 2)
 
     if "transformers" in peers:
         log.info("transformers: one request at a time (%d), static batches of 16 (%d)", sequential, num_prompts)
-        hf, tok = load_model(model, dtype=torch_dtype)
+        hf, tok = load_model(model, dtype=torch_dtype, device=device)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         hf_generate(hf, prompts[:2], 8, 2, pad)  # warm-up
         res["engines"]["transformers"] = {
@@ -199,13 +205,14 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
                                                        "max_tokens": batch1_output_len})
         res["engines"]["llama.cpp"] = v if "error" in v else {"gguf": gguf_path,
                                                               "batch1": rate(v["tokens"], v["seconds"])}
+    res["qtk_engine_args"] = engine_args
     return record(res, out, name), summary(res)
 
 
 def record(res: dict, out: str | Path, name: str | None) -> dict:
     via_cli = Path(sys.argv[0]).name in ("qtk", "cli.py", "__main__.py")
     res.update(command=" ".join(["qtk", *sys.argv[1:]] if via_cli else sys.argv), commit=git_commit(), date=datetime.datetime.now().isoformat(),
-               device=_cpu_name(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
+               device=_device_name(res.get("qtk_engine_args", {}).get("device", "cpu")), cpu_capability=torch.backends.cpu.get_cpu_capability(),
                threads=torch.get_num_threads(), torch=torch.__version__)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -229,6 +236,10 @@ def summary(res: dict) -> str:
             cell = lambda x: f"{x['tok_s']:.1f}" if x else "-"  # noqa: E731
             lines.append(f"{label:<24}{cell(thr):>18}{cell(b1):>15}{(f'{st:.1f}' if st else '-'):>12}")
     return "\n".join(lines)
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else _cpu_name()
 
 
 def _cpu_name() -> str:

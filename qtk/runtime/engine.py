@@ -70,7 +70,10 @@ class LLM:
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9, max_logprobs: int = 20):
+                 kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9, max_logprobs: int = 20,
+                 enforce_eager: bool = False):
+        """As vLLM's LLM. enforce_eager: on CUDA, run every step eagerly instead of replaying the
+        decode steps' CUDA graphs (captured at start-up; cuda_graphs.py)."""
         from ..models import load_model
 
         t0 = time.perf_counter()
@@ -102,10 +105,14 @@ class LLM:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._next_id = 0
         prepare(self.model, device, self.dtype)  # decode and repack the weights now, not at the first step
+        graphs = "off (enforce_eager)" if enforce_eager else "none (CPU)" if self.runner.device.type != "cuda" else None
+        if graphs is None:
+            why = self.runner.capture_graphs(max_num_seqs, self.max_model_len)
+            graphs = f"off: {why}" if why else f"decode batch sizes up to {self.runner.graphs.max_batch}"
         log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %s), max_model_len %d; "
-                 "linear layers: %s; attention: %s", time.perf_counter() - t0, num_blocks, block_size,
-                 num_blocks * block_size, str(self.kv_dtype).removeprefix("torch."), self.max_model_len,
-                 kernel_summary(self.model), self.runner.attention_backend)
+                 "linear layers: %s; attention: %s; CUDA graphs: %s", time.perf_counter() - t0, num_blocks,
+                 block_size, num_blocks * block_size, str(self.kv_dtype).removeprefix("torch."), self.max_model_len,
+                 kernel_summary(self.model), self.runner.attention_backend, graphs)
 
     @staticmethod
     def _default_kv_memory(device, utilization: float) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention import QMAX, AttentionMetadata, KVCache, PrefillChunk
+from .cuda_graphs import DecodeGraphs, Record, capture_sizes, cuda_record, graphs_apply
 from .sampler import logprob_entry
 from .scheduler import Batch
 from .sequence import Sequence
@@ -50,6 +51,17 @@ class ModelRunner:
             k_scale, v_scale = kv_scales[i] if kv_scales else (None, None)
             self.kv_caches.append(KVCache(torch.zeros(shape, dtype=kv_dtype, device=self.device),
                                           torch.zeros(shape, dtype=kv_dtype, device=self.device), k_scale, v_scale))
+        self.graphs: DecodeGraphs | None = None
+
+    @torch.inference_mode()
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, record: Record = cuda_record) -> str | None:
+        """Capture the decode step in CUDA graphs (cuda_graphs.py) -> None, or why it cannot be."""
+        why = (f"attention backend {self.attention_backend!r} (the graphs replay the Triton kernels)"
+               if self.attention_backend != "triton" else graphs_apply(self.model))
+        if why is None:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len,
+                                       capture_sizes(max_num_seqs), self.device, record)
+        return why
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size
@@ -110,7 +122,10 @@ class ModelRunner:
         the sequences that asked for prompt logprobs)."""
         self.copy_blocks(batch.copies)
         ids, positions, meta, sample_index = self.prepare(batch)
-        hidden = self.model(ids, positions, meta, self.kv_caches)
+        if self.graphs is not None and not meta.prefills and len(batch.seqs) <= self.graphs.max_batch:
+            hidden = self.graphs.run(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, meta, self.kv_caches)
         prompt_hidden, t = {}, 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.params.prompt_logprobs is not None and seq.is_prefill:

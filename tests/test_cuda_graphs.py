@@ -1,0 +1,126 @@
+"""The decode step's CUDA graphs (qtk.runtime.cuda_graphs).
+
+Without a GPU the graphs' buffer logic runs with an eager stand-in for the capture: the same step
+function over the same static buffers, replayed by calling it, with the Triton kernels in the
+exact interpreter. The graph runner must then give the eager runner's logits and leave exactly
+the eager runner's KV cache (a padding row that kept a slot of an earlier step would overwrite a
+sequence's K/V). With a GPU (marked gpu), the real capture: the engine's greedy tokens with graphs
+equal those with enforce_eager.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qtk.runtime.block_manager import BlockManager
+from qtk.runtime.cuda_graphs import capture_sizes
+from qtk.runtime.model_runner import ModelRunner
+from qtk.runtime.models.llama import LlamaModel
+from qtk.runtime.scheduler import Scheduler, SchedulerConfig
+from qtk.runtime.sequence import Sequence
+
+triton = pytest.importorskip("triton")
+
+from test_kernels_interp import exact_interpretation  # noqa: E402
+from test_runtime import hf_model  # noqa: E402
+
+
+def test_capture_sizes_are_vllms_ladder():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 32] and capture_sizes(256)[-1] == 256
+    assert capture_sizes(1024)[-1] == 512
+
+
+class EagerRecord:
+    """cuda_record's stand-in: 'capturing' keeps the step; a replay runs it on the static buffers."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def __call__(self, step, pool):
+        def replay():
+            self.replays += 1
+            step()
+        return replay, pool
+
+
+def run_steps(runner, prompts, steps, num_blocks, bs, finish_after):
+    """Greedy-free stepping (fixed next tokens) -> logits per step; sequence i stops after
+    finish_after[i] sampled tokens, so the batch shrinks within one captured size."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), BlockManager(num_blocks, bs))
+    seqs = [Sequence(p, block_size=bs) for p in prompts]
+    for s in seqs:
+        sched.add(s)
+    rows = []
+    for _ in range(steps):
+        batch = sched.schedule()
+        if not batch.seqs:
+            break
+        out, _ = runner.run(batch)
+        rows.append(out)
+        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        sched.finish_step(batch, {s.seq_id: 7 + seqs.index(s) for s in sampling})
+        for s in sampling:
+            if s.num_generated_tokens >= finish_after[seqs.index(s)]:
+                sched.finish(s)
+    return rows
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+def test_graph_steps_give_the_eager_logits_and_cache(kv_dtype):
+    model = LlamaModel(hf_model("llama"))
+    num_blocks, bs = 32, 4
+    scales = None
+    if kv_dtype is not None:
+        s = torch.full((model.num_kv_heads, 1, 1), 0.05)
+        scales = [(s, s) for _ in model.layers]
+    eager = ModelRunner(model, num_blocks, bs, kv_dtype, scales, attention_backend="triton")
+    graphed = ModelRunner(model, num_blocks, bs, kv_dtype, scales, attention_backend="triton")
+    record = EagerRecord()
+    # 5 sequences decode in the size-8 graph, then 4, 3 (rows 3..7 were real a step before), then 2
+    prompts = [list(range(10, 17)), list(range(50, 53)), list(range(90, 95)), [5, 6], list(range(30, 39))]
+    finish_after = [6, 3, 5, 2, 4]
+    with exact_interpretation():
+        assert graphed.capture_graphs(max_num_seqs=8, max_model_len=40, record=record) is None
+        assert sorted(graphed.graphs.replays) == [1, 2, 4, 8]
+        ref = run_steps(eager, prompts, 8, num_blocks, bs, finish_after)
+        got = run_steps(graphed, prompts, 8, num_blocks, bs, finish_after)
+    assert record.replays >= 5  # the decode steps went through the graphs
+    assert len(got) == len(ref)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    for a, b in zip(eager.kv_caches, graphed.kv_caches):
+        for x, y in ((a.k, b.k), (a.v, b.v)):
+            if kv_dtype is None:
+                torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
+            else:  # codes: a rounding tie may move one step
+                assert (y.float() - x.float()).abs().max() <= 1
+
+
+def test_graphs_are_not_captured_where_they_cannot_replay():
+    cpu = ModelRunner(LlamaModel(hf_model("llama")), 8, 4, attention_backend="torch")
+    assert "attention backend" in cpu.capture_graphs(4, 16, record=EagerRecord())
+    model = hf_model("llama")
+    model.model.rotary_emb.rope_type = "dynamic"
+    runner = ModelRunner(LlamaModel(model), 8, 4, attention_backend="triton")
+    assert "reads the positions on the host" in runner.capture_graphs(4, 16, record=EagerRecord())
+    assert cpu.graphs is None and runner.graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_with_cuda_graphs_gives_the_eager_tokens(tiny_dir):
+    from qtk import LLM, SamplingParams
+
+    prompts = ["Hello there", "The capital of France is", "1, 2, 3,", "A"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(str(tiny_dir), device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=eager)
+        assert (llm.runner.graphs is None) == eager
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]
