@@ -9,6 +9,8 @@ equal those with enforce_eager.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -109,18 +111,51 @@ def test_graphs_are_not_captured_where_they_cannot_replay():
     assert cpu.graphs is None and runner.graphs is None
 
 
+def gpu_engine():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_engine.py"
+    spec = importlib.util.spec_from_file_location("gpu_engine", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_engine_with_cuda_graphs_gives_the_eager_tokens(tiny_dir):
+def test_engine_with_cuda_graphs_gives_the_eager_tokens(tmp_path):
+    """Greedy tokens of a tiny random bf16 Llama (no download: gpu_engine's word-level tokenizer),
+    with graphs and eagerly, for batches that pad (3 of a size-4 graph) and shrink as requests end."""
     from qtk import LLM, SamplingParams
 
-    prompts = ["Hello there", "The capital of France is", "1, 2, 3,", "A"]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    path = gpu_engine().build_model("tiny", tmp_path / "tiny", "cuda")
+    prompts = [list(range(3, 40)), [5, 6, 7], list(range(100, 117))]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 9, 16)]
     outs = {}
     for eager in (True, False):
-        llm = LLM(str(tiny_dir), device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=eager)
+        llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=eager)
         assert (llm.runner.graphs is None) == eager
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
         torch.cuda.empty_cache()
     assert outs[False] == outs[True]
+
+
+@pytest.mark.slow
+def test_the_gpu_engine_benchmark_runs_every_part_on_a_tiny_model(tmp_path):
+    """benchmarks/gpu_engine.py end to end on the CPU (its figures mean nothing there): the parts
+    it records hold what they say."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_engine.py"
+    subprocess.run([sys.executable, str(script), "--shape", "tiny", "--device", "cpu", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True)
+    res = json.loads((tmp_path / "gpu_engine-tiny.json").read_text())
+    assert set(res["batch1"]) == {"bf16-eager", "w4a16-eager"}
+    assert all(r["steps"] == 16 and r["tpot_ms"] > 0 for r in res["batch1"].values())
+    assert res["batch1"]["w4a16-eager"]["step_bytes"] < res["batch1"]["bf16-eager"]["step_bytes"] / 2.5
+    assert res["kv_tokens"]["fp8"] == 2 * res["kv_tokens"]["bf16"]
+    requests = gpu_engine().offline_requests(8, 1024)
+    assert res["offline_qtk"]["tokens"] == res["offline_hf"]["tokens"] == sum(o // 20 for _, o in requests)
