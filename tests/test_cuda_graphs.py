@@ -111,6 +111,21 @@ def test_graphs_are_not_captured_where_they_cannot_replay():
     assert cpu.graphs is None and runner.graphs is None
 
 
+def test_a_failed_capture_leaves_an_eager_engine(tiny_dir, caplog, monkeypatch):
+    from qtk import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), dtype="float32")
+    expected = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0].token_ids
+
+    def broken(*args, **kwargs):
+        llm.runner.graphs = object()  # half-built when it failed
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(llm.runner, "capture_graphs", broken)
+    assert llm._capture_graphs(8) == "off: the capture failed"
+    assert llm.runner.graphs is None and "runs eagerly" in caplog.text
+    assert llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0].token_ids == expected
+
+
 def gpu_engine():
     import importlib.util
 

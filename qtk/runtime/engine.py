@@ -107,12 +107,23 @@ class LLM:
         prepare(self.model, device, self.dtype)  # decode and repack the weights now, not at the first step
         graphs = "off (enforce_eager)" if enforce_eager else "none (CPU)" if self.runner.device.type != "cuda" else None
         if graphs is None:
-            why = self.runner.capture_graphs(max_num_seqs, self.max_model_len)
-            graphs = f"off: {why}" if why else f"decode batch sizes up to {self.runner.graphs.max_batch}"
+            graphs = self._capture_graphs(max_num_seqs)
         log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %s), max_model_len %d; "
                  "linear layers: %s; attention: %s; CUDA graphs: %s", time.perf_counter() - t0, num_blocks,
                  block_size, num_blocks * block_size, str(self.kv_dtype).removeprefix("torch."), self.max_model_len,
                  kernel_summary(self.model), self.runner.attention_backend, graphs)
+
+    def _capture_graphs(self, max_num_seqs: int) -> str:
+        """Capture the decode steps' CUDA graphs -> what the start-up log says of them. A failed
+        capture is an optimization lost, not an engine lost: it warns and the steps run eagerly."""
+        try:
+            why = self.runner.capture_graphs(max_num_seqs, self.max_model_len)
+        except Exception as e:
+            self.runner.graphs = None
+            log.warning("capturing the decode steps in CUDA graphs failed (%s: %s); every step runs eagerly "
+                        "(--enforce-eager skips the capture)", type(e).__name__, e)
+            return "off: the capture failed"
+        return f"off: {why}" if why else f"decode batch sizes up to {self.runner.graphs.max_batch}"
 
     @staticmethod
     def _default_kv_memory(device, utilization: float) -> int:
