@@ -124,7 +124,6 @@ def test_prefix_hits_full_blocks_only_never_the_last_token():
     assert bm.lookup_prefix(c) == 4
     d = Sequence(list(range(8)) + [5], block_size=BS, cache_salt="other tenant")
     assert bm.lookup_prefix(d) == 0
-    assert (bm.prefix_queries, bm.prefix_hits) == (10 + 11 + 8 + 9, 12)
     assert bm.blocks[a.block_table[0]].ref_count == 3
 
 

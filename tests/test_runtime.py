@@ -156,6 +156,47 @@ def test_engine_input_errors(tiny_dir):
     assert same[0].outputs[0].token_ids == out[0].outputs[0].token_ids  # vLLM's prompt dicts
     text = llm.generate({"prompt": "Hello"}, SamplingParams(max_tokens=2, temperature=0))
     assert text[0].prompt_token_ids == llm.tokenizer("Hello").input_ids
+    with pytest.raises(InputError, match="3 prompts but 2 sampling params"):  # not 2 outputs for 3 prompts
+        llm.generate([[1], [2], [3]], [SamplingParams(), SamplingParams()])
+    with pytest.raises(InputError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt": "Hello", "cache_salt": ""})
+
+
+def test_request_ids_are_never_shared(tiny_dir):
+    """A given id already running is refused (it would orphan the first request, which then never
+    ends); a generated id skips the ids given by hand."""
+    from qtk import LLM, SamplingParams
+    from qtk.errors import InputError
+
+    llm = LLM(str(tiny_dir), max_model_len=64, kv_cache_memory=2**22)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    assert llm.add_request([1, 2], params, request_id="1") == "1"
+    with pytest.raises(InputError, match="request id '1' is already running"):
+        llm.add_request([3, 4], params, request_id="1")
+    ids = [llm.add_request([3, 4], params) for _ in range(3)]
+    assert "1" not in ids and len(set(ids)) == 3
+    done = {}
+    for _ in range(20):
+        for out in llm.step():
+            assert out.error is None
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == sorted(["1", *ids]) and not llm.has_unfinished_requests()
+
+
+def test_cache_salt_keeps_tenants_apart(tiny_dir):
+    from qtk import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), max_model_len=128, kv_cache_memory=2**22, block_size=4)
+    prompt = list(range(5, 30))
+    params = SamplingParams(max_tokens=2, temperature=0)
+    first = llm.generate({"prompt_token_ids": prompt, "cache_salt": "a"}, params)[0]
+    hits = llm.block_manager.prefix_hits
+    other = llm.generate({"prompt_token_ids": prompt, "cache_salt": "b"}, params)[0]
+    assert llm.block_manager.prefix_hits == hits  # another tenant's blocks are not found
+    same = llm.generate({"prompt_token_ids": prompt, "cache_salt": "a"}, params)[0]
+    assert llm.block_manager.prefix_hits == hits + 24  # the same tenant's are
+    assert first.outputs[0].token_ids == other.outputs[0].token_ids == same.outputs[0].token_ids
 
 
 def test_logit_bias_is_added_before_the_choice(tiny_dir):
@@ -239,6 +280,21 @@ def test_stop_strings_cut_the_text_exactly(tiny_dir):
     done = cut.outputs[0]
     assert done.finish_reason == "stop" and done.text == full.text[:full.text.index(stop)]
     assert full.token_ids[:len(done.token_ids)] == done.token_ids and len(done.token_ids) < 24
+    kept = llm.generate(["Hello"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop],
+                                                  include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == full.text[:full.text.index(stop) + len(stop)] and kept.token_ids == done.token_ids
+
+
+def test_a_stop_string_is_looked_for_only_where_the_new_text_could_end_it():
+    """Each stop string in its own window (vLLM's): an 'a' passed over while min_tokens held stops
+    back is not found later because a longer stop string in the list widens the search."""
+    from qtk.runtime.detokenizer import find_stop
+
+    stops = ("a", "bbbbbbbbbb")
+    assert find_stop("xa", stops, new=1) == (1, "a")
+    assert find_stop("xayzw", stops, new=1) is None
+    assert find_stop("xayzw", ("a", "yz"), new=1) is None and find_stop("xayzw", ("a", "yz"), new=2) == (2, "yz")
+    assert find_stop("abcab", ("ab", "cab"), new=2) == (2, "cab")  # the earliest start wins
 
 
 def test_logprobs_of_sampled_tokens_are_the_models(tiny_dir):

@@ -75,6 +75,18 @@ def test_small_chunks_and_prefix_sharing_change_nothing():
     assert sched.bm.prefix_hits >= 96 * 5  # later requests reuse the shared prompt's blocks
 
 
+def test_prefix_cache_metrics_count_each_admission_once():
+    """A request that waits many steps for room is looked up at each try, but counted once: when
+    it is admitted, with the tokens it was admitted with."""
+    shared = list(range(40))
+    prompts = [shared + [90 + i] for i in range(4)]
+    _, sched, _ = run(prompts, max_tokens=8, num_blocks=24, budget=64, max_num_seqs=4)
+    if sched.num_preemptions == 0:
+        assert sched.bm.prefix_queries == sum(map(len, prompts))
+    assert sched.bm.prefix_queries <= sum(map(len, prompts)) + sched.num_preemptions * (41 + 8)
+    assert 0 < sched.bm.prefix_hits <= sched.bm.prefix_queries
+
+
 def test_decodes_go_first_and_a_long_prompt_is_chunked_around_them():
     """A 300-token prompt arrives while two requests decode: every step still decodes both, and
     the prompt goes in chunks of what the 16-token budget leaves."""

@@ -51,6 +51,32 @@ def test_completion_and_its_stream_agree(client):
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-2].choices[0].finish_reason == "length"
 
 
+def test_stop_string_kept_and_cache_salt(server, client):
+    """vLLM's include_stop_str_in_output ends the text after the stop string, streamed too; a
+    cache_salt request shares no cached blocks with unsalted ones (the prefix-cache hits stay)."""
+    import re
+
+    kw = dict(model="tiny", prompt="Hello there", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[4:6]
+    keep = {"include_stop_str_in_output": True}
+    cut = client.completions.create(**kw, stop=[stop], extra_body=keep).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop) + len(stop)]
+    chunks = client.completions.create(**kw, stop=[stop], extra_body=keep, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut.text
+
+    def hits() -> float:
+        text = httpx.get(server[0] + "/metrics").text
+        return float(re.search(r"^qtk:prefix_cache_hits_total (\S+)$", text, re.M)[1])
+    prompt = "The same long prompt, " * 6
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    before = hits()
+    salted = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "t1"})
+    assert hits() == before and salted.usage.completion_tokens == 1
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "t1"})
+    assert hits() > before
+
+
 def test_chat_stream_n_and_seed(client):
     msgs = [{"role": "user", "content": "Say something."}]
     full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
@@ -107,6 +133,7 @@ def test_concurrent_requests_equal_the_same_requests_alone(client):
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "suffix": "!"}, "suffix"),
     ({"prompt": "hi", "max_tokens": 0, "echo": False}, "max_tokens"),  # only echo may ask for no new tokens
+    ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
 ])
 def test_bad_requests_are_4xx_that_name_the_field(server, body, field):
     r = httpx.post(server[0] + "/v1/completions", content=json.dumps({"model": "tiny", **body}),  # ASCII escapes,

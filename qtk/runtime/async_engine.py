@@ -63,6 +63,9 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already running")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        if self.dead is not None:  # it died after the check above, before this stream was there to be told
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(f"the engine stopped: {self.dead!r}")
         self._post(("add", request_id, prompt, params))
         finished = False
         stats = RequestStats()

@@ -6,8 +6,10 @@ ref-counted sharing, prefix caching and copy-on-write.
     free        blocks with no reader, in LRU order: a freed block goes to the back, a new block
                 is taken from the front; a free block keeps its cached content until it is taken
     prefix      a full block's hash chains its parent's hash, its token ids and the request's
-                cache_salt (tenants with different salts never share); a new request takes the
-                longest run of its full prompt blocks found in the cache, without recomputing them
+                cache_salt (tenants with different salts never share): SHA-256 from a random root
+                per pool, as vLLM's, so no request can craft a collision with another's prefix
+                (Python's hash() could be); a new request takes the longest run of its full prompt
+                blocks found in the cache, without recomputing them
     fork        a child shares its parent's blocks (ref_count + 1 each); the first write into a
                 shared, partly filled block copies it first (copy-on-write: the (src, dst) pairs
                 wait in take_copies() for the runner to apply before its next forward)
@@ -17,7 +19,10 @@ the step computes, commit after the step, free when a sequence finishes, aborts 
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -28,13 +33,19 @@ from .sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set while the block is in the prefix cache
-    parent: int | None = None  # the hash it chains (to verify a hit, not just the hash)
+    hash: bytes | None = None  # set while the block is in the prefix cache
+    parent: bytes | None = None  # the hash it chains (to verify a hit, not just the hash)
     tokens: tuple[int, ...] = ()
 
 
-def block_hash(parent: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
-    return hash((parent, salt, tokens))
+def block_hash(parent: bytes, tokens: tuple[int, ...], salt: str | None) -> bytes:
+    """SHA-256 of (parent hash, salt, token ids); the first block's parent is the pool's root."""
+    h = hashlib.sha256(parent)
+    if salt is not None:
+        encoded = salt.encode()
+        h.update(len(encoded).to_bytes(8, "little") + encoded)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 class BlockManager:
@@ -45,9 +56,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # free blocks, LRU first
-        self.cached: dict[int, int] = {}  # prefix hash -> block id
+        self.root = os.urandom(32)  # the parent of every first block: hashes differ from pool to pool
+        self.cached: dict[bytes, int] = {}  # prefix hash -> block id
         self.copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
     # -- pool ------------------------------------------------------------------------------
@@ -92,13 +104,13 @@ class BlockManager:
     # -- sequences -------------------------------------------------------------------------
     def lookup_prefix(self, seq: Sequence) -> int:
         """At admission: give seq the cached blocks of its longest cached run of full blocks (never
-        its last token, whose logits the step must compute); returns the tokens found."""
+        its last token, whose logits the step must compute); returns the tokens found. The
+        scheduler counts the lookup (count_lookup) once the admission holds."""
         if seq.block_table:
             raise RuntimeError(f"lookup_prefix on {seq}, which already holds blocks")
-        self.prefix_queries += len(seq)
         if not self.enable_prefix_caching:
             return 0
-        parent = None
+        parent = self.root
         for i in range((len(seq) - 1) // self.block_size):
             tokens = tuple(seq.block_tokens(i))
             h = block_hash(parent, tokens, seq.cache_salt)
@@ -111,8 +123,12 @@ class BlockManager:
             parent = h
         found = len(seq.block_table) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens = found
-        self.prefix_hits += found
         return found
+
+    def count_lookup(self, queried: int, found: int) -> None:
+        """An admitted sequence's lookup: `queried` tokens, `found` of them cached (the metrics)."""
+        self.prefix_queries += queried
+        self.prefix_hits += found
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Slots for seq's next num_new_tokens tokens (after its computed ones); False, changing
@@ -140,7 +156,7 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if i else None
+            parent = seq.block_hashes[-1] if i else self.root
             tokens = tuple(seq.block_tokens(i))
             h = block_hash(parent, tokens, seq.cache_salt)
             seq.block_hashes.append(h)

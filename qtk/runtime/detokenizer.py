@@ -31,15 +31,12 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
 
-def find_stop(text: str, stops: tuple[str, ...], new: int) -> int | None:
-    """Where the first stop string in text starts, looking only where the last `new` characters
-    could complete one; None if none."""
-    if not stops:
-        return None
-    longest = max(len(s) for s in stops)
-    start = max(len(text) - new - longest + 1, 0)
-    hits = [i for i in (text.find(s, start) for s in stops) if i != -1]
-    return min(hits) if hits else None
+def find_stop(text: str, stops: tuple[str, ...], new: int) -> tuple[int, str] | None:
+    """(where, which) of the first stop string in text that the last `new` characters complete
+    (each string searched only where it could end in them, as vLLM does: an earlier occurrence,
+    passed over while min_tokens held stops back, is not found later); None if none."""
+    hits = [(i, s) for s in stops if (i := text.find(s, max(len(text) - new - len(s) + 1, 0))) != -1]
+    return min(hits, default=None)
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -176,9 +176,9 @@ class LLM:
 
     # -- requests ----------------------------------------------------------------------------
     def prompt_ids(self, prompt: str | list[int] | dict) -> list[int]:
-        """A prompt as vLLM takes one (text, token ids, {"prompt": text} or {"prompt_token_ids": ids})
-        as token ids, each checked against the vocabulary: an id outside it would fail inside a step,
-        and take the batch's other requests with it."""
+        """A prompt as vLLM takes one (text, token ids, {"prompt": text} or {"prompt_token_ids": ids},
+        a dict with an optional "cache_salt") as token ids, each checked against the vocabulary: an
+        id outside it would fail inside a step, and take the batch's other requests with it."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt and "prompt" not in prompt:
                 raise InputError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got keys {sorted(prompt)}")
@@ -217,18 +217,22 @@ class LLM:
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         ids = self.prompt_ids(prompt)
+        salt = _cache_salt(prompt)
         self.check_params(params)
         if not ids:
             raise InputError("the prompt is empty")
         if len(ids) >= self.max_model_len:
             raise InputError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        request_id = request_id or str(self._next_id)
-        self._next_id += 1
+        if request_id is not None and request_id in self._requests:
+            raise InputError(f"request id {request_id!r} is already running; give each request its own")
+        while request_id is None or request_id in self._requests:  # a generated id never takes a given one's
+            request_id = str(self._next_id)
+            self._next_id += 1
         out = RequestOutput(request_id, ids, [CompletionOutput(i, "", []) for i in range(params.n)])
         # with a seed, choice i draws from seed + i (as vLLM's parallel sampling): n seeded choices differ
         seqs = [Sequence(ids, params if params.seed is None or params.n == 1 else
                          replace(params, seed=(params.seed + i) % 2 ** 64), self.block_manager.block_size,
-                         request_id=request_id) for i in range(params.n)]
+                         cache_salt=salt, request_id=request_id) for i in range(params.n)]
         if params.structured_outputs is not None:  # a bad schema fails here, before anything is held
             for s, m in zip(seqs, self.grammars.matchers(params.structured_outputs, len(seqs))):
                 s.grammar = m
@@ -302,9 +306,10 @@ class LLM:
         complete = seq.grammar is not None and seq.grammar.is_stopped()  # only EOS could follow
         delta = self._detok[seq.seq_id].step(seq.token_ids, final=at_length or complete)
         seq.text += delta
-        cut = find_stop(seq.text, p.stop, len(delta)) if may_stop else None
-        if cut is not None:
-            seq.text = seq.text[:cut]
+        hit = find_stop(seq.text, p.stop, len(delta)) if may_stop else None
+        if hit is not None:
+            where, stop = hit
+            seq.text = seq.text[:where + len(stop) if p.include_stop_str_in_output else where]
             return "stop"
         if complete:
             return "stop"
@@ -319,7 +324,8 @@ class LLM:
         completion = out.outputs[seqs.index(seq)]
         completion.token_ids = seq.generated_token_ids
         completion.finish_reason = reason
-        completion.text = seq.text if reason is not None else seq.text[:len(seq.text) - held_back(seq.text, seq.params.stop)]
+        hold = 0 if reason is not None or seq.params.include_stop_str_in_output else held_back(seq.text, seq.params.stop)
+        completion.text = seq.text[:len(seq.text) - hold]
         if seq.params.logprobs is not None:
             completion.logprobs = seq.logprobs
         if (seq.params.prompt_logprobs is not None and out.prompt_logprobs is None
@@ -338,6 +344,8 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InputError(f"{len(prompts)} prompts but {len(params)} sampling params: give one, or one per prompt")
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, params):
@@ -361,3 +369,11 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
                                                       return_dict=True)["input_ids"] for c in convs]
         return self.generate([list(p) for p in prompts], sampling_params)
+
+
+def _cache_salt(prompt) -> str | None:
+    """A prompt dict's cache_salt (vLLM's): requests share cached KV blocks only under the same salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise InputError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt

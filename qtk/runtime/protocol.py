@@ -3,8 +3,8 @@
 Unknown fields are ignored, as OpenAI's and vLLM's servers do; a field of the wrong type or out of
 range is a 400 that names it (server.py turns pydantic's and SamplingParams' errors into OpenAI's
 error shape). vLLM's extensions are accepted under their names: top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, skip_special_tokens, structured_outputs (json, json_object, regex, choice,
-grammar). response_format {"type": "json_object"} or {"type": "json_schema", "json_schema":
+min_tokens, ignore_eos, skip_special_tokens, include_stop_str_in_output, cache_salt,
+structured_outputs (json, json_object, regex, choice, grammar). response_format {"type": "json_object"} or {"type": "json_schema", "json_schema":
 {"schema": ...}} constrains the output as OpenAI's does; logit_bias shifts token logits as OpenAI's
 does; chat tools and tool_choice are read as vLLM reads them without a tool-call parser
 (ChatCompletionRequest).
@@ -98,6 +98,12 @@ class _Sampling(_Text):
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias, clamped to +-100
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1)  # only requests with the same salt share cached KV
+
+    def engine_prompt(self, ids: list[int]) -> list[int] | dict:
+        """The prompt as the engine takes it: the token ids, with the request's cache_salt if any."""
+        return ids if self.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": self.cache_salt}
 
     def structured(self) -> StructuredOutputsParams | None:
         """The output constraint, from response_format or vLLM's structured_outputs (not both)."""
@@ -137,6 +143,7 @@ class _Sampling(_Text):
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs,

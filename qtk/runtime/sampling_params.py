@@ -27,6 +27,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = up to max_model_len
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per sampled token (the sampled one is always given)

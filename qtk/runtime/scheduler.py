@@ -91,13 +91,16 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table and seq.params.prompt_logprobs is None:
+            looked_up = not seq.block_table and seq.params.prompt_logprobs is None
+            if looked_up:
                 self.bm.lookup_prefix(seq)  # (a cached prefix has no logits to report)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.bm.allocate_slots(seq, n):
                 self.bm.free(seq)  # give back a cached prefix it took; it stays first in line
                 seq.reset_for_recompute()
                 break
+            if looked_up:
+                self.bm.count_lookup(len(seq), seq.num_cached_tokens)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:

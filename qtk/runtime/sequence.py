@@ -38,7 +38,7 @@ class Sequence:
         self.cache_salt = cache_salt
         self.status = Status.WAITING
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at admission
         self.text = ""  # the generated text so far (the engine's detokenizer appends to it)

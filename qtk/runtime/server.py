@@ -209,7 +209,7 @@ class Server:
             params = self._params(body, max_tokens, body.logprobs,
                                   prompt_logprobs=body.logprobs if body.echo else None)
             echo = (p if isinstance(p, str) else tok.decode(ids)) if body.echo else None
-            streams.append((i, ids, echo, self.engine.generate(ids, params, f"{base}-{i}")))
+            streams.append((i, ids, echo, self.engine.generate(body.engine_prompt(ids), params, f"{base}-{i}")))
         if body.stream:
             return self._sse(self._stream_completions(base, body, streams, echo_only))
         finals = await all_or_none([self._last(stream) for *_, stream in streams])
@@ -341,7 +341,7 @@ class Server:
         free = params.structured_outputs is None  # a grammar leaves no room for a thought before the answer
         replies = ChatChoices(body, self.tool_parser if auto else None, self.reasoning_parser if free else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.engine.generate(ids, params, rid)
+        stream = self.engine.generate(body.engine_prompt(ids), params, rid)
         if body.stream:
             return self._sse(self._stream_chat(rid, body, len(ids), stream, replies))
         final = await self._last(stream)
