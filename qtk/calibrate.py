@@ -208,9 +208,10 @@ def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -
     from .methods import SMOOTHING, WEIGHTS
     from .methods.kv_cache import finish_observing, start_observing
 
-    if recipe.smoothing is not None:
-        SMOOTHING[recipe.smoothing](block, recipe)
-    WEIGHTS[recipe.weights](block, recipe)
+    if block.targets:  # an ignored block is still run: the next block needs its outputs
+        if recipe.smoothing is not None:
+            SMOOTHING[recipe.smoothing](block, recipe)
+        WEIGHTS[recipe.weights](block, recipe)
     if block.inputs is None or (last and recipe.kv_cache is None):
         return None
     kv = recipe.kv_cache

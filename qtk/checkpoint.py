@@ -99,18 +99,22 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, groups: lis
         raise OutputExistsError(f"{out} exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    old = None  # the replaced output, moved aside until the new one is in place
     try:
         _write(model, tokenizer, tmp, groups, ignore, kv, dtype, extra_files or {})
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out.exists():  # put the old output back: a failure loses nothing
+            os.replace(old, out)
         raise
+    if old is not None and old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    elif old is not None:  # --output was a file
+        old.unlink(missing_ok=True)
     return out
 
 

@@ -28,6 +28,14 @@ def builtin_texts(split: str) -> list[str]:
     return [topics[n] for n in keep]
 
 
+def read_text(path: Path, what: str = "file") -> str:
+    """A text file's contents; InputError when it is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{what} {path} is not UTF-8 text (byte {e.start}); convert it, e.g. with iconv") from e
+
+
 def jsonl_rows(path: Path, what: str = "file") -> list[tuple[int, object]]:
     """(line number, parsed value) for each non-blank line of a JSONL file; NotFoundError naming
     `what` when it is missing, InputError naming the line when one is not JSON."""
@@ -35,7 +43,7 @@ def jsonl_rows(path: Path, what: str = "file") -> list[tuple[int, object]]:
     if not path.is_file():
         raise NotFoundError(f"{what} {path} not found")
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(read_text(path, what).splitlines(), 1):
         if line.strip():
             try:
                 rows.append((i, json.loads(line)))
@@ -48,7 +56,7 @@ def file_texts(path: Path, text_key: str = "text") -> list[str]:
     if not path.is_file():
         raise NotFoundError(f"dataset file {path} not found")
     if path.suffix == ".txt":
-        return [path.read_text()]
+        return [read_text(path, "dataset file")]
     if path.suffix == ".jsonl":
         texts = []
         for i, row in jsonl_rows(path, "dataset file"):

@@ -87,6 +87,23 @@ class DtypeChoice:
         return str(self.dtype).removeprefix("torch.")
 
 
+def check_device(device: torch.device | str, present: bool = True) -> torch.device:
+    """`device` as a torch.device: cpu or cuda[:N]; with `present`, one this machine has (CUDA and
+    that GPU there)."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"device must be cpu or cuda[:N], got {device!r}") from None
+    if d.type not in ("cpu", "cuda"):
+        raise InputError(f"device must be cpu or cuda[:N], got {device!r}")
+    if d.type == "cuda" and present:
+        if not torch.cuda.is_available():
+            raise InputError(f"device {device!r}: this machine has no CUDA GPU torch can use; pass --device cpu")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise InputError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA GPUs, numbered from 0")
+    return d
+
+
 def choose_dtype(requested: str | torch.dtype | None, device: torch.device | str = "cpu") -> DtypeChoice:
     """The compute dtype for `requested` ("auto", "bfloat16", "float32" or a torch dtype) on `device`,
     with the reason; logged once per call. An explicit bf16 on a CPU without bf16 units is kept,

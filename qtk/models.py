@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import InputError, NotFoundError
+from .errors import CheckpointError, InputError, NotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +98,21 @@ def resolve(model: str) -> Path:
         return _gguf_to_dir(bundled_gguf(), cache_dir() / BUNDLED)
     p = Path(model)
     if p.is_file() and p.suffix == ".gguf":
-        return _gguf_to_dir(p, cache_dir() / f"gguf-{p.stem}-{p.stat().st_size}")
+        return _gguf_to_dir(p, cache_dir() / f"gguf-{p.stem}-{_file_key(p)}")
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise NotFoundError(f"{p} has no config.json; MODEL must be an HF model directory, a .gguf file or {BUNDLED!r}")
         return p
     raise NotFoundError(f"model {model!r} not found: give an HF model directory, a .gguf file or {BUNDLED!r}")
+
+
+def _file_key(p: Path) -> str:
+    """Which file this is, and which version of it: its absolute path, size and modification time
+    (two fine-tunes of one base quantized alike have the same name and size, so those are not enough)."""
+    import hashlib
+
+    st = p.stat()
+    return hashlib.sha256(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 def _gguf_to_dir(gguf: Path, target: Path) -> Path:
@@ -165,24 +174,35 @@ def is_quantized_dir(path: Path) -> bool:
     return "quantization_config" in config_dict(path)
 
 
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path} has no tokenizer transformers can read ({e}); copy the original model's "
+                         "tokenizer files into it") from e
+
+
 def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(model, tokenizer) for an HF dir, a .gguf, the bundled name, or a quantized checkpoint."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from .checkpoint import check_weight_files, load_quantized
 
     path = resolve(model)
     config = read_config(path)
     check_weight_files(path)
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path} has no tokenizer transformers can read ({e}); copy the original model's "
-                         "tokenizer files into it") from e
+    tok = load_tokenizer(path)
     if is_quantized_dir(path):
         m = load_quantized(path, dtype=dtype, device=device)
     else:
-        m = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        m, info = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True)
+        missing = [k for k in info.get("missing_keys", ())
+                   if not (k == "lm_head.weight" and getattr(config, "tie_word_embeddings", False))]
+        if missing:  # transformers would leave them random, and everything after would run on noise
+            raise CheckpointError(f"{path}: {len(missing)} weights the config needs are not in its files, e.g. "
+                                  f"{sorted(missing)[:3]}; the files are from another model or incomplete")
         m.to(device)
     m.eval()
     return m, tok

@@ -1,6 +1,7 @@
 """`qtk quantize` end to end: load, calibrate block by block, write the checkpoint atomically."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tempfile
@@ -8,14 +9,14 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from torch import nn
 
 from .calibrate import checkpoint_groups, quantize_model, targeted_linears
-from .checkpoint import save_quantized
+from .checkpoint import check_weight_files, save_quantized, target_matches
 from .data import calibration_ids
-from .device import choose_dtype
+from .device import check_device, choose_dtype
 from .errors import InputError, OutputError, OutputExistsError
-from .models import arch_for, is_quantized_dir, load_model, read_config, resolve
+from .models import arch_for, is_quantized_dir, load_model, load_tokenizer, read_config, resolve
 from .recipe import Recipe, replace, to_yaml
 from .schemes import check_group_divides, dividing_group_size
 
@@ -31,15 +32,23 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     enough), so a mistake costs seconds, not a calibration. `dtype` is the checkpoint's float dtype;
     the recipe's dtype is the one blocks run in while calibrating."""
     output = Path(output)
+    check_device(recipe.device)
     check_output(output, force)
     t0 = time.perf_counter()
     path = resolve(model_name)  # also converts a .gguf once
     if is_quantized_dir(path):
         raise InputError(f"{model_name} is already quantized; quantize the original model")
     recipe = fit_layers(path, recipe)
+    check_weight_files(path)
     compute = choose_dtype(recipe.dtype, recipe.device)
     c = recipe.calibration
-    tok = AutoTokenizer.from_pretrained(path)
+    context = getattr(read_config(path), "max_position_embeddings", None) or c.seq_len
+    if recipe.needs_data and c.seq_len > context:  # positions the model never saw would skew every statistic
+        log.warning("calibration seq_len %d is longer than the model's context (max_position_embeddings %d): "
+                    "calibrating on %d-token samples", c.seq_len, context, context)
+        c = dataclasses.replace(c, seq_len=context)
+        recipe = replace(recipe, calibration=c)
+    tok = load_tokenizer(path)
     ids = calibration_ids(tok, c.dataset, c.num_samples, c.seq_len, c.seed, c.chat_template) if recipe.needs_data else None
     model, tok = load_model(str(path), dtype=compute.dtype)
     report = quantize_model(model, recipe, ids, progress=progress)
@@ -74,6 +83,7 @@ def fit_layers(path: Path, recipe: Recipe) -> Recipe:
     arch_for(config)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
+    check_ignore(skeleton, recipe)
     in_features = {n: m.in_features for n, m in targeted_linears(skeleton, recipe).items()}
     w = recipe.scheme.weights
     if recipe.auto_group_size and w.strategy == "group":
@@ -86,3 +96,16 @@ def fit_layers(path: Path, recipe: Recipe) -> Recipe:
         recipe = replace(recipe, auto_group_size=False)
     check_group_divides(recipe.scheme, in_features)
     return recipe
+
+
+def check_ignore(model: nn.Module, recipe: Recipe) -> None:
+    """Every ignore pattern names at least one Linear layer (a mistyped name would quantize the
+    layer it meant to keep), and at least one decoder Linear is left to quantize."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for pattern in recipe.ignore:
+        if not any(target_matches(n, m, pattern) for n, m in linears.items()):
+            example = next(n for n in linears if n.endswith("down_proj") or n != "lm_head")
+            raise InputError(f"ignore pattern {pattern!r} matches no Linear layer; give full names such as "
+                             f"{example!r} or a 're:REGEX' pattern (matched from the start of the name)")
+    if not targeted_linears(model, recipe):
+        raise InputError(f"the ignore patterns {list(recipe.ignore)} leave no decoder layer to quantize")

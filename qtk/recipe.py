@@ -11,6 +11,24 @@ from .errors import InputError, NotFoundError
 METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8")
 
 
+_TYPES = {  # annotation -> (check, what it must be)
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def check_types(args, section: str) -> None:
+    """Each field of a recipe section holds its annotated type (YAML can put a string, a list or a
+    float anywhere): an int field an int (never a bool), a float field a number, a bool a bool."""
+    for f in dataclasses.fields(args):
+        check, what = _TYPES.get(f.type, (None, None))
+        value = getattr(args, f.name)
+        if check is not None and not check(value):
+            raise InputError(f"{section}.{f.name} must be {what}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class GPTQArgs:
     dampening: float = 0.01  # fraction of mean(diag(H)) added to the diagonal
@@ -19,6 +37,7 @@ class GPTQArgs:
     mse_clip: bool = False  # search each group's clipping range by MSE before the solve
 
     def __post_init__(self):
+        check_types(self, "gptq")
         if not 0 < self.dampening < 1:
             raise InputError(f"gptq.dampening must be in (0, 1), got {self.dampening}")
         if self.block_size <= 0:
@@ -35,6 +54,7 @@ class AWQArgs:
     coarse: int = 4
 
     def __post_init__(self):
+        check_types(self, "awq")
         if self.grid < 1:
             raise InputError(f"awq.grid must be >= 1, got {self.grid}")
         if self.coarse < 1:
@@ -46,6 +66,7 @@ class SmoothQuantArgs:
     alpha: float = 0.5  # migration strength
 
     def __post_init__(self):
+        check_types(self, "smoothquant")
         if not 0 <= self.alpha <= 1:
             raise InputError(f"smoothquant.alpha must be in [0, 1], got {self.alpha}")
 
@@ -60,6 +81,7 @@ class CalibrationArgs:
     batch_size: int = 8
 
     def __post_init__(self):
+        check_types(self, "calibration")
         for k in ("num_samples", "seq_len", "batch_size"):
             if getattr(self, k) <= 0:
                 raise InputError(f"calibration.{k} must be positive, got {getattr(self, k)}")
@@ -89,6 +111,9 @@ class Recipe:
     auto_group_size: bool = False
 
     def __post_init__(self):
+        from .device import check_device
+
+        check_device(self.device, present=False)  # a recipe may be written for another machine
         if self.dtype not in CALIBRATION_DTYPES:
             raise InputError(f"dtype must be one of {CALIBRATION_DTYPES}, got {self.dtype!r}")
         if self.method not in METHODS:
@@ -181,8 +206,11 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
     data.update({k: v for k, v in top.items() if v is not None})
     if ignore:
         data["ignore"] = list(ignore)
+    _check_top(data)
     sections = {}
     for name, cls in _SECTIONS.items():
+        if not isinstance(data.get(name) or {}, dict):
+            raise InputError(f"recipe section {name!r} must be a mapping of its keys to values, got {data[name]!r}")
         fields = dict(data.get(name) or {})
         fields.update({k: v for k, v in (section_overrides.get(name) or {}).items() if v is not None})
         known = {f.name for f in dataclasses.fields(cls)}
@@ -201,14 +229,31 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
                                auto_group_size=auto_group)
 
 
+def _check_top(data: dict) -> None:
+    """The recipe's top-level values: strings, an integer group size, a list of ignore patterns."""
+    for key in ("method", "scheme", "weights", "kv_cache", "kv_strategy", "device", "dtype"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise InputError(f"recipe {key} must be a string, got {data[key]!r}")
+    g = data.get("group_size")
+    if g is not None and (isinstance(g, bool) or not isinstance(g, int)):
+        raise InputError(f"recipe group_size must be an integer (-1 = per channel), got {g!r}")
+    ignore = data.get("ignore")
+    if ignore is not None and (not isinstance(ignore, (list, tuple)) or not all(isinstance(i, str) for i in ignore)):
+        raise InputError(f"recipe ignore must be a list of layer names or 're:REGEX' patterns, got {ignore!r}")
+
+
 def load_yaml(path: str) -> dict:
     import yaml
 
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError as e:
         raise NotFoundError(f"recipe file {path} not found") from e
+    except IsADirectoryError as e:
+        raise InputError(f"recipe {path} is a folder; give a recipe YAML file (see calibration/recipes/)") from e
+    except UnicodeDecodeError as e:
+        raise InputError(f"recipe file {path} is not UTF-8 text (byte {e.start})") from e
     except yaml.YAMLError as e:
         raise InputError(f"recipe file {path} is not valid YAML: {e}") from e
     if not isinstance(data, dict):

@@ -76,7 +76,10 @@ class QuantArgs:
         unknown = set(d) - set(ARG_KEYS)
         if unknown:
             raise InputError(f"unknown quantization arg key(s) {sorted(unknown)}; known: {list(ARG_KEYS)}")
-        strategy = d.get("strategy") or ("group" if d.get("group_size") else "tensor")
+        # compressed-tensors' inference when no strategy is written: a group size -1 is per
+        # channel, a positive one groups, none is per tensor
+        group = d.get("group_size")
+        strategy = d.get("strategy") or ("channel" if group == -1 else "group" if group else "tensor")
         if strategy not in ("tensor", "channel", "group", "token", "attn_head"):
             raise InputError(f"quantization strategy {strategy!r} is not supported by qtk "
                              "(supported: tensor, channel, group, token, attn_head)")
@@ -128,8 +131,10 @@ class Scheme:
     def with_group_size(self, group_size: int | None) -> Scheme:
         if group_size is None:
             return self
-        if group_size == -1 or group_size == 0:
+        if group_size == -1:
             w = dataclasses.replace(self.weights, strategy="channel", group_size=None)
+        elif group_size <= 0:
+            raise InputError(f"group size must be positive, or -1 for one scale per output channel; got {group_size}")
         else:
             if self.input_activations is not None or self.weights.type == "float":
                 raise InputError("--group-size applies to weight-only int schemes (w4a16, w4a16_asym, w8a16)")

@@ -276,6 +276,42 @@ def test_crash_mid_write_leaves_nothing(tiny_llama, tmp_path, monkeypatch, exist
         assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_swap_puts_the_old_output_back_and_a_file_output_is_replaced(tiny_llama, tmp_path, monkeypatch):
+    """--force moves the old output aside before the new one takes its name: when that second rename
+    fails, the old output comes back; an output that was a file leaves no stray copy."""
+    model, recipe = _quantized(tiny_llama, "w8a16")
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous checkpoint")
+    real, calls = ckpt.os.replace, []
+
+    def second_rename_fails(a, b):
+        calls.append((a, b))
+        if len(calls) == 2:
+            raise OSError(28, "no space left")
+        return real(a, b)
+    monkeypatch.setattr(ckpt.os, "replace", second_rename_fails)
+    with pytest.raises(OSError, match="no space left"):
+        _save(model, recipe, out, force=True)
+    monkeypatch.setattr(ckpt.os, "replace", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"] and [p.name for p in out.iterdir()] == ["keep.txt"]
+    f = tmp_path / "file"
+    f.write_text("not a checkpoint")
+    _save(model, recipe, f, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "file"] and (f / "model.safetensors").is_file()
+
+
+def test_a_group_size_of_minus_one_without_a_strategy_is_per_channel():
+    """compressed-tensors' reading of {"group_size": -1} with no strategy (written by hand or by
+    older tools)."""
+    from qtk.schemes import QuantArgs
+
+    args = QuantArgs.from_dict({"num_bits": 4, "type": "int", "symmetric": True, "group_size": -1})
+    assert args.strategy == "channel" and args.group_size is None
+    assert QuantArgs.from_dict({"num_bits": 4, "group_size": 64}).strategy == "group"
+    assert QuantArgs.from_dict({"num_bits": 8}).strategy == "tensor"
+
+
 def test_crash_after_tensors_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     model, recipe = _quantized(tiny_llama, "w4a16")
 
@@ -386,3 +422,20 @@ def test_missing_weights_file_and_config(w4_ckpt):
     (w4_ckpt / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config.json cannot be read"):
         load_quantized(w4_ckpt)
+
+
+def test_gguf_conversions_are_cached_per_file_not_per_name_and_size(tmp_path):
+    """Two fine-tunes of one base, quantized alike, share a name and a size; an edited file keeps both."""
+    import os
+
+    from qtk.models import _file_key
+
+    a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for f, byte in ((a, b"\x01"), (b, b"\x02")):
+        f.parent.mkdir()
+        f.write_bytes(byte * 1000)
+    assert _file_key(a) != _file_key(b)
+    before = _file_key(a)
+    a.write_bytes(b"\x03" * 1000)
+    os.utime(a, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns + 10**9))
+    assert _file_key(a) != before

@@ -67,7 +67,7 @@ def test_too_short_source_fails_before_the_model_loads(tiny_dir, tmp_path, monke
     f = tmp_path / "small.txt"
     f.write_text("too short")
     recipe = from_flags("rtn", group_size=32, kv_cache="fp8", calibration=CalibrationArgs(dataset=str(f)))
-    with pytest.raises(ValueError, match="calibration tokens, enough for 0 samples of 512"):
+    with pytest.raises(ValueError, match="calibration tokens, enough for 0 samples of 256"):
         pipeline.quantize(str(tiny_dir), recipe, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 

@@ -143,3 +143,80 @@ def test_default_group_size_fits_the_model_explicit_one_is_checked(tiny_dir, tmp
     result = run("quantize", tiny_dir, "--method", "rtn", "--group-size", 128, "-o", tmp_path / "explicit")
     assert re.fullmatch(r"error: group size 128 does not divide the input size of \d+ layer\(s\): .*; use --group-size 64",
                         error_line(result))
+
+
+@pytest.mark.parametrize("recipe,message", [
+    ("method: gptq\ngptq: 5\n", "recipe section 'gptq' must be a mapping"),
+    ("method: gptq\ncalibration: {num_samples: many}\n", "calibration.num_samples must be an integer, got 'many'"),
+    ("method: awq\nawq: {grid: 2.5}\n", "awq.grid must be an integer, got 2.5"),
+    ("method: gptq\ngptq: {dampening: low}\n", "gptq.dampening must be a number, got 'low'"),
+    ("method: gptq\ngptq: {act_order: 'yes'}\n", "gptq.act_order must be true or false"),
+    ("method: [gptq]\n", "recipe method must be a string"),
+    ("method: rtn\nscheme: 4\n", "recipe scheme must be a string, got 4"),
+    ("method: rtn\ngroup_size: '64'\n", "recipe group_size must be an integer"),
+    ("method: rtn\nignore: 're:.*mlp.*'\n", "recipe ignore must be a list"),
+    ("method: rtn\ndevice: tpu\n", "device must be cpu or cuda[:N], got 'tpu'"),
+    (b"method: rtn\n# caf\xe9\n", "is not UTF-8 text"),
+])
+def test_recipe_values_of_the_wrong_type(tiny_dir, tmp_path, recipe, message):
+    r = tmp_path / "r.yaml"
+    r.write_bytes(recipe if isinstance(recipe, bytes) else recipe.encode())
+    assert message in error_line(run("quantize", tiny_dir, "--recipe", r, "-o", tmp_path / "out"))
+    assert message.startswith("recipe") or "is a folder" in error_line(run("quantize", tiny_dir, "--recipe", tmp_path,
+                                                                            "-o", tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--method", "rtn", "--ignore", "mlp.down_proj"), "ignore pattern 'mlp.down_proj' matches no Linear layer"),
+    (("--method", "rtn", "--ignore", "re:.*"), "leave no decoder layer to quantize"),
+    (("--method", "rtn", "--group-size", "0"), "group size must be positive, or -1"),
+    (("--method", "rtn", "--device", "tpu"), "device must be cpu or cuda[:N]"),
+])
+def test_quantize_options_that_cannot_work(tiny_dir, tmp_path, args, message):
+    assert message in error_line(run("quantize", tiny_dir, *args, "-o", tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dataset_or_model_the_loader_cannot_read(tiny_dir, broken_copy, tmp_path):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("un café crème ".encode("latin-1") * 50)
+    result = run("quantize", tiny_dir, "--method", "gptq", "--dataset", latin1, "--seq-len", 64, "-o", tmp_path / "out")
+    assert "latin1.txt is not UTF-8 text" in error_line(result)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (broken_copy / f).unlink()
+    assert "has no tokenizer transformers can read" in error_line(run("quantize", broken_copy, "--method", "rtn",
+                                                                      "-o", tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_weights_missing_from_the_files_are_refused_not_made_up(broken_copy, tmp_path):
+    """A config with more layers than the weight files hold: transformers would fill the rest with
+    random numbers and the quantize would succeed on them."""
+    cfg = json.loads((broken_copy / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1
+    (broken_copy / "config.json").write_text(json.dumps(cfg))
+    for name, result in each_command(broken_copy, tmp_path / "out"):
+        if name != "inspect":
+            assert f"weights the config needs are not in its files, e.g. ['model.layers.{cfg['num_hidden_layers'] - 1}." \
+                in error_line(result), name
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibration_samples_longer_than_the_context_are_cut_to_it(tiny_dir, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="qtk"):
+        result = run("quantize", tiny_dir, "--method", "gptq", "--num-samples", 2, "--seq-len", 1024, "-o", tmp_path / "o")
+    assert result.exit_code == 0, result.output
+    assert "seq_len 1024 is longer than the model's context (max_position_embeddings 256)" in caplog.text
+    assert json.loads((tmp_path / "o" / "qtk_report.json").read_text())["calibration_tokens"] == 2 * 256
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_whole_block_ignored_is_run_but_not_quantized(tiny_dir, tmp_path, method):
+    out = tmp_path / "out"
+    result = run("quantize", tiny_dir, "--method", method, "--num-samples", 2, "--seq-len", 32,
+                 "--ignore", r"re:model\.layers\.1\.", "-o", out)
+    assert result.exit_code == 0, result.output
+    ignored = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert sum(n.startswith("model.layers.1.") for n in ignored) == 7
+    assert not any(n.startswith("model.layers.0.") for n in ignored)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..device import choose_dtype
+from ..device import check_device, choose_dtype
 from ..errors import InputError
 from .attention import KV_DTYPES, QMAX
 from .block_manager import BlockManager
@@ -77,6 +77,7 @@ class LLM:
         from ..models import load_model
 
         t0 = time.perf_counter()
+        check_device(device)
         self.dtype = choose_dtype(dtype, device).dtype
         hf_model, self.tokenizer = load_model(model, dtype=self.dtype, device=device)
         bf16_lm_head(hf_model)
