@@ -5,7 +5,7 @@ import math
 
 from safetensors import safe_open
 
-from .checkpoint import check_weight_files, parse_quantization_config, read_tensor_meta
+from .checkpoint import check_weight_files, parse_quantization_config, read_tensor_meta, weight_files
 from .models import config_dict, resolve
 
 LAYER_KEYS = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
@@ -41,7 +41,7 @@ def inspect_checkpoint(model: str) -> dict:
                 original += math.prod(shape) * 2
         elif leaf not in ("k_scale", "v_scale"):
             original += math.prod(shape) * 2
-    on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    on_disk = sum(f.stat().st_size for f in weight_files(path))
     return {"path": str(path), "model_type": cfg.get("model_type"), "quantization": _describe(qc) if qc else None,
             "kv_cache": kv, "layers": layers, "size_bytes": on_disk, "bf16_size_bytes": original,
             "compression": original / on_disk if on_disk else None}
@@ -50,7 +50,7 @@ def inspect_checkpoint(model: str) -> dict:
 def _weight_shapes(path, meta) -> dict[str, list[int]]:
     """Original [out, in] of each packed layer, read from its weight_shape tensor."""
     shapes = {}
-    for f in path.glob("*.safetensors"):
+    for f in weight_files(path):
         with safe_open(str(f), framework="pt") as sf:
             for k in sf.keys():
                 if k.endswith(".weight_shape"):

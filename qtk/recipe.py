@@ -158,6 +158,9 @@ def from_flags(method: str, scheme: str | None = None, group_size: int | None = 
     if method not in METHOD_DEFAULTS:
         raise InputError(f"unknown method {method!r}; choose one of {sorted(METHOD_DEFAULTS)}")
     default_scheme, default_weights, smoothing = METHOD_DEFAULTS[method]
+    if smoothing is None and weights not in (None, default_weights):
+        raise InputError(f"--weights {weights} chooses the weight quantizer after smoothing (awq, smoothquant); "
+                         f"for {weights} weights alone use --method {weights}")
     sch = preset(scheme or default_scheme, group_size)
     if method == "fp8" and sch.weights.type != "float":
         raise InputError(f"--method fp8 takes an fp8 scheme (fp8, fp8_static), got {scheme!r}")

@@ -121,7 +121,9 @@ def test_method_scheme_compatibility():
     with pytest.raises(ValueError, match="--method fp8 takes an fp8 scheme"):
         rec.from_flags("fp8", scheme="w8a8")
     with pytest.raises(ValueError, match="gptq solves for integer weights"):
-        rec.from_flags("rtn", scheme="fp8", weights="gptq")
+        rec.from_flags("smoothquant", scheme="fp8", weights="gptq")
+    with pytest.raises(ValueError, match="for gptq weights alone use --method gptq"):  # it ran gptq, said "rtn"
+        rec.from_flags("rtn", weights="gptq")
     with pytest.raises(ValueError, match="unknown method 'hqq'"):
         rec.from_flags("hqq")
     with pytest.raises(ValueError, match="keep 'lm_head' in ignore"):
