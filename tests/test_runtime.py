@@ -280,6 +280,10 @@ def test_stop_strings_cut_the_text_exactly(tiny_dir):
     done = cut.outputs[0]
     assert done.finish_reason == "stop" and done.text == full.text[:full.text.index(stop)]
     assert full.token_ids[:len(done.token_ids)] == done.token_ids and len(done.token_ids) < 24
+    first = llm.tokenizer.decode(full.token_ids[:1])  # min_tokens exempts the first tokens' text, as vLLM's
+    early = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, stop=[first],
+                                                   min_tokens=1))[0].outputs[0]
+    assert len(early.token_ids) > 1 and early.text.startswith(first)
     kept = llm.generate(["Hello"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop],
                                                   include_stop_str_in_output=True))[0].outputs[0]
     assert kept.text == full.text[:full.text.index(stop) + len(stop)] and kept.token_ids == done.token_ids

@@ -307,7 +307,8 @@ class LLM:
         complete = seq.grammar is not None and seq.grammar.is_stopped()  # only EOS could follow
         delta = self._detok[seq.seq_id].step(seq.token_ids, final=at_length or complete)
         seq.text += delta
-        hit = find_stop(seq.text, p.stop, len(delta)) if may_stop else None
+        # as vLLM: the text of the first min_tokens tokens is never searched for a stop string
+        hit = find_stop(seq.text, p.stop, len(delta)) if seq.num_generated_tokens > p.min_tokens else None
         if hit is not None:
             where, stop = hit
             seq.text = seq.text[:where + len(stop) if p.include_stop_str_in_output else where]
