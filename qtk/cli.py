@@ -117,8 +117,9 @@ def inspect(model, json_out):
 @click.option("--no-cache", is_flag=True, help="With --gates: recompute the baseline's scores even if cached.")
 @click.option("--task", default="ppl", show_default=True,
               help="Without --gates: ppl (perplexity), needle (needle in a haystack), json (JSON validity, with and "
-                   "without structured outputs), lm-eval:TASK[,TASK], or tasks:FILE.jsonl (your own prompts with "
-                   "expected answers: qtk/evals/user_tasks.py).")
+                   "without structured outputs), lm-eval:TASK[,TASK], tasks:FILE.jsonl (your own prompts with "
+                   "expected answers: qtk/evals/user_tasks.py) or replay:LOG.jsonl (a request log, replayed "
+                   "greedily: qtk/evals/replay.py).")
 @click.option("--dataset", default="builtin", show_default=True,
               help="ppl: builtin (pydoc topics, evaluation split), FILE.txt, FILE.jsonl, hf:NAME. json: builtin "
                    "(qtk's 120 prompts with schemas) or a JSONL of {prompt, schema[, category, id]}. needle: the "
@@ -145,15 +146,39 @@ def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_
 
     Tasks: perplexity by the protocol in docs/benchmarks.md; needle in a haystack
     (qtk/evals/needle.py); JSON validity (qtk/evals/json_validity.py); lm-eval tasks through qtk's
-    runtime (qtk's local ones: qtk/evals/data/lm_eval)."""
-    if gates_spec is not None or baseline is not None:
+    runtime (qtk's local ones: qtk/evals/data/lm_eval); your own cases (tasks:FILE.jsonl) and
+    traffic (replay:LOG.jsonl)."""
+    from .evals.report import check_output_file, write_json
+
+    gating = gates_spec is not None or baseline is not None
+    _check_eval_flags(click.get_current_context(), gating)
+    if json_path:
+        check_output_file(Path(json_path))  # before any model runs
+    if gating:
         return _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype,
                            json_path)
     result = _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batch_size, device, dtype,
                         kv_cache_dtype)
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"model": model, "task": task, **result}, indent=2, default=str) + "\n")
+        write_json(Path(json_path), {"model": model, "task": task, **result})
+
+
+GATES_ONLY = ("report_dir", "no_cache")  # eval options that apply with --gates alone ...
+TASK_ONLY = ("task", "dataset", "seq_len", "limit", "lengths", "depths", "batch_size")  # ... and without
+
+
+def _check_eval_flags(ctx, gating: bool) -> None:
+    """An option the chosen mode ignores is a mistake (a gates file sets its tasks' options)."""
+    from click.core import ParameterSource
+
+    ignored = TASK_ONLY if gating else GATES_ONLY
+    given = [p.opts[0] for p in ctx.command.params
+             if p.name in ignored and ctx.get_parameter_source(p.name) is not ParameterSource.DEFAULT]
+    if given and gating:
+        raise InputError(f"--gates ignores {', '.join(given)}: set a task's options under its args: in the "
+                         "gates file")
+    if given:
+        raise InputError(f"{', '.join(given)}: only with --gates and --baseline")
 
 
 def _ints(text: str | None, flag: str) -> list[int] | None:
@@ -165,13 +190,18 @@ def _ints(text: str | None, flag: str) -> list[int] | None:
         raise InputError(f"{flag} takes comma-separated integers, got {text!r}") from e
 
 
+TASK_KINDS = ("ppl", "needle", "json", "lm-eval", "tasks", "replay")
+FILE_TASKS = ("lm-eval", "tasks", "replay")  # written KIND:WHAT
+
+
 def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batch_size, device, dtype,
                kv_cache_dtype) -> dict:
     from .runtime.engine import LLM
 
     kind = task.split(":", 1)[0]
-    if kind not in ("ppl", "needle", "json", "lm-eval", "tasks") or (kind in ("lm-eval", "tasks")) != (":" in task):
-        raise InputError(f"unknown --task {task!r}: ppl, needle, json, lm-eval:TASK[,TASK] or tasks:FILE.jsonl")
+    if kind not in TASK_KINDS or (kind in FILE_TASKS) != (":" in task):
+        raise InputError(f"unknown --task {task!r}: ppl, needle, json, lm-eval:TASK[,TASK], tasks:FILE.jsonl or "
+                         "replay:LOG.jsonl")
     lengths, depths = _ints(lengths, "--lengths"), _ints(depths, "--depths")
     if kind == "ppl":
         from .evals.perplexity import engine_perplexity, eval_windows
@@ -214,6 +244,16 @@ def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batc
         click.echo(f"{model}: {sum(a['matched'] for a in res['answers'])}/{len(cases)} matched "
                    f"({res['accuracy']:.1%})")
         return res
+    if kind == "replay":
+        from .evals.replay import load_requests, replay
+
+        cases = load_requests(task.split(":", 1)[1], limit)
+        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+        responses = replay(llm, cases)["_responses"]
+        click.echo(f"{model}: replayed {len(cases)} requests greedily (agreement needs a second model: "
+                   "--baseline BASE --gates FILE)")
+        return {"responses": [{"where": c["where"], "text": llm.tokenizer.decode(r, skip_special_tokens=True),
+                               "token_ids": r} for c, r in zip(cases, responses)]}
     from .evals.lm_eval_adapter import run_lm_eval
 
     llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
@@ -224,7 +264,10 @@ def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batc
 
 
 def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype, json_path):
-    from .evals.gates import load_gates, score_model, verdict
+    from dataclasses import asdict
+
+    from .evals.gates import check_directions, load_gates, score_model, verdict
+    from .evals.report import check_output_dir, write_json, write_report
     from .models import resolve
 
     if gates_spec is None or baseline is None:
@@ -232,24 +275,22 @@ def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device,
     gates = load_gates(gates_spec)
     for m in (model, baseline):
         resolve(m)  # a missing model fails now, before any work
+    if report_dir:
+        check_output_dir(Path(report_dir))
     engine = {"dtype": dtype, "device": device}
     base = score_model(baseline, gates.gates, engine, seed, "baseline", cache=not no_cache, echo=click.echo)
+    check_directions(gates, base)  # an lm-eval metric's direction is known now, before the candidate runs
     cand = score_model(model, gates.gates, {**engine, "kv_cache_dtype": kv_cache_dtype}, seed, "candidate",
                        cache=False, echo=click.echo, reference=base)
     v = verdict(gates, base, cand)
     click.echo("\n" + v.table())
     click.echo(f"\n{'PASS' if v.passed else 'FAIL'}: {model} against {baseline} ({gates.path})")
     if report_dir:
-        from .evals.report import write_report
-
         paths = write_report(Path(report_dir), v, baseline, model, gates.path)
         click.echo(f"report: {paths[0]}")
     if json_path:
-        from dataclasses import asdict
-
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"passed": v.passed, "soft_score_pct": v.soft_score_pct,
-                                               "rows": [asdict(r) for r in v.rows]}, indent=2) + "\n")
+        write_json(Path(json_path), {"passed": v.passed, "soft_score_pct": v.soft_score_pct,
+                                     "rows": [asdict(r) for r in v.rows]})
     if not v.passed:
         raise SystemExit(1)
 

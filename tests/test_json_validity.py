@@ -112,4 +112,8 @@ def test_finished_valid_rate_leaves_out_answers_cut_by_max_tokens():
     assert t.valid_rate == 0.5 and t.finished_valid_rate == 1.0
     t.add(True, False, False)  # ended by itself, invalid: with structured outputs, a bug
     assert t.finished_valid_rate == 0.5
-    assert Tally().finished_valid_rate == 1.0
+    assert Tally().finished_valid_rate == 0.0
+    cut = Tally()
+    for _ in range(3):
+        cut.add(False, False, True)
+    assert cut.finished_valid_rate == 0.0  # nothing finished: no evidence of valid output, a gate on it fails

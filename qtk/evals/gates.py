@@ -9,7 +9,7 @@ baseline's. A gates file (YAML; qtk/evals/data/gates/default.yaml is the default
     gates:
       ppl:                          # a name of your choosing
         task: ppl                   # ppl | needle | json | lm-eval:TASK[,TASK] | tasks:FILE.jsonl | replay:LOG.jsonl
-        args: {seq_len: 1024, limit: 8}       # the task's options (TASK_ARGS below)
+        args: {seq_len: 1024, limit: 8}       # the task's options (gate_args.py)
         metric: ppl                 # one of the task's metrics (default: its first)
         max_increase_pct: 10        # hard: candidate <= baseline x 1.10 (a lower-is-better metric)
       needle:
@@ -21,41 +21,54 @@ baseline's. A gates file (YAML; qtk/evals/data/gates/default.yaml is the default
     soft:
       min_score_pct: 95             # the soft gates' weighted mean recovery must reach this
 
-Hard thresholds: max_increase_pct (lower-is-better metrics), min_recovery_pct (higher-is-better;
-recovery = candidate / baseline, or baseline / candidate for lower-is-better), min and max
-(absolute). A gate with a threshold is hard; one with a weight also counts in the soft score
-(recovery capped at 100%, so a gain on one metric does not hide a loss on another).
+Hard thresholds: max_increase_pct (lower-is-better metrics only), min_recovery_pct (recovery =
+candidate / baseline for a higher-is-better metric, baseline / candidate for a lower-is-better
+one), min and max (absolute). A gate with a threshold is hard; one with a weight (> 0) also counts
+in the soft score (recovery capped at 100%, so a gain on one metric does not hide a loss on
+another). A metric's direction is known from its name for qtk's tasks and taken from lm-eval's
+own `higher_is_better` for lm-eval's; a relative threshold or a weight on a metric without one
+(a stderr) is an error, before any model runs where the direction is known then, else once the
+baseline has run.
 
-Baseline scores are cached under ~/.cache/qtk/gates ($QTK_CACHE/gates) by the baseline's content hash (every file
-of the model), the task and its arguments, the engine settings and qtk's version, so a rerun
-against a new candidate only computes the candidate.
+File paths in a gates file (tasks:FILE, replay:FILE, a ppl or json `dataset`, a needle `filler`)
+are relative to the gates file unless absolute.
+
+Baseline scores are cached under ~/.cache/qtk/gates ($QTK_CACHE/gates) by the baseline's content
+hash (every file of the model), the task, its arguments and the contents of the files it reads,
+the engine settings (the dtype as resolved on this machine) and qtk's version, so a rerun against
+a new candidate only computes the candidate (scoring.py).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError, NotFoundError
+from .gate_args import TASK_ARGS, check_args
+from .scoring import score_model  # noqa: F401  (the gates' API: benchmarks/quality_table.py imports it from here)
 
 DATA = Path(__file__).parent / "data"
 GATE_KEYS = {"task", "args", "metric", "max_increase_pct", "min_recovery_pct", "min", "max", "weight"}
 THRESHOLDS = ("max_increase_pct", "min_recovery_pct", "min", "max")
-TASK_ARGS = {
-    "ppl": {"seq_len", "limit", "dataset", "batch_size"},
-    "needle": {"lengths", "depths", "samples", "filler"},
-    "json": {"limit", "constrained", "dataset", "max_tokens"},
-    "lm-eval": {"limit", "num_fewshot"},
-    "tasks": {"limit"},  # a team's own cases (user_tasks.py)
-    "replay": {"limit", "max_tokens"},  # a request log replayed on both models (replay.py)
-}
+RELATIVE = ("max_increase_pct", "min_recovery_pct", "weight")  # what needs the metric's direction
 PREFIXED = ("lm-eval", "tasks", "replay")  # kinds written KIND:WHAT
 FILE_KINDS = ("tasks", "replay")  # KIND:FILE, the file found relative to the gates file
-LOWER_IS_BETTER = {"ppl", "nll", "word_perplexity", "byte_perplexity", "bits_per_byte"}
+TASKS_HELP = "ppl, needle, json, lm-eval:TASK[,TASK], tasks:FILE.jsonl or replay:LOG.jsonl"
+
+HIGHER, LOWER = False, True  # values of lower_is_better
+METRICS = {  # qtk's tasks: each metric and its direction, the default first
+    "ppl": {"ppl": LOWER, "nll": LOWER},
+    "needle": {"accuracy": HIGHER},  # and accuracy@LENGTH
+    "tasks": {"accuracy": HIGHER},
+    "json": {"valid_rate": HIGHER, "parse_rate": HIGHER, "finished_valid_rate": HIGHER, "truncated_rate": LOWER,
+             "constrained_valid_rate": HIGHER, "constrained_parse_rate": HIGHER,
+             "constrained_finished_valid_rate": HIGHER, "constrained_truncated_rate": LOWER},
+    "replay": {"agreement": HIGHER, "first_divergence": HIGHER, "top1_agreement": HIGHER},
+}
+# lm-eval metrics by name, for checks before a run; a run's own higher_is_better decides after it
+LM_EVAL_LOWER = {"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ter", "brier_score", "nll"}
+LM_EVAL_HIGHER = {"acc", "acc_norm", "exact_match", "f1", "mcc", "bleu", "chrf", "em", "rouge1", "rouge2", "rougeL"}
 
 
 @dataclass(frozen=True)
@@ -71,10 +84,6 @@ class Gate:
     def kind(self) -> str:
         return self.task.split(":", 1)[0]
 
-    @property
-    def lower_is_better(self) -> bool:
-        return (self.metric or "").rsplit("/", 1)[-1].split(",")[0] in LOWER_IS_BETTER
-
 
 @dataclass
 class GatesFile:
@@ -84,224 +93,191 @@ class GatesFile:
 
 
 def load_gates(spec: str) -> GatesFile:
-    """A gates file by path, or by the name of one qtk ships (default, ci). Every key is checked:
-    an unknown one is an InputError naming it and what is allowed."""
-    import yaml
-
-    path = Path(spec)
-    if not path.exists():
-        shipped = DATA / "gates" / f"{spec}.yaml"
-        if not shipped.exists():
-            names = sorted(p.stem for p in (DATA / "gates").glob("*.yaml"))
-            raise NotFoundError(f"gates file {spec} not found (a path, or one of qtk's: {', '.join(names)})")
-        path = shipped
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise InputError(f"{path}: not valid YAML ({e})") from e
+    """A gates file by path, or by the name of one qtk ships (default, ci). Every key and value
+    is checked: a mistake is an InputError naming it and what is allowed."""
+    path = _gates_path(spec)
+    doc = _read_yaml(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("gates"), dict) or not doc["gates"]:
         raise InputError(f"{path}: needs a `gates:` mapping of gate names to gates")
     unknown = set(doc) - {"gates", "soft"}
     if unknown:
         raise InputError(f"{path}: unknown top-level key(s) {sorted(unknown)}; allowed: gates, soft")
-    soft = doc.get("soft") or {}
+    min_score = _soft(path, doc.get("soft"))
+    gates = [_gate(path, str(name), g) for name, g in doc["gates"].items()]
+    if any(g.weight for g in gates) and min_score is None:
+        raise InputError(f"{path}: gates have weights but soft.min_score_pct is not set")
+    return GatesFile(gates, min_score, str(path))
+
+
+def _gates_path(spec: str) -> Path:
+    path = Path(spec)
+    if path.exists():
+        return path
+    shipped = DATA / "gates" / f"{spec}.yaml"
+    if not shipped.exists():
+        names = sorted(p.stem for p in (DATA / "gates").glob("*.yaml"))
+        raise NotFoundError(f"gates file {spec} not found (a path, or one of qtk's: {', '.join(names)})")
+    return shipped
+
+
+def _read_yaml(path: Path):
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise InputError(f"{path}: not valid YAML ({e})") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot read the gates file ({e})") from e
+
+
+def _soft(path: Path, soft) -> float | None:
+    """soft.min_score_pct, or None."""
+    if soft is None:
+        return None
+    if not isinstance(soft, dict):
+        raise InputError(f"{path}: soft must be a mapping, e.g. soft: {{min_score_pct: 90}}, got {soft!r}")
     if set(soft) - {"min_score_pct"}:
         raise InputError(f"{path}: unknown key(s) under soft: {sorted(set(soft) - {'min_score_pct'})}; "
                          "allowed: min_score_pct")
-    gates = [_gate(path, name, g) for name, g in doc["gates"].items()]
-    if any(g.weight for g in gates) and soft.get("min_score_pct") is None:
-        raise InputError(f"{path}: gates have weights but soft.min_score_pct is not set")
-    return GatesFile(gates, soft.get("min_score_pct"), str(path))
+    if soft.get("min_score_pct") is None:
+        return None
+    return _number(f"{path}: soft.min_score_pct", soft["min_score_pct"])
+
+
+def _number(where: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InputError(f"{where} must be a number, got {value!r}")
+    return float(value)
 
 
 def _gate(path: Path, name: str, g) -> Gate:
     where = f"{path}: gate {name!r}"
     if not isinstance(g, dict) or "task" not in g:
-        raise InputError(f"{where}: needs at least `task:` (ppl, needle, json, lm-eval:TASK, tasks:FILE.jsonl or "
-                         "replay:LOG.jsonl)")
+        raise InputError(f"{where}: needs at least `task:` ({TASKS_HELP})")
     unknown = set(g) - GATE_KEYS
     if unknown:
         raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(GATE_KEYS)}")
-    task = str(g["task"])
+    task = _task(where, path, g["task"])
     kind = task.split(":", 1)[0]
-    if kind not in TASK_ARGS or (kind in PREFIXED) != (":" in task):
-        raise InputError(f"{where}: unknown task {task!r}; tasks: ppl, needle, json, lm-eval:TASK[,TASK], "
-                         "tasks:FILE.jsonl, replay:LOG.jsonl")
-    if kind in FILE_KINDS:  # relative to the gates file, so a team's gates and files travel together
-        file = Path(task.split(":", 1)[1])
-        file = file if file.is_absolute() or file.exists() else path.parent / file
-        if not file.is_file():
-            raise NotFoundError(f"{where}: file {file} not found")
-        task = f"{kind}:{file}"
-    args = g.get("args") or {}
-    if set(args) - TASK_ARGS[kind]:
-        raise InputError(f"{where}: unknown arg(s) {sorted(set(args) - TASK_ARGS[kind])} for task {kind}; "
-                         f"allowed: {sorted(TASK_ARGS[kind])}")
+    args = check_args(where, kind, g.get("args"), path.parent.resolve())
+    thresholds = {k: _number(f"{where}: {k}", g[k]) for k in THRESHOLDS if k in g}
+    weight = _weight(where, g.get("weight"))
+    if not thresholds and weight is None:
+        raise InputError(f"{where}: give a threshold ({', '.join(THRESHOLDS)}) or a weight, or it gates nothing")
     metric = g.get("metric")
     if metric is not None:
+        if not isinstance(metric, str):
+            raise InputError(f"{where}: metric must be a name, got {metric!r}")
         _check_metric(where, kind, task, metric, args)
-    thresholds = {k: float(g[k]) for k in THRESHOLDS if k in g}
-    weight = g.get("weight")
-    if not thresholds and not weight:
-        raise InputError(f"{where}: give a threshold ({', '.join(THRESHOLDS)}) or a weight, or it gates nothing")
-    return Gate(name, task, dict(args), metric, thresholds, None if weight is None else float(weight))
+    gate = Gate(name, task, args, metric, thresholds, weight)
+    _check_direction(where, gate, metric or (next(iter(METRICS[kind])) if kind in METRICS else None), {})
+    return gate
 
 
-METRICS = {"ppl": ("ppl", "nll"), "needle": ("accuracy",), "tasks": ("accuracy",),
-           "json": ("valid_rate", "parse_rate", "finished_valid_rate", "truncated_rate", "constrained_valid_rate",
-                    "constrained_parse_rate", "constrained_finished_valid_rate", "constrained_truncated_rate"),
-           "replay": ("agreement", "first_divergence", "top1_agreement")}
+def _task(where: str, path: Path, task) -> str:
+    """The task, a tasks:/replay: file resolved against the gates file's folder."""
+    task = str(task)
+    kind = task.split(":", 1)[0]
+    if kind not in TASK_ARGS or (kind in PREFIXED) != (":" in task) or not task.split(":", 1)[-1]:
+        raise InputError(f"{where}: unknown task {task!r}; tasks: {TASKS_HELP}")
+    if kind not in FILE_KINDS:
+        return task
+    file = Path(task.split(":", 1)[1]).expanduser()
+    file = (file if file.is_absolute() else path.parent / file).resolve()
+    if not file.is_file():
+        raise NotFoundError(f"{where}: file {file} not found (a relative path is read from the gates file's folder)")
+    return f"{kind}:{file}"
+
+
+def _weight(where: str, weight) -> float | None:
+    if weight is None:
+        return None
+    weight = _number(f"{where}: weight", weight)
+    if weight <= 0:
+        raise InputError(f"{where}: weight must be > 0 (its share of the soft score), got {weight:g}")
+    return weight
 
 
 def _check_metric(where: str, kind: str, task: str, metric: str, args: dict) -> None:
     """A metric the task will report, checked before any model runs."""
     if kind == "lm-eval":
-        tasks = task.split(":", 1)[1].split(",")
-        if "/" not in metric or metric.split("/", 1)[0] not in tasks:
-            raise InputError(f"{where}: an lm-eval metric is TASK/METRIC with TASK one of {tasks}, got {metric!r}")
-        return
-    known = METRICS[kind]
+        return _check_lm_eval_metric(where, task.split(":", 1)[1].split(","), metric)
     if kind == "needle" and metric.startswith("accuracy@"):
-        lengths = args.get("lengths")
-        if lengths is None or metric.removeprefix("accuracy@") in {str(n) for n in lengths}:
-            return
-    if metric not in known:
-        raise InputError(f"{where}: task {kind} has no metric {metric!r}; it has {', '.join(known)}"
+        length = metric.removeprefix("accuracy@")
+        if not length.isdigit() or ("lengths" in args and int(length) not in args["lengths"]):
+            raise InputError(f"{where}: metric {metric!r} names no haystack length of this gate "
+                             f"({args.get('lengths', 'the default lengths')}); write accuracy@LENGTH")
+        return
+    if metric not in METRICS[kind]:
+        raise InputError(f"{where}: task {kind} has no metric {metric!r}; it has {', '.join(METRICS[kind])}"
                          + (", accuracy@LENGTH" if kind == "needle" else ""))
     if metric.startswith("constrained_") and not args.get("constrained"):
         raise InputError(f"{where}: metric {metric} needs args: {{constrained: true}}")
 
 
-# -- running the tasks ---------------------------------------------------------------------------
-def run_task(llm, gate: Gate, seed: int = 0, reference: dict | None = None) -> dict[str, float]:
-    """The gate's task on one engine: {metric: value}, the default metric first (keys starting
-    with "_" carry data, not metrics). `reference`: the baseline's result, for tasks that compare
-    (replay)."""
-    a = gate.args
-    if gate.kind == "ppl":
-        from .perplexity import engine_perplexity, eval_windows
+def _check_lm_eval_metric(where: str, tasks: list[str], metric: str) -> None:
+    """TASK/METRIC with TASK one of the gate's tasks or a task under one of its groups."""
+    task, _, name = metric.partition("/")
+    if not task or not name:
+        raise InputError(f"{where}: an lm-eval metric is TASK/METRIC with TASK one of {tasks} (or a subtask of "
+                         f"one of their groups), got {metric!r}")
+    if task in tasks:
+        return
+    from .lm_eval_adapter import tasks_under
 
-        windows = eval_windows(llm.tokenizer, a.get("dataset", "builtin"), a.get("seq_len", 1024), a.get("limit", 8))
-        r = engine_perplexity(llm, windows, batch_size=a.get("batch_size", 4), progress=False,
-                              dataset=a.get("dataset", "builtin"))
-        return {"ppl": r.ppl, "nll": r.nll}
-    if gate.kind == "needle":
-        from .needle import needle
-
-        filler = Path(a["filler"]).read_text() if a.get("filler") else None
-        r = needle(llm, a.get("lengths"), a.get("depths"), a.get("samples", 1), seed, filler)
-        return {"accuracy": r.accuracy, **{f"accuracy@{n}": v for n, v in r.by_length().items()},
-                "_cells": r.to_dict()}
-    if gate.kind == "json":
-        from .json_validity import json_validity, load_prompts
-
-        ds = a.get("dataset")
-        prompts = load_prompts(None if ds in (None, "builtin") else ds, a.get("limit"))
-        out = {}
-        for constrained in ([False, True] if a.get("constrained", False) else [False]):
-            r = json_validity(llm, prompts, constrained, a.get("max_tokens", 256))
-            prefix = "constrained_" if constrained else ""
-            out[f"{prefix}valid_rate"] = r.overall.valid_rate
-            out[f"{prefix}parse_rate"] = r.overall.parse_rate
-            out[f"{prefix}finished_valid_rate"] = r.overall.finished_valid_rate
-            out[f"{prefix}truncated_rate"] = r.overall.truncated / max(r.overall.n, 1)
-        return out
-    if gate.kind == "replay":
-        from .replay import load_requests, replay
-
-        cases = load_requests(gate.task.split(":", 1)[1], a.get("limit"))
-        return replay(llm, cases, a.get("max_tokens", 128), None if reference is None else reference["_responses"])
-    if gate.kind == "tasks":
-        from .user_tasks import load_cases, run_cases
-
-        return {"accuracy": run_cases(llm, load_cases(gate.task.split(":", 1)[1], a.get("limit")))["accuracy"]}
-    from .lm_eval_adapter import run_lm_eval
-
-    res = run_lm_eval(llm, gate.task.split(":", 1)[1].split(","), limit=a.get("limit"), seed=seed,
-                      num_fewshot=a.get("num_fewshot"))
-    return {f"{task}/{m}": v for task, metrics in res["results"].items() for m, v in metrics.items()}
+    under = tasks_under(tasks)
+    if task not in under:
+        raise InputError(f"{where}: metric {metric!r}: {task!r} is not one of the gate's lm-eval tasks or their "
+                         f"subtasks ({', '.join(sorted(under))})")
 
 
-def model_fingerprint(model: str) -> str:
-    """sha256 over every file of the model (names and contents), file hashes cached by size and
-    mtime so a rerun does not read the weights again."""
-    from ..models import cache_dir, resolve
-
-    root = Path(resolve(model))
-    files = sorted(p for p in (root.rglob("*") if root.is_dir() else [root]) if p.is_file())
-    cache_path = cache_dir() / "file_hashes.json"
-    try:
-        cache = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    h = hashlib.sha256()
-    for p in files:
-        st = p.stat()
-        key = f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in cache:
-            fh = hashlib.sha256()
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    fh.update(chunk)
-            cache[key] = fh.hexdigest()
-        h.update(f"{p.relative_to(root) if root.is_dir() else p.name}\0{cache[key]}\n".encode())
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache))
-    tmp.replace(cache_path)
-    return h.hexdigest()
+def lower_is_better(gate: Gate, metric: str, results: dict) -> bool | None:
+    """The metric's direction: qtk's tables for qtk's tasks; for lm-eval's, the run's own
+    higher_is_better (`results`: the task's metrics, "_higher_is_better" among them), else
+    the metric's name when it is a well-known one; None where it is not known."""
+    if gate.kind == "needle" and metric.startswith("accuracy@"):
+        return HIGHER
+    if gate.kind != "lm-eval":
+        return METRICS[gate.kind].get(metric)
+    key = metric.split(",")[0]  # TASK/NAME,FILTER -> TASK/NAME
+    higher = results.get("_higher_is_better", {}).get(key)
+    if higher is not None:
+        return not higher
+    name = key.rsplit("/", 1)[-1]
+    return LOWER if name in LM_EVAL_LOWER else HIGHER if name in LM_EVAL_HIGHER else None
 
 
-CACHE_VERSION = 2  # bump when a task's metrics change: cached baselines are recomputed
+def _check_direction(where: str, gate: Gate, metric: str | None, results: dict) -> None:
+    """Relative thresholds need the metric's direction, and max_increase_pct a lower-is-better
+    metric. Before a run, an lm-eval metric of unknown direction passes (checked after the
+    baseline ran, with its higher_is_better)."""
+    relative = [k for k in RELATIVE if k in gate.thresholds or (k == "weight" and gate.weight)]
+    if not relative or metric is None:
+        return
+    lower = lower_is_better(gate, metric, results)
+    known_now = results or gate.kind != "lm-eval" or metric.split(",")[0].endswith("_stderr")
+    if lower is None and known_now:
+        raise InputError(f"{where}: metric {metric} has no known direction (higher or lower is better), so "
+                         f"{', '.join(relative)} cannot judge it; use min or max")
+    if lower is HIGHER and "max_increase_pct" in gate.thresholds:
+        raise InputError(f"{where}: max_increase_pct bounds a lower-is-better metric, but higher {metric} is "
+                         "better; use min_recovery_pct (or min)")
 
 
-def _cache_key(fingerprint: str, gate: Gate, engine_args: dict, seed: int) -> str:
-    from .. import __version__
-
-    spec = json.dumps({"model": fingerprint, "task": gate.task, "args": gate.args, "engine": engine_args,
-                       "seed": seed, "qtk": __version__, "metrics": CACHE_VERSION}, sort_keys=True, default=str)
-    return hashlib.sha256(spec.encode()).hexdigest()[:32]
-
-
-def score_model(model: str, gates: list[Gate], engine_args: dict, seed: int, label: str, cache: bool,
-                echo=print, reference: dict[str, dict] | None = None) -> dict[str, dict]:
-    """{gate name: metrics} for one model, each task once (gates sharing a task share its run);
-    cached results are used when `cache` (the baseline); `reference` is the baseline's results,
-    given when scoring the candidate."""
-    from ..models import cache_dir
-
-    gates_cache = cache_dir() / "gates"
-    fingerprint = model_fingerprint(model) if cache else None
-    results, llm = {}, None
-    by_task: dict[str, dict] = {}
-    for gate in gates:
-        task_key = json.dumps([gate.task, gate.args], sort_keys=True)
-        if task_key in by_task:
-            results[gate.name] = by_task[task_key]
-            continue
-        path = gates_cache / f"{_cache_key(fingerprint, gate, engine_args, seed)}.json" if cache else None
-        if path is not None and path.exists():
-            metrics = json.loads(path.read_text())
-            echo(f"[{label}] {gate.task}: cached ({_brief(metrics)})")
-        else:
-            if llm is None:
-                from ..runtime.engine import LLM
-
-                echo(f"[{label}] loading {model}")
-                llm = LLM(model, **engine_args)
-            echo(f"[{label}] {gate.task} ...")
-            t0 = time.perf_counter()
-            metrics = run_task(llm, gate, seed, None if reference is None else reference[gate.name])
-            echo(f"[{label}] {gate.task}: {_brief(metrics)} ({time.perf_counter() - t0:.0f} s)")
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(metrics))
-        by_task[task_key] = results[gate.name] = metrics
-    return results
+def check_directions(gates: GatesFile, base: dict[str, dict]) -> None:
+    """Every gate's thresholds against its metric's direction, with the baseline's results (an
+    lm-eval metric's direction is known once lm-eval ran): an InputError before the candidate runs."""
+    for g in gates.gates:
+        _check_direction(f"{gates.path}: gate {g.name!r}", g, _metric(g, base[g.name]), base[g.name])
 
 
-def _brief(metrics: dict) -> str:
-    return ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if not k.startswith("_"))[:200]
+def _metric(g: Gate, results: dict) -> str:
+    metric = g.metric or next(k for k in results if not k.startswith("_"))
+    if metric not in results:
+        known = [k for k in results if not k.startswith("_")]
+        raise InputError(f"gate {g.name!r}: task {g.task} has no metric {metric!r}; it has {known}")
+    return metric
 
 
 # -- the verdict ---------------------------------------------------------------------------------
@@ -350,21 +326,20 @@ class Verdict:
 def recovery(baseline: float, candidate: float, lower_is_better: bool) -> float:
     """Candidate relative to baseline in percent (100 = as good, above = better)."""
     good, bad = (baseline, candidate) if lower_is_better else (candidate, baseline)
+    if good == bad:  # inf against inf too (two overflowed perplexities)
+        return 100.0
     if bad == 0:
         return 100.0 if good == 0 else math.inf
     return 100.0 * good / bad
 
 
 def verdict(gates: GatesFile, base: dict[str, dict], cand: dict[str, dict]) -> Verdict:
+    check_directions(gates, base)
     rows, num, den = [], 0.0, 0.0
     for g in gates.gates:
-        metric = g.metric or next(k for k in base[g.name] if not k.startswith("_"))
-        if metric not in base[g.name]:
-            known = [k for k in base[g.name] if not k.startswith("_")]
-            raise InputError(f"gate {g.name!r}: task {g.task} has no metric {metric!r}; it has {known}")
+        metric = _metric(g, base[g.name])
         b, c = float(base[g.name][metric]), float(cand[g.name][metric])
-        lower = Gate(g.name, g.task, g.args, metric, g.thresholds, g.weight).lower_is_better
-        rec = recovery(b, c, lower)
+        rec = recovery(b, c, bool(lower_is_better(g, metric, base[g.name])))
         checks, words = [], []
         t = g.thresholds
         if "max_increase_pct" in t:

@@ -72,8 +72,9 @@ class Tally:
     @property
     def finished_valid_rate(self) -> float:
         """Schema-valid among the answers that did not run into max_tokens: with structured
-        outputs, anything under 1 is a serving bug (a cut-off answer is the length limit's)."""
-        return self.valid_finished / (self.n - self.truncated) if self.n > self.truncated else 1.0
+        outputs, anything under 1 is a serving bug (a cut-off answer is the length limit's).
+        0 when no answer finished: every one cut off is no evidence of valid output."""
+        return self.valid_finished / (self.n - self.truncated) if self.n > self.truncated else 0.0
 
     @property
     def parse_rate(self) -> float:

@@ -274,12 +274,32 @@ def task_manager(tasks: list[str]):
     return manager
 
 
+def tasks_under(tasks: list[str]) -> set[str]:
+    """`tasks` and every name under them (a group's tasks and subgroups, a tag's tasks), from
+    lm-eval's index of task YAMLs: nothing is built or downloaded."""
+    manager = task_manager(tasks)
+    index = manager.task_index
+    names, todo = set(), list(manager.match_tasks(tasks))
+    while todo:
+        name = todo.pop()
+        entry = index.get(name)
+        if name in names or entry is None:
+            continue
+        names.add(name)
+        children = (entry.cfg or {}).get("task") if entry.kind.name == "GROUP" else None
+        child_names = [c.get("group") or c.get("task") if isinstance(c, dict) else c for c in children or []]
+        todo += [c for c in child_names if isinstance(c, str)]  # an inline config names its task or group
+        todo += sorted(entry.tags) if entry.kind.name == "TAG" else []  # a tag's entry lists its tasks
+    return names | set(tasks)
+
+
 def run_lm_eval(model, tasks: list[str], limit: int | None = None, seed: int = 0,
                 num_fewshot: int | None = None, **engine_args) -> dict:
     """lm-eval's simple_evaluate of `tasks` (qtk's local ones or lm-eval's) on qtk's engine:
     `model` is a name or path qtk loads with engine_args, or a qtk.LLM already built.
-    Returns {"results": {task: {metric: value}}, "versions": {...}, "config": {...}}; metric
-    names keep their filter only when it is not lm-eval's "none" (exact_match,strip)."""
+    Returns {"results": {task: {metric: value}}, "higher_is_better": {task: {metric: bool}},
+    "versions": {...}, "config": {...}}; metric names keep their filter only when it is not
+    lm-eval's "none" (exact_match,strip); higher_is_better is lm-eval's, by metric name."""
     import lm_eval
 
     manager = task_manager(tasks)
@@ -289,6 +309,7 @@ def run_lm_eval(model, tasks: list[str], limit: int | None = None, seed: int = 0
                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
     results = {task: _metrics(values) for task, values in out["results"].items()}
     return {"results": {task: metrics for task, metrics in results.items() if metrics},  # a group has none
+            "higher_is_better": {task: dict(values) for task, values in out.get("higher_is_better", {}).items()},
             "versions": {"lm_eval": lm_eval.__version__, "qtk": __version__,
                          "tasks": dict(out["versions"])},
             "config": {"model": lm.info["pretrained"], "limit": limit, "seed": seed, "num_fewshot": num_fewshot,

@@ -128,8 +128,8 @@ def needle(llm, lengths: list[int] | None = None, depths: list[int] | None = Non
     """Every (length, depth, sample) case as one batch on the engine `llm` (qtk.LLM), greedily."""
     from ..runtime.sampling_params import SamplingParams
 
-    lengths = sorted(lengths or default_lengths(llm.max_model_len))
-    depths = sorted(DEFAULT_DEPTHS if depths is None else depths)
+    lengths = sorted(set(lengths or default_lengths(llm.max_model_len)))  # a repeated cell would count twice
+    depths = sorted(set(DEFAULT_DEPTHS if depths is None else depths))
     cases = build_cases(llm.tokenizer, lengths, depths, samples, seed, filler)
     too_long = [c for c in cases if len(c.prompt) + max_tokens > llm.max_model_len]
     if too_long:

@@ -36,6 +36,14 @@ class PerplexityResult:
                 f"{self.scored_tokens} scored)")
 
 
+def exp_nll(mean_nll: float) -> float:
+    """ppl = exp(mean NLL); inf where that overflows a float (a mean NLL above ~709: a broken model)."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
+
+
 def eval_windows(tokenizer, dataset: str = "builtin", seq_len: int = 2048, limit: int | None = None) -> torch.Tensor:
     """The evaluation windows [W, L] (the same ids for every model with this tokenizer)."""
     stream = token_stream(tokenizer, load_texts(dataset, "evaluation"))
@@ -62,7 +70,7 @@ def engine_perplexity(llm, windows: torch.Tensor, batch_size: int = 1, progress:
             total_nll -= sum(entry[token] for token, entry in zip(ids[1:], out.prompt_logprobs[1:]))
             scored += len(ids) - 1
     mean = total_nll / scored
-    return PerplexityResult(math.exp(mean), mean, scored, len(windows), windows.shape[1], dataset)
+    return PerplexityResult(exp_nll(mean), mean, scored, len(windows), windows.shape[1], dataset)
 
 
 @torch.no_grad()
@@ -79,4 +87,4 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, device=None, p
             total_nll += nll.item()
             scored += ids[:, 1:].numel()
     mean = total_nll / scored
-    return PerplexityResult(math.exp(mean), mean, scored, len(windows), windows.shape[1], dataset)
+    return PerplexityResult(exp_nll(mean), mean, scored, len(windows), windows.shape[1], dataset)

@@ -21,43 +21,48 @@ from pathlib import Path
 
 from ..data import jsonl_rows
 from ..errors import InputError
+from .cases import check_max_tokens, check_messages, check_prompt, prompt_ids
 
 
 def load_requests(path: str | Path, limit: int | None = None) -> list[dict]:
-    """[{"messages": [...]} | {"prompt": text or ids}, "max_tokens": n] from a request log."""
+    """[{"messages": [...]} | {"prompt": text or ids}, "max_tokens": n, "where": FILE:LINE] from a
+    request log, every field checked (the error names FILE:LINE)."""
     cases = []
     for n, row in jsonl_rows(path, "request log"):
-        body = row.get("request", row) if isinstance(row, dict) else None
-        if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
-            raise InputError(f"{path}:{n}: not an OpenAI request (a completion's prompt or a chat's messages)")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if "messages" in body:
-            cases.append({"messages": [{"role": m["role"], "content": _text(m.get("content"))}
-                                       for m in body["messages"]], "max_tokens": max_tokens})
-            continue
-        prompts = body["prompt"]
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        cases += [{"prompt": p, "max_tokens": max_tokens} for p in prompts]
+        cases += _request_cases(f"{path}:{n}", row)
     if not cases:
         raise InputError(f"{path}: no requests to replay")
     return cases[:limit] if limit is not None else cases
 
 
+def _request_cases(where: str, row) -> list[dict]:
+    """The cases of one logged request: a chat is one, a completion one per prompt."""
+    body = row.get("request", row) if isinstance(row, dict) else None
+    if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
+        raise InputError(f"{where}: not an OpenAI request (a completion's prompt or a chat's messages)")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = check_max_tokens(where, body.get(name), name)
+    if "messages" in body:
+        return [{"messages": _messages(where, body["messages"]), "max_tokens": max_tokens, "where": where}]
+    prompts = body["prompt"]
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not prompts:
+        raise InputError(f"{where}: prompt must be text, token ids, or a non-empty list of them, got {prompts!r}"[:300])
+    return [{"prompt": check_prompt(where, p), "max_tokens": max_tokens, "where": where} for p in prompts]
+
+
+def _messages(where: str, messages) -> list[dict]:
+    """OpenAI messages as {role, content} text (content parts joined; no content is "")."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise InputError(f"{where}: messages must be a list of {{role, content}} objects")
+    return check_messages(where, [{"role": m.get("role"), "content": _text(m.get("content"))} for m in messages])
+
+
 def _text(content) -> str:
     if isinstance(content, list):  # content parts
         return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return content or ""
-
-
-def prompt_ids(llm, case: dict) -> list[int]:
-    if "messages" in case:
-        if not getattr(llm.tokenizer, "chat_template", None):
-            raise InputError("the request log holds chat requests but the model has no chat template")
-        return list(llm.tokenizer.apply_chat_template(case["messages"], add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"])
-    p = case["prompt"]
-    return list(p) if isinstance(p, list) else llm.tokenizer(p).input_ids
+    return content if content is not None else ""
 
 
 def replay(llm, cases: list[dict], max_tokens: int = 128, reference: list[list[int]] | None = None) -> dict:
@@ -65,7 +70,7 @@ def replay(llm, cases: list[dict], max_tokens: int = 128, reference: list[list[i
     three agreement numbers of the module docstring. Returns the metrics and "_responses"."""
     from ..runtime.sampling_params import SamplingParams
 
-    prompts = [prompt_ids(llm, c) for c in cases]
+    prompts = [prompt_ids(llm, c) for c in cases]  # every case checked before any runs
     params = [SamplingParams(max_tokens=min(c.get("max_tokens") or max_tokens, max_tokens), temperature=0)
               for c in cases]
     responses = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -78,15 +83,25 @@ def replay(llm, cases: list[dict], max_tokens: int = 128, reference: list[list[i
     for r, b in zip(responses, reference):
         first = next((i for i, (x, y) in enumerate(zip(r, b)) if x != y), min(len(r), len(b)))
         parts.append(1.0 if r == b else first / max(1, len(b)))
-    # teacher-forced: the candidate reads prompt + the baseline's response; its top-1 at each position
-    forced = [p + b for p, b in zip(prompts, reference) if b]
-    outs = llm.generate(forced, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)) if forced else []
+    return {"agreement": same / len(responses), "first_divergence": sum(parts) / len(parts),
+            "top1_agreement": top1_agreement(llm, prompts, reference), "_responses": responses}
+
+
+def top1_agreement(llm, prompts: list[list[int]], reference: list[list[int]]) -> float:
+    """Teacher-forced: the engine reads prompt + the baseline's response; the share of response
+    positions where its top-1 is the baseline's token. A response is cut to fit the context with
+    the slot the engine keeps for the token it samples (a baseline answer that ran into
+    max_model_len would otherwise make the forced prompt too long)."""
+    from ..runtime.sampling_params import SamplingParams
+
+    pairs = [(p, b[:llm.max_model_len - len(p) - 1]) for p, b in zip(prompts, reference)]
+    pairs = [(p, b) for p, b in pairs if b]
+    outs = llm.generate([p + b for p, b in pairs], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)) \
+        if pairs else []
     hits = total = 0
-    for p, b, out in zip((p for p, b in zip(prompts, reference) if b), (b for b in reference if b), outs):
+    for (p, b), out in zip(pairs, outs):
         for i, token in enumerate(b):
             entry = out.prompt_logprobs[len(p) + i]
-            top = max(entry.items(), key=lambda kv: kv[1])[0]
-            hits += top == token
+            hits += max(entry.items(), key=lambda kv: kv[1])[0] == token
             total += 1
-    return {"agreement": same / len(responses), "first_divergence": sum(parts) / len(parts),
-            "top1_agreement": hits / total if total else 1.0, "_responses": responses}
+    return hits / total if total else 1.0

@@ -4,20 +4,89 @@ heatmaps, length x depth, baseline beside candidate) when a needle gate ran."""
 from __future__ import annotations
 
 import json
+import math
+import os
+import shutil
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from ..errors import OutputError
 from .gates import Verdict
+
+REPORT_FILES = ("report.json", "metrics.png", "needle.png", "report.md")  # moved into place in this order
+
+
+def to_json(value) -> str:
+    """Standard JSON (RFC 8259): a non-finite float (an infinite recovery, an overflowed
+    perplexity) is written as null."""
+    return json.dumps(_finite(value), indent=2, default=str, allow_nan=False) + "\n"
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def check_output_dir(path: Path) -> None:
+    """Create the report folder now (before any model runs) and prove it writable."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise OutputError(f"--report {path}: cannot write a folder there ({e.strerror or e}); "
+                          "give a writable folder") from e
+
+
+def check_output_file(path: Path) -> None:
+    """Create the file's folder now (before any model runs) and prove a file can be written there."""
+    if path.is_dir():
+        raise OutputError(f"--json {path} is a folder; give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        raise OutputError(f"--json {path}: cannot write there ({e.strerror or e}); give a writable path") from e
+
+
+def write_json(path: Path, value) -> None:
+    """The file whole or not at all: written beside it, then renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(to_json(value))
+    os.replace(tmp, path)
 
 
 def write_report(out: Path, v: Verdict, baseline: str, candidate: str, gates_path: str) -> list[Path]:
+    """Every file is written into a temporary folder inside `out`, then renamed into place,
+    report.md last: a failure while writing leaves the previous report as it was. Report files
+    this run does not write (needle.png without a needle gate) are removed."""
     out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=out))
+    try:
+        written = _write_files(staging, v, baseline, candidate, gates_path)
+        for name in REPORT_FILES:
+            if (staging / name).exists():
+                os.replace(staging / name, out / name)
+            else:
+                (out / name).unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [out / "report.md"] + [out / p.name for p in written]
+
+
+def _write_files(out: Path, v: Verdict, baseline: str, candidate: str, gates_path: str) -> list[Path]:
+    """report.json, the pictures and report.md in `out`: [report.json, pictures...]."""
     written = [out / "report.json"]
-    written[0].write_text(json.dumps({"passed": v.passed, "baseline": baseline, "candidate": candidate,
-                                      "gates": gates_path, "soft_score_pct": v.soft_score_pct,
-                                      "min_score_pct": v.min_score_pct, "rows": [asdict(r) for r in v.rows],
-                                      "baseline_metrics": v.baseline, "candidate_metrics": v.candidate},
-                                     indent=2, default=str) + "\n")
+    written[0].write_text(to_json({"passed": v.passed, "baseline": baseline, "candidate": candidate,
+                                   "gates": gates_path, "soft_score_pct": v.soft_score_pct,
+                                   "min_score_pct": v.min_score_pct, "rows": [asdict(r) for r in v.rows],
+                                   "baseline_metrics": v.baseline, "candidate_metrics": v.candidate}))
     pictures = _pictures(out, v)
     written += pictures
     md = [f"# Quality gates: {'PASS' if v.passed else 'FAIL'}", "",
@@ -31,7 +100,7 @@ def write_report(out: Path, v: Verdict, baseline: str, candidate: str, gates_pat
                   f"{'pass' if v.soft_passed else '**FAIL**'} |")
     md += [""] + [f"![{p.stem}]({p.name})" for p in pictures]
     (out / "report.md").write_text("\n".join(md) + "\n")
-    return [out / "report.md"] + written
+    return written
 
 
 def _pictures(out: Path, v: Verdict) -> list[Path]:
@@ -42,7 +111,7 @@ def _pictures(out: Path, v: Verdict) -> list[Path]:
 
     paths = []
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(v.rows)), 3.6))
-    names = [f"{r.gate}\n{r.metric}" for r in v.rows]
+    names = [f"{r.gate}\n{r.metric}".replace("$", r"\$") for r in v.rows]  # a $ would start mathtext
     colors = ["tab:green" if r.passed else "tab:red" if r.passed is False else "tab:gray" for r in v.rows]
     ax.bar(names, [min(r.recovery_pct, 150) for r in v.rows], color=colors)
     for i, r in enumerate(v.rows):  # the threshold as a recovery, where it is one

@@ -12,26 +12,34 @@ from pathlib import Path
 
 from ..data import jsonl_rows
 from ..errors import InputError
+from .cases import check_max_tokens, check_messages, check_prompt, prompt_ids
 
 MATCHES = ("exact", "contains")
+KEYS = ("id", "prompt", "messages", "answer", "match", "max_tokens")
 
 
 def load_cases(path: str | Path, limit: int | None = None) -> list[dict]:
-    rows = []
-    for n, row in jsonl_rows(path, "task file"):
-        where = f"{path}:{n}"
-        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
-            raise InputError(f"{where}: give exactly one of prompt (text) or messages (a chat)")
-        if not isinstance(row.get("answer"), str) or not row["answer"].strip():
-            raise InputError(f"{where}: answer (the expected text) is missing or empty")
-        if row.get("match", "exact") not in MATCHES:
-            raise InputError(f"{where}: match must be exact or contains, not {row['match']!r}")
-        unknown = set(row) - {"id", "prompt", "messages", "answer", "match", "max_tokens"}
-        if unknown:
-            raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: id, prompt, messages, answer, "
-                             "match, max_tokens")
-        rows.append({"id": row.get("id", f"line-{n}"), **row})
+    rows = [_case(f"{path}:{n}", n, row) for n, row in jsonl_rows(path, "task file")]
     return rows[:limit] if limit is not None else rows
+
+
+def _case(where: str, n: int, row) -> dict:
+    """One line, every field checked: the error names FILE:LINE."""
+    if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+        raise InputError(f"{where}: give exactly one of prompt (text) or messages (a chat)")
+    unknown = set(row) - set(KEYS)
+    if unknown:
+        raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {', '.join(KEYS)}")
+    if not isinstance(row.get("answer"), str) or not row["answer"].strip():
+        raise InputError(f"{where}: answer (the expected text) is missing or empty")
+    if row.get("match", "exact") not in MATCHES:
+        raise InputError(f"{where}: match must be exact or contains, not {row['match']!r}")
+    if "messages" in row:
+        check_messages(where, row["messages"])
+    else:
+        check_prompt(where, row["prompt"])
+    check_max_tokens(where, row.get("max_tokens"))
+    return {"id": row.get("id", f"line-{n}"), **row, "where": where}
 
 
 def matches(text: str, expected: str, how: str = "exact") -> bool:
@@ -42,16 +50,8 @@ def run_cases(llm, rows: list[dict]) -> dict:
     """{"accuracy": share matched, "answers": [...]} for every case, greedily, in one batch."""
     from ..runtime.sampling_params import SamplingParams
 
-    prompts = []
-    for r in rows:
-        if "messages" in r:
-            if not getattr(llm.tokenizer, "chat_template", None):
-                raise InputError(f"case {r['id']} is a chat (messages) but the model has no chat template")
-            prompts.append(list(llm.tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True,
-                                                                  tokenize=True, return_dict=True)["input_ids"]))
-        else:
-            prompts.append(llm.tokenizer(r["prompt"]).input_ids)
-    params = [SamplingParams(max_tokens=r.get("max_tokens", 64), temperature=0) for r in rows]
+    prompts = [prompt_ids(llm, r) for r in rows]  # every case checked before any runs
+    params = [SamplingParams(max_tokens=r.get("max_tokens") or 64, temperature=0) for r in rows]
     outs = llm.generate(prompts, params) if rows else []
     answers = [{"id": r["id"], "text": o.outputs[0].text, "expected": r["answer"],
                 "matched": matches(o.outputs[0].text, r["answer"], r.get("match", "exact"))} for r, o in zip(rows, outs)]

@@ -1,0 +1,206 @@
+"""Scoring a model on the gates' tasks, and the baseline's cache.
+
+run_task runs one gate's task on an engine; score_model runs every gate's task on one model (each
+task once), the baseline's results read from and written to the cache under ~/.cache/qtk/gates
+($QTK_CACHE/gates). A cache entry's key holds everything its numbers depend on: the model's
+content hash, the task and its arguments, the sha256 of every file the task reads (a tasks file,
+a request log, a dataset, a needle filler), the engine settings with the dtype as resolved on this
+machine, the seed and qtk's version. Entries are written whole (a temporary file renamed over
+the entry); one that cannot be read is recomputed, with a warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..data import read_text
+from .gate_args import input_files
+
+if TYPE_CHECKING:
+    from .gates import Gate
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 3  # bump when a task's metrics change: cached baselines are recomputed
+
+
+def run_task(llm, gate: Gate, seed: int = 0, reference: dict | None = None) -> dict:
+    """The gate's task on one engine: {metric: value}, the default metric first (keys starting
+    with "_" carry data, not metrics). `reference`: the baseline's result, for tasks that compare
+    (replay)."""
+    return TASKS[gate.kind](llm, gate, seed, reference)
+
+
+def _ppl(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
+    from .perplexity import engine_perplexity, eval_windows
+
+    a = gate.args
+    windows = eval_windows(llm.tokenizer, a.get("dataset", "builtin"), a.get("seq_len", 1024), a.get("limit", 8))
+    r = engine_perplexity(llm, windows, batch_size=a.get("batch_size", 4), progress=False,
+                          dataset=a.get("dataset", "builtin"))
+    return {"ppl": r.ppl, "nll": r.nll}
+
+
+def _needle(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
+    from .needle import needle
+
+    a = gate.args
+    filler = a.get("filler", "builtin")
+    r = needle(llm, a.get("lengths"), a.get("depths"), a.get("samples", 1), seed,
+               None if filler == "builtin" else read_text(Path(filler), "needle filler"))
+    return {"accuracy": r.accuracy, **{f"accuracy@{n}": v for n, v in r.by_length().items()}, "_cells": r.to_dict()}
+
+
+def _json(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
+    from .json_validity import json_validity, load_prompts
+
+    a = gate.args
+    ds = a.get("dataset", "builtin")
+    prompts = load_prompts(None if ds == "builtin" else ds, a.get("limit"))
+    out = {}
+    for constrained in ([False, True] if a.get("constrained", False) else [False]):
+        r = json_validity(llm, prompts, constrained, a.get("max_tokens", 256))
+        prefix = "constrained_" if constrained else ""
+        out[f"{prefix}valid_rate"] = r.overall.valid_rate
+        out[f"{prefix}parse_rate"] = r.overall.parse_rate
+        out[f"{prefix}finished_valid_rate"] = r.overall.finished_valid_rate
+        out[f"{prefix}truncated_rate"] = r.overall.truncated / max(r.overall.n, 1)
+    return out
+
+
+def _replay(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
+    from .replay import load_requests, replay
+
+    cases = load_requests(gate.task.split(":", 1)[1], gate.args.get("limit"))
+    return replay(llm, cases, gate.args.get("max_tokens", 128), None if reference is None else reference["_responses"])
+
+
+def _user_tasks(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
+    from .user_tasks import load_cases, run_cases
+
+    return {"accuracy": run_cases(llm, load_cases(gate.task.split(":", 1)[1], gate.args.get("limit")))["accuracy"]}
+
+
+def _lm_eval(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
+    """TASK/METRIC values, and "_higher_is_better" {TASK/METRIC: bool}: lm-eval's own direction
+    of each metric, kept with the results (and the cache) for the verdict."""
+    from .lm_eval_adapter import run_lm_eval
+
+    res = run_lm_eval(llm, gate.task.split(":", 1)[1].split(","), limit=gate.args.get("limit"), seed=seed,
+                      num_fewshot=gate.args.get("num_fewshot"))
+    metrics = {f"{task}/{m}": v for task, values in res["results"].items() for m, v in values.items()}
+    higher = {f"{task}/{m}": h for task, values in res["higher_is_better"].items() for m, h in values.items()
+              if isinstance(h, bool)}
+    return {**metrics, "_higher_is_better": higher}
+
+
+TASKS = {"ppl": _ppl, "needle": _needle, "json": _json, "replay": _replay, "tasks": _user_tasks, "lm-eval": _lm_eval}
+
+
+# -- the baseline's cache ------------------------------------------------------------------------
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_fingerprint(model: str) -> str:
+    """sha256 over every file of the model (names and contents), file hashes cached by size and
+    mtime so a rerun does not read the weights again."""
+    from ..models import cache_dir, resolve
+
+    root = Path(resolve(model))
+    files = sorted(p for p in (root.rglob("*") if root.is_dir() else [root]) if p.is_file())
+    cache_path = cache_dir() / "file_hashes.json"
+    cache = _read_json(cache_path) or {}
+    h = hashlib.sha256()
+    for p in files:
+        st = p.stat()
+        key = f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in cache:
+            cache[key] = file_sha256(p)
+        h.update(f"{p.relative_to(root) if root.is_dir() else p.name}\0{cache[key]}\n".encode())
+    _write_json(cache_path, cache)
+    return h.hexdigest()
+
+
+def _cache_key(fingerprint: str, gate: Gate, engine_args: dict, seed: int) -> str:
+    from .. import __version__
+    from ..device import choose_dtype
+
+    engine = {**engine_args, "dtype": choose_dtype(engine_args.get("dtype"), engine_args.get("device", "cpu")).name}
+    files = {f: file_sha256(Path(f)) for f in input_files(gate)}
+    spec = json.dumps({"model": fingerprint, "task": gate.task, "args": gate.args, "files": files, "engine": engine,
+                       "seed": seed, "qtk": __version__, "metrics": CACHE_VERSION}, sort_keys=True, default=str)
+    return hashlib.sha256(spec.encode()).hexdigest()[:32]
+
+
+def _read_json(path: Path) -> dict | None:
+    """A cache file's dict; None when it is missing, and when it cannot be read (with a warning:
+    it is recomputed and rewritten)."""
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("ignoring the unreadable cache entry %s (%s): recomputing it", path, e)
+        return None
+    if not isinstance(value, dict):
+        log.warning("ignoring the cache entry %s (not a JSON object): recomputing it", path)
+        return None
+    return value
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """Whole or not at all: a temporary file beside it, renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def score_model(model: str, gates: list[Gate], engine_args: dict, seed: int, label: str, cache: bool,
+                echo=print, reference: dict[str, dict] | None = None) -> dict[str, dict]:
+    """{gate name: metrics} for one model, each task once (gates sharing a task share its run);
+    cached results are used when `cache` (the baseline); `reference` is the baseline's results,
+    given when scoring the candidate."""
+    from ..models import cache_dir
+
+    gates_cache = cache_dir() / "gates"
+    fingerprint = model_fingerprint(model) if cache else None
+    results, llm = {}, None
+    by_task: dict[str, dict] = {}
+    for gate in gates:
+        task_key = json.dumps([gate.task, gate.args], sort_keys=True)
+        if task_key in by_task:
+            results[gate.name] = by_task[task_key]
+            continue
+        path = gates_cache / f"{_cache_key(fingerprint, gate, engine_args, seed)}.json" if cache else None
+        metrics = _read_json(path) if path is not None else None
+        if metrics is not None:
+            echo(f"[{label}] {gate.task}: cached ({_brief(metrics)})")
+        else:
+            if llm is None:
+                from ..runtime.engine import LLM
+
+                echo(f"[{label}] loading {model}")
+                llm = LLM(model, **engine_args)
+            echo(f"[{label}] {gate.task} ...")
+            t0 = time.perf_counter()
+            metrics = run_task(llm, gate, seed, None if reference is None else reference[gate.name])
+            echo(f"[{label}] {gate.task}: {_brief(metrics)} ({time.perf_counter() - t0:.0f} s)")
+            if path is not None:
+                _write_json(path, metrics)
+        by_task[task_key] = results[gate.name] = metrics
+    return results
+
+
+def _brief(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if not k.startswith("_"))[:200]
