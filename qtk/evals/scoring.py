@@ -137,6 +137,13 @@ def _cache_key(fingerprint: str, gate: Gate, engine_args: dict, seed: int) -> st
 
     engine = {**engine_args, "dtype": choose_dtype(engine_args.get("dtype"), engine_args.get("device", "cpu")).name}
     files = {f: file_sha256(Path(f)) for f in input_files(gate)}
+    if gate.kind == "lm-eval":  # lm-eval's own version and qtk's local task data score the task too
+        import importlib.metadata
+
+        from .lm_eval_adapter import TASKS_DIR
+
+        files.update({f.name: file_sha256(f) for f in sorted(TASKS_DIR.iterdir()) if f.is_file()})
+        files["lm_eval"] = importlib.metadata.version("lm_eval")
     spec = json.dumps({"model": fingerprint, "task": gate.task, "args": gate.args, "files": files, "engine": engine,
                        "seed": seed, "qtk": __version__, "metrics": CACHE_VERSION}, sort_keys=True, default=str)
     return hashlib.sha256(spec.encode()).hexdigest()[:32]
