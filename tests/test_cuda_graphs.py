@@ -24,6 +24,7 @@ from qtk.runtime.sequence import Sequence
 triton = pytest.importorskip("triton")
 
 from test_kernels_interp import exact_interpretation  # noqa: E402
+from test_paged_attention_triton import kv_scales  # noqa: E402
 from test_runtime import hf_model  # noqa: E402
 
 
@@ -74,10 +75,7 @@ def run_steps(runner, prompts, steps, num_blocks, bs, finish_after):
 def test_graph_steps_give_the_eager_logits_and_cache(kv_dtype):
     model = LlamaModel(hf_model("llama"))
     num_blocks, bs = 32, 4
-    scales = None
-    if kv_dtype is not None:
-        s = torch.full((model.num_kv_heads, 1, 1), 0.05)
-        scales = [(s, s) for _ in model.layers]
+    scales = kv_scales(model, kv_dtype)
     eager = ModelRunner(model, num_blocks, bs, kv_dtype, scales, attention_backend="triton")
     graphed = ModelRunner(model, num_blocks, bs, kv_dtype, scales, attention_backend="triton")
     record = EagerRecord()

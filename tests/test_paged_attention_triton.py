@@ -385,6 +385,14 @@ def test_prefill_compiles_to_tensor_cores(cc, q, cache):
     assert re.search(CACHE_TILE_COPY, ptx), "cache tiles are not copied 16 bytes at a time"
 
 
+def kv_scales(model, kv_dtype) -> list | None:
+    """Per layer (k_scale, v_scale) of 0.05 per KV head for an INT8 / FP8 cache; None for a float one."""
+    if kv_dtype is None:
+        return None
+    s = torch.full((model.num_kv_heads, 1, 1), 0.05)
+    return [(s, s) for _ in model.layers]
+
+
 @interp
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8])
 def test_runtime_steps_through_the_triton_kernels(kv_dtype):
@@ -400,10 +408,7 @@ def test_runtime_steps_through_the_triton_kernels(kv_dtype):
 
     model = LlamaModel(hf_model("llama"))
     num_blocks, bs = 32, 4
-    scales = None
-    if kv_dtype is not None:
-        s = torch.full((model.num_kv_heads, 1, 1), 0.05)
-        scales = [(s, s) for _ in model.layers]
+    scales = kv_scales(model, kv_dtype)
     runners = {b: ModelRunner(model, num_blocks, bs, kv_dtype, scales, attention_backend=b) for b in ("torch", "triton")}
     prompts = [list(range(10, 21)), list(range(50, 53)), list(range(90, 97))]
     logits = {}
