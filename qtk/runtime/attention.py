@@ -190,13 +190,12 @@ def _triton_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: f
     i32 = dict(dtype=torch.int32, device=q.device)
     if meta.decode_index.numel():
         out[meta.decode_index] = decode(q[meta.decode_index])
-    if meta.prefills:
-        chunks = meta.prefills
-        rows = torch.cat([torch.arange(p.start, p.start + p.length, device=q.device) for p in chunks])
-        width = max(len(p.block_table) for p in chunks)
-        tables = torch.tensor([p.block_table + [0] * (width - len(p.block_table)) for p in chunks], **i32)
-        lens = torch.tensor([p.slots.numel() for p in chunks], **i32)
-        starts = torch.tensor([0, *itertools.accumulate(p.length for p in chunks)], **i32)
-        out[rows] = ta.prefill_attention(q[rows], cache.k, cache.v, tables, lens, starts, scale, meta.block_size,
-                                         cache.k_scale, cache.v_scale)
+    chunks = meta.prefills  # one varlen launch over every prefill chunk
+    rows = torch.cat([torch.arange(p.start, p.start + p.length, device=q.device) for p in chunks])
+    width = max(len(p.block_table) for p in chunks)
+    tables = torch.tensor([p.block_table + [0] * (width - len(p.block_table)) for p in chunks], **i32)
+    lens = torch.tensor([p.slots.numel() for p in chunks], **i32)
+    starts = torch.tensor([0, *itertools.accumulate(p.length for p in chunks)], **i32)
+    out[rows] = ta.prefill_attention(q[rows], cache.k, cache.v, tables, lens, starts, scale, meta.block_size,
+                                     cache.k_scale, cache.v_scale)
     return out
