@@ -1,4 +1,5 @@
-"""compressed-tensors checkpoints: write them atomically, read them (ours and llm-compressor's).
+"""compressed-tensors checkpoints: write them atomically, read them (ours and llm-compressor's,
+and GPTQ / AWQ ones through hub_formats).
 
 On disk (as llm-compressor writes it): config.json with `quantization_config`
 {quant_method: compressed-tensors, quantization_status: compressed, format, config_groups,
@@ -21,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from . import hub_formats
 from .models import arch_for, get_module, set_module
 from .quant_linear import QuantLinear
 from .schemes import KVCacheScheme, Scheme
@@ -65,8 +67,8 @@ def target_matches(name: str, module: nn.Module, target: str) -> bool:
 
 def parse_quantization_config(qc: dict) -> tuple[list[Scheme], list[str], KVCacheScheme | None]:
     if qc.get("quant_method") != "compressed-tensors":
-        raise CheckpointError(f"quantization_config.quant_method is {qc.get('quant_method')!r}; "
-                              "qtk reads compressed-tensors checkpoints (as llm-compressor and qtk write them)")
+        raise CheckpointError(f"quantization_config.quant_method is {qc.get('quant_method')!r}; qtk reads "
+                              "compressed-tensors (llm-compressor's and qtk's), GPTQ and AWQ (gemm) checkpoints")
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise CheckpointError(f"quantization_status {status!r} is not supported; qtk reads compressed checkpoints")
@@ -214,13 +216,21 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device:
     if qc is None:
         raise CheckpointError(f"{path / 'config.json'} has no quantization_config")
     qc = qc if isinstance(qc, dict) else qc.to_dict()
-    schemes, ignore, kv = parse_quantization_config(qc)
+    if hub_formats.is_hub_format(qc):
+        hub_formats.check_config(qc, path)
+        kv = None
+    else:
+        schemes, ignore, kv = parse_quantization_config(qc)
     arch = arch_for(config)
     del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tensors = read_tensors(path)
-    for name, scheme in quantized_linear_names(model, schemes, ignore).items():
+    if hub_formats.is_hub_format(qc):  # GPTQ / AWQ: repacked into compressed-tensors' layout
+        layers, tensors = hub_formats.convert(qc, tensors, model, path)
+    else:
+        layers = quantized_linear_names(model, schemes, ignore)
+    for name, scheme in layers.items():
         lin = get_module(model, name)
         has_gidx = f"{name}.weight_g_idx" in tensors
         set_module(model, name, QuantLinear(lin.in_features, lin.out_features, scheme, lin.bias is not None,

@@ -5,9 +5,11 @@ import math
 
 from safetensors import safe_open
 
+from . import hub_formats
 from .checkpoint import check_weight_files, parse_quantization_config, read_tensor_meta, weight_files
 from .models import config_dict, resolve
 
+HUB_KEYS = ("qweight", "qzeros", "scales", "g_idx")
 LAYER_KEYS = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
               "input_scale", "bias")
 
@@ -19,11 +21,19 @@ def inspect_checkpoint(model: str) -> dict:
     meta = read_tensor_meta(path)  # name -> (dtype, shape, nbytes)
     qc = cfg.get("quantization_config")
     kv = None
-    if qc is not None:
+    hub = qc is not None and hub_formats.is_hub_format(qc)
+    if hub:
+        hub_formats.check_config(qc, path)
+    elif qc is not None:
         _, _, kvs = parse_quantization_config(qc)
         kv = None if kvs is None else {"type": kvs.type, "strategy": kvs.strategy}
     shapes = _weight_shapes(path, meta)
     layers = {}
+    for base in sorted({n.rpartition(".")[0] for n in meta if n.endswith(".qweight")}):  # GPTQ / AWQ
+        shapes[base] = _hub_shape(meta, base, qc)
+        layers[base] = {"format": qc["quant_method"], "scale_shape": meta[f"{base}.scales"][1],
+                        "bits": _bits(meta, base, shapes, HUB_KEYS),
+                        "bytes": sum(meta[f"{base}.{k}"][2] for k in HUB_KEYS + ("bias",) if f"{base}.{k}" in meta)}
     for base in sorted({n.rpartition(".")[0] for n in meta if n.endswith(".weight_scale")}):
         w = meta.get(f"{base}.weight")
         fmt = "pack-quantized" if f"{base}.weight_packed" in meta else (
@@ -35,14 +45,15 @@ def inspect_checkpoint(model: str) -> dict:
     for name, (_, shape, _) in meta.items():
         base, _, leaf = name.rpartition(".")
         if base in layers:
-            if leaf in ("weight_packed", "weight"):
+            if leaf in ("weight_packed", "weight", "qweight"):
                 original += math.prod(shapes.get(base, shape)) * 2
             elif leaf == "bias":
                 original += math.prod(shape) * 2
         elif leaf not in ("k_scale", "v_scale"):
             original += math.prod(shape) * 2
     on_disk = sum(f.stat().st_size for f in weight_files(path))
-    return {"path": str(path), "model_type": cfg.get("model_type"), "quantization": _describe(qc) if qc else None,
+    described = (hub_formats.describe(qc) if hub else _describe(qc)) if qc else None
+    return {"path": str(path), "model_type": cfg.get("model_type"), "quantization": described,
             "kv_cache": kv, "layers": layers, "size_bytes": on_disk, "bf16_size_bytes": original,
             "compression": original / on_disk if on_disk else None}
 
@@ -58,11 +69,21 @@ def _weight_shapes(path, meta) -> dict[str, list[int]]:
     return shapes
 
 
-def _bits(meta, base, shapes) -> float:
+def _hub_shape(meta, base, qc) -> list[int]:
+    """[out, in] of a GPTQ / AWQ layer from its tensors' shapes (AWQ: qweight [in, .], scales [., out];
+    GPTQ: g_idx [in], or qweight rows x 32 / the config's bits)."""
+    out = meta[f"{base}.scales"][1][1]
+    if qc["quant_method"] == "awq":
+        return [out, meta[f"{base}.qweight"][1][0]]
+    if f"{base}.g_idx" in meta:
+        return [out, meta[f"{base}.g_idx"][1][0]]
+    return [out, meta[f"{base}.qweight"][1][0] * 32 // qc.get("bits", 4)]
+
+
+def _bits(meta, base, shapes, keys=("weight_packed", "weight", "weight_scale", "weight_zero_point")) -> float:
     """Bits per weight including scales and zero points."""
     numel = math.prod(shapes.get(base) or meta[f"{base}.weight"][1])
-    payload = sum(meta[f"{base}.{k}"][2] for k in ("weight_packed", "weight", "weight_scale", "weight_zero_point")
-                  if f"{base}.{k}" in meta)
+    payload = sum(meta[f"{base}.{k}"][2] for k in keys if f"{base}.{k}" in meta)
     return round(payload * 8 / numel, 3)
 
 

@@ -1,0 +1,201 @@
+"""GPTQ and AWQ checkpoints, the hub's two common 4-bit layouts, read into compressed-tensors'.
+
+A GPTQ checkpoint (AutoGPTQ, GPTQModel, optimum: quantization_config.quant_method "gptq",
+checkpoint_format "gptq" or "gptq_v2") and an AWQ one (AutoAWQ's GEMM layout: quant_method
+"awq", version "gemm") store each quantized Linear [out N, in K] as
+
+                GPTQ                                     AWQ (gemm)
+    qweight     int32 [K*b/32, N], packed along K:       int32 [K, N*b/32], packed along N: word c
+                word i holds inputs (32/b)i + j at       holds outputs 8c + ORDER[j] at bits 4j,
+                bits b*j                                 ORDER = 0 2 4 6 1 3 5 7
+    qzeros      int32 [groups, N*b/32], packed along N   same packing (and order) as its qweight
+                (v1 "gptq" stores zero - 1, v2 zero)
+    scales      fp16 [groups, N]
+    g_idx       int32 [K]: the group of each input       (none: group k // group_size)
+                (act-order / desc_act permutes it)
+
+    w[n, k] = scales[g, n] * (q[k, n] - zero[g, n]),   g = g_idx[k] or k // group_size
+
+with q and zero unsigned b-bit integers. compressed-tensors (and QuantLinear) store both signed,
+q - 2^(b-1), the codes packed along K and the zero points along N, so reading is an exact integer
+repack at load and the kernels run the result as they run llm-compressor's checkpoints:
+- a layer whose zeros are all 2^(b-1) (every symmetric GPTQ checkpoint) has no zero point;
+- g_idx that is not k // group_size becomes weight_g_idx (run as a column permutation,
+  kernels/dispatch.py); a trivial one is dropped.
+Bit width and group count come from each layer's tensors (GPTQModel's per-module `dynamic`
+overrides need nothing more), checked against the Linear the config describes. Layers without a
+qweight are float and load as such (lm_head, `modules_to_not_convert`, GPTQModel's "-:" rules).
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError
+from .quant import pack_int32, unpack_int32
+from .schemes import QuantArgs, Scheme
+
+METHODS = ("gptq", "awq")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # word c's nibble j holds output 8c + AWQ_ORDER[j]
+BITS = (4, 8)  # what QuantLinear's packed layout and qtk's kernels run
+
+
+def is_hub_format(qc: dict) -> bool:
+    return qc.get("quant_method") in METHODS
+
+
+def check_config(qc: dict, path: Path) -> None:
+    """The config's layout is one qtk reads (before any tensor is read)."""
+    method = qc["quant_method"]
+    where = f"{path / 'config.json'} quantization_config"
+    if method == "gptq":
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise CheckpointError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported; qtk reads "
+                                  "'gptq' (v1) and 'gptq_v2' (GPTQModel can convert others back to them)")
+    else:
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise CheckpointError(f"{where}: AWQ version {version!r} is not supported; qtk reads AutoAWQ's "
+                                  "'gemm' layout (as vLLM does)")
+        if not qc.get("zero_point", True):
+            raise CheckpointError(f"{where}: AWQ with zero_point false is not supported (AutoAWQ's gemm layout "
+                                  "always has zero points)")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits not in BITS or (method == "awq" and bits != 4):
+        raise CheckpointError(f"{where}: {bits}-bit {method.upper()} is not supported; qtk reads "
+                              + ("4- and 8-bit GPTQ" if method == "gptq" else "4-bit AWQ"))
+
+
+def describe(qc: dict) -> list[dict]:
+    """`qtk inspect`'s line for the config (the layers' own bits and groups are in their rows)."""
+    bits = qc.get("bits", qc.get("w_bit"))
+    group = qc.get("group_size", qc.get("q_group_size", -1))
+    if qc["quant_method"] == "gptq":
+        fmt = "gptq v2" if qc.get("checkpoint_format") == "gptq_v2" else "gptq v1"
+        sym = qc.get("sym", True)
+        order = ", act-order" if qc.get("desc_act") else ""
+    else:
+        fmt, sym, order = "awq gemm", False, ""
+    w = f"int{bits} " + ("channel" if group in (-1, None) else f"group g{group}") + ("" if sym else " asym") + order
+    return [{"group": qc["quant_method"], "targets": ["Linear"], "format": fmt, "weights": w, "activations": None}]
+
+
+def convert(qc: dict, tensors: dict[str, torch.Tensor], model: nn.Module,
+            path: Path) -> tuple[dict[str, Scheme], dict[str, torch.Tensor]]:
+    """(scheme of each quantized Linear, the tensors in compressed-tensors' names and layout)."""
+    method, v1 = qc["quant_method"], qc.get("checkpoint_format", "gptq") == "gptq"
+    out = dict(tensors)
+    schemes = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or f"{name}.qweight" not in tensors:
+            continue
+        parts = {k: out.pop(f"{name}.{k}", None) for k in ("qweight", "qzeros", "scales", "g_idx")}
+        missing = [k for k in ("qzeros", "scales") if parts[k] is None]
+        if missing:
+            raise CheckpointError(f"{path}: {name} has a qweight but no {missing[0]}")
+        layer = _gptq_layer if method == "gptq" else _awq_layer
+        try:
+            bits, q, zero, scales, g_idx = layer(parts, mod.in_features, mod.out_features, v1)
+            schemes[name], layer_tensors = _compressed(bits, q, zero, scales, g_idx,
+                                                       _group_size(qc, name, mod.in_features))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {name}: {e}") from e
+        out.update({f"{name}.{k}": v for k, v in layer_tensors.items()})
+        _drop_zero_bias(out, name, mod, path)
+    if not schemes:
+        raise CheckpointError(f"{path}: quantization_config says {method.upper()}, but no layer has a qweight")
+    return schemes, out
+
+
+def _gptq_layer(t: dict, k: int, n: int, v1: bool):
+    """(bits, unsigned codes [K, N], unsigned zeros [groups, N], scales [groups, N], g_idx [K] or None)."""
+    bits = _bits(t["qweight"].shape[0] * 32, k, "qweight rows x 32 / in_features")
+    _shape(t["qweight"], (k * bits // 32, n), "qweight")
+    _shape(t["qzeros"], (t["scales"].shape[0], n * bits // 32), "qzeros")
+    half = 1 << (bits - 1)
+    q = unpack_int32(t["qweight"], bits, k, packed_dim=0).to(torch.int16) + half  # packed along K
+    zero = unpack_int32(t["qzeros"], bits, n).to(torch.int16) + half + (1 if v1 else 0)
+    g_idx = t["g_idx"]
+    if g_idx is not None:
+        _shape(g_idx, (k,), "g_idx")
+        if g_idx.min() < 0 or g_idx.max() >= t["scales"].shape[0]:
+            raise ValueError(f"g_idx names groups outside 0..{t['scales'].shape[0] - 1}")
+    return bits, q, zero, t["scales"], g_idx
+
+
+def _awq_layer(t: dict, k: int, n: int, v1: bool):
+    bits = _bits(t["qweight"].shape[1] * 32, n, "qweight columns x 32 / out_features")
+    _shape(t["qweight"], (k, n * bits // 32), "qweight")
+    _shape(t["qzeros"], (t["scales"].shape[0], n * bits // 32), "qzeros")
+    # unpacked column 8c + j holds output 8c + AWQ_ORDER[j]: put each where it belongs
+    order = torch.tensor(AWQ_ORDER).repeat(n // 8) + torch.arange(n).div(8, rounding_mode="floor") * 8
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(n)
+    half = 1 << (bits - 1)
+    q = unpack_int32(t["qweight"], bits, n).to(torch.int16)[:, inverse] + half
+    zero = unpack_int32(t["qzeros"], bits, n).to(torch.int16)[:, inverse] + half
+    return bits, q, zero, t["scales"], None
+
+
+def _bits(total: int, features: int, what: str) -> int:
+    bits = total // features
+    if total % features or bits not in BITS:
+        raise ValueError(f"{what} gives {total / features:g} bits; qtk reads 4- and 8-bit layers")
+    return bits
+
+
+def _shape(t: torch.Tensor, shape: tuple, what: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{what} has shape {list(t.shape)}, the layer needs {list(shape)}")
+
+
+def _group_size(qc: dict, name: str, k: int) -> int:
+    """The layer's group size (GPTQModel's `dynamic` may override it per module)."""
+    size = qc.get("group_size", qc.get("q_group_size", -1))
+    for pattern, override in (qc.get("dynamic") or {}).items():
+        if not pattern.startswith("-:") and re.match(pattern.removeprefix("+:"), name):
+            size = override.get("group_size", size)
+            break
+    return k if size in (-1, None) else size
+
+
+def _compressed(bits: int, q, zero, scales, g_idx, group_size: int) -> tuple[Scheme, dict[str, torch.Tensor]]:
+    """q [K, N] and zero [groups, N] unsigned -> compressed-tensors' signed, packed tensors."""
+    k, n = q.shape
+    groups = scales.shape[0]
+    if groups != math.ceil(k / group_size):
+        raise ValueError(f"{groups} scale rows for {k} inputs do not fit group_size {group_size}")
+    half = 1 << (bits - 1)
+    if (zero == half).all():
+        zp = None
+    elif zero.min() < 0 or zero.max() >= 2 * half:
+        raise ValueError(f"zero point {int(zero.max())} does not fit {bits} bits (a GPTQ v1 checkpoint "
+                              "whose packer wrapped a zero point of 0); re-quantize it, or save it as gptq_v2")
+    else:
+        zp = zero - half
+    strategy = "channel" if groups == 1 else "group"
+    args = QuantArgs(num_bits=bits, type="int", symmetric=zp is None, strategy=strategy,
+                     group_size=group_size if strategy == "group" else None)
+    tensors = {"weight_packed": pack_int32((q - half).t().to(torch.int8).contiguous(), bits, packed_dim=1),
+               "weight_scale": scales.t().contiguous(),
+               "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if zp is not None:
+        tensors["weight_zero_point"] = pack_int32(zp.t().to(torch.int8).contiguous(), bits, packed_dim=0)
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group_size):
+        tensors["weight_g_idx"] = g_idx.to(torch.int32).contiguous()
+    return Scheme(weights=args, stored_format="pack-quantized"), tensors
+
+
+def _drop_zero_bias(tensors: dict, name: str, mod: nn.Linear, path: Path) -> None:
+    """AutoGPTQ saves a bias for every quantized Linear; one the model has none for must be zeros."""
+    bias = tensors.get(f"{name}.bias")
+    if bias is None or mod.bias is not None:
+        return
+    if bias.any():
+        raise CheckpointError(f"{path}: {name}.bias is not zero, but the config's model has no bias there")
+    del tensors[f"{name}.bias"]
