@@ -134,11 +134,18 @@ def pack_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Ten
     """
     if q.dtype != torch.int8:
         raise ValueError(f"pack_int32 expects int8 codes, got {q.dtype}")
-    v = q.to(torch.int64) + (1 << (num_bits - 1))
     if packed_dim == 0:
-        v = v.t()
-    rows, cols = v.shape
+        q = q.t()
+    rows, cols = q.shape
     n_words = math.ceil(cols * num_bits / 32)
+    if 32 % num_bits == 0:  # whole codes per word (int4, int8): shift and sum, no scatter
+        per = 32 // num_bits
+        v = (q.to(torch.int32) + (1 << (num_bits - 1))).reshape(rows, -1)
+        v = torch.nn.functional.pad(v, (0, n_words * per - cols)).reshape(rows, n_words, per)
+        shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=q.device)
+        out = (v << shifts).sum(-1, dtype=torch.int32)  # disjoint bits: the sum is the OR (wrapping at 2^31)
+        return out.t().contiguous() if packed_dim == 0 else out.contiguous()
+    v = q.to(torch.int64) + (1 << (num_bits - 1))
     bit = torch.arange(cols, dtype=torch.int64) * num_bits  # start bit of each element
     words = torch.zeros(rows, n_words + 1, dtype=torch.int64)
     # low part into word bit//32, overflow (for b not dividing 32) into the next word

@@ -161,3 +161,12 @@ def test_inspect_reads_them():
     assert down["bits"] == pytest.approx(4 + 16 / 32 + 4 / 32 + 32 / 64)
     awq = inspect_checkpoint(str(DATA / "awq_gemm"))
     assert awq["quantization"][0]["format"] == "awq gemm"
+
+
+def test_awq_byte_repack_is_the_plain_one():
+    """The fast AWQ repack (bytes, little-endian) against unpack -> reorder -> pack, on random words."""
+    from qtk.hub_formats import _awq_codes_along_k, _awq_inverse
+
+    words = torch.randint(-2**31, 2**31 - 1, (40, 6), dtype=torch.int32)  # K 40, N 48
+    plain = pack_int32(unpack_int32(words, 4, 48)[:, _awq_inverse(48)].t().contiguous(), 4)
+    assert torch.equal(_awq_codes_along_k(words, 40, 48), plain)
