@@ -102,11 +102,14 @@ def test_graph_steps_give_the_eager_logits_and_cache(kv_dtype):
 def test_graphs_are_not_captured_where_they_cannot_replay():
     cpu = ModelRunner(LlamaModel(hf_model("llama")), 8, 4, attention_backend="torch")
     assert "attention backend" in cpu.capture_graphs(4, 16, record=EagerRecord())
-    model = hf_model("llama")
-    model.model.rotary_emb.rope_type = "dynamic"
-    runner = ModelRunner(LlamaModel(model), 8, 4, attention_backend="triton")
-    assert "reads the positions on the host" in runner.capture_graphs(4, 16, record=EagerRecord())
+    windowed = hf_model("mistral", sliding_window=8)
+    runner = ModelRunner(LlamaModel(windowed), 8, 4, attention_backend="triton")
+    assert "sliding window 8 < max_model_len 16" in runner.capture_graphs(4, 16, record=EagerRecord())
     assert cpu.graphs is None and runner.graphs is None
+    # RoPE frequencies are fixed at load for every scaling type: dynamic and longrope are captured too
+    dynamic = hf_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    runner = ModelRunner(LlamaModel(dynamic), 8, 4, attention_backend="triton")
+    assert runner.capture_graphs(4, 16, record=EagerRecord()) is None and runner.graphs is not None
 
 
 def test_a_failed_capture_leaves_an_eager_engine(tiny_dir, caplog, monkeypatch):

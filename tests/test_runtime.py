@@ -14,14 +14,14 @@ from qtk.runtime.scheduler import Scheduler, SchedulerConfig
 from qtk.runtime.sequence import Sequence
 
 
-def hf_model(family: str):
+def hf_model(family: str, **overrides):
     import transformers
 
     cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}[family]
     extra = {"head_dim": 16} if family == "qwen3" else {}
     torch.manual_seed(0)
-    cfg = getattr(transformers, cls[0])(**TINY, **extra)
+    cfg = getattr(transformers, cls[0])(**{**TINY, **extra, **overrides})
     model = getattr(transformers, cls[1])(cfg).eval()
     if family == "qwen2":  # its q/k/v carry biases: make them matter
         for layer in model.model.layers:
@@ -490,3 +490,11 @@ Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace
     assert root_causes(stderr) == ["AttributeError() raised at `torch.ops._C.cpu_gemm_wna16(`",
                                    "RuntimeError: Worker failed with error 'Observed exception"]
     assert root_causes("ValueError: no such scheme\n") == ["ValueError: no such scheme"]
+
+
+def test_a_max_model_len_past_the_context_is_cut_with_a_warning(tiny_dir, caplog):
+    from qtk import LLM
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=1000, kv_cache_memory=2**22)
+    assert llm.max_model_len == 256
+    assert "max_model_len 1000 is longer than the model's context (max_position_embeddings 256)" in caplog.text

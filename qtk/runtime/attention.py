@@ -15,6 +15,10 @@ Each step first writes the new tokens' K and V at their slots (quantizing on the
     prefills  (a chunk of n tokens at the end of a context of L): per sequence, sdpa of the n
               queries over the L cached keys with the causal offset mask j <= L - n + i
 GQA: query head h reads KV head h // (heads / kv_heads), as transformers' repeat_kv lays it out.
+A sliding window w (Mistral; Qwen2/Qwen3 sliding layers) limits the query at position p to the keys
+p - w < j <= p (transformers' sliding_window_overlay, vLLM's flash-attention window (w - 1, 0)). The
+Triton and C++ kernels have no window: a step with a context longer than a layer's window runs that
+layer on the torch path (shorter contexts: the window hides nothing).
 A k_scale is applied to the scores and a v_scale to the output, not to the gathered tensors.
 """
 from __future__ import annotations
@@ -64,6 +68,8 @@ class AttentionMetadata:
     block_size: int
     decode_lens: torch.Tensor | None = None  # long [B]: their context lengths (the Triton kernels')
     backend: str = "torch"  # or "triton" (CUDA; the interpreter in tests) or "cpu" (qtk's C++ ops)
+    max_context_len: int = 0  # the step's longest context, on the host: does a sliding window hide keys
+    # (0 in a CUDA graph's step: graphs are captured only where no window is shorter than max_model_len)
     _buffers: dict = field(default_factory=dict, repr=False)
 
     def gather_buffers(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +80,14 @@ class AttentionMetadata:
             kv_heads, _, D = cache.k.shape
             shape = (kv_heads, self.block_tables.numel(), self.block_size * D)
             self._buffers[key] = tuple(torch.empty(shape, dtype=cache.k.dtype, device=cache.k.device) for _ in "kv")
+        return self._buffers[key]
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """decode_mask less the keys before each decode's last `window` ones (built once per step)."""
+        key = ("window", window)
+        if key not in self._buffers:
+            cols = torch.arange(self.decode_mask.shape[1], device=self.decode_mask.device)
+            self._buffers[key] = self.decode_mask & (cols[None, :] >= (self.decode_lens - window)[:, None])
         return self._buffers[key]
 
 
@@ -100,23 +114,26 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, scale: float, cpu_ops=None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, cpu_ops=None, window: int | None = None) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] of the step's tokens -> attention output [T, heads, D].
-    cpu_ops: qtk's CPU kernel library for the "cpu" backend, where the caller holds it already."""
-    if meta.backend == "triton":
+    cpu_ops: qtk's CPU kernel library for the "cpu" backend, where the caller holds it already;
+    window: the layer's sliding window, or None."""
+    windowed = window is not None and meta.max_context_len > window
+    if meta.backend == "triton" and not windowed:
         return _triton_attention(q, k, v, cache, meta, scale)
-    if meta.backend == "cpu":
+    if meta.backend == "cpu" and not windowed:
         return _cpu_attention(q, k, v, cache, meta, scale, cpu_ops)
     write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_index.numel():
-        out[meta.decode_index] = _decode(q[meta.decode_index], cache, meta, scale)
+        out[meta.decode_index] = _decode(q[meta.decode_index], cache, meta, scale, window)
     for p in meta.prefills:
-        out[p.start:p.start + p.length] = _prefill(q[p.start:p.start + p.length], cache, p, scale)
+        out[p.start:p.start + p.length] = _prefill(q[p.start:p.start + p.length], cache, p, scale, window)
     return out
 
 
-def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+            window: int | None = None) -> torch.Tensor:
     B, H, D = q.shape
     kv_heads = cache.k.shape[0]
     keys, values = meta.gather_buffers(cache)
@@ -131,7 +148,8 @@ def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: flo
     scores = (qg @ keys.transpose(-1, -2)).float() * scale  # [kv, B, group, L]
     if cache.quantized:
         scores *= cache.k_scale[..., None]
-    scores.masked_fill_(~meta.decode_mask[None, :, None, :], float("-inf"))
+    mask = meta.decode_mask if window is None else meta.window_mask(window)
+    scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
     o = scores.softmax(dim=-1).to(q.dtype) @ values  # [kv, B, group, D]
     if cache.quantized:
         o = o * cache.v_scale[..., None].to(o.dtype)
@@ -162,12 +180,16 @@ def _dequantized(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
     return x.to(dtype) if scale is None else (x.float() * scale).to(dtype)
 
 
-def _prefill(q: torch.Tensor, cache: KVCache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+def _prefill(q: torch.Tensor, cache: KVCache, chunk: PrefillChunk, scale: float,
+             window: int | None = None) -> torch.Tensor:
     n, L = chunk.length, chunk.slots.numel()
     keys = _dequantized(cache.k[:, chunk.slots], cache.k_scale, q.dtype)  # [kv_heads, L, D]
     values = _dequantized(cache.v[:, chunk.slots], cache.v_scale, q.dtype)
-    # query i sits at context position L - n + i and sees keys 0 .. L - n + i
-    mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
+    # query i sits at context position p = L - n + i and sees keys 0 .. p (in a window: p - window + 1 .. p)
+    cols, pos = torch.arange(L, device=q.device)[None, :], torch.arange(L - n, L, device=q.device)[:, None]
+    mask = cols <= pos
+    if window is not None:
+        mask &= cols > pos - window
     o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
                                        enable_gqa=keys.shape[0] != q.shape[1])
     return o.transpose(0, 1)

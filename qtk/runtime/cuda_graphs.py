@@ -34,9 +34,6 @@ from .attention import AttentionMetadata, KVCache
 log = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512
-# RoPE variants whose HF module reads the positions on the host (a sync: nothing can be captured)
-HOST_ROPE_TYPES = ("dynamic", "longrope")
-
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """The batch sizes to capture (nano-vllm's and vLLM's default ladder): 1, 2, 4, 8, then every
@@ -44,14 +41,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     top = min(max_num_seqs, MAX_CAPTURE_SIZE)
     sizes = {s for s in (1, 2, 4, 8) if s <= top} | set(range(16, top + 1, 16)) | {top}
     return sorted(sizes)
-
-
-def graphs_apply(model) -> str | None:
-    """None where the model's forward can be captured, else why not."""
-    rope_type = getattr(model.rotary_emb, "rope_type", "default")
-    if any(t in rope_type for t in HOST_ROPE_TYPES):
-        return f"its RoPE scaling ({rope_type}) reads the positions on the host"
-    return None
 
 
 Record = Callable[[Callable[[], None], object], tuple[Callable[[], None], object]]

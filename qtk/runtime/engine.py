@@ -84,6 +84,9 @@ class LLM:
         pack_linears(hf_model, fuse=FUSED)
         self.model = LlamaModel(hf_model)
         limit = getattr(hf_model.config, "max_position_embeddings", None) or 2048
+        if max_model_len is not None and max_model_len > limit:  # positions the model never saw: cut
+            log.warning("max_model_len %d is longer than the model's context (max_position_embeddings %d): "
+                        "using %d", max_model_len, limit, limit)
         self.max_model_len = min(max_model_len or limit, limit)
         self.kv_dtype, kv_scales = self._kv_cache(kv_cache_dtype, device)
         per_token = kv_bytes_per_token(self.model, self.kv_dtype)

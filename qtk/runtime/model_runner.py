@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention import QMAX, AttentionMetadata, KVCache, PrefillChunk
-from .cuda_graphs import DecodeGraphs, Record, capture_sizes, cuda_record, graphs_apply
+from .cuda_graphs import DecodeGraphs, Record, capture_sizes, cuda_record
 from .sampler import logprob_entry
 from .scheduler import Batch
 from .sequence import Sequence
@@ -56,12 +56,19 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, record: Record = cuda_record) -> str | None:
         """Capture the decode step in CUDA graphs (cuda_graphs.py) -> None, or why it cannot be."""
-        why = (f"attention backend {self.attention_backend!r} (the graphs replay the Triton kernels)"
-               if self.attention_backend != "triton" else graphs_apply(self.model))
+        why = self._why_no_graphs(max_model_len)
         if why is None:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len,
                                        capture_sizes(max_num_seqs), self.device, record)
         return why
+
+    def _why_no_graphs(self, max_model_len: int) -> str | None:
+        if self.attention_backend != "triton":
+            return f"attention backend {self.attention_backend!r} (the graphs replay the Triton kernels)"
+        window = min((w for w in self.model.windows if w is not None), default=None)
+        if window is not None and window < max_model_len:  # a graph's step would run the kernels, which have none
+            return f"sliding window {window} < max_model_len {max_model_len} (windowed steps run in torch)"
+        return None  # RoPE of every scaling type is fixed at load (models/llama.py frozen_rope): capturable
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size
@@ -111,7 +118,7 @@ class ModelRunner:
                                  torch.tensor(decode_index, dtype=torch.long, device=dev),
                                  block_tables.reshape(len(tables), width).to(dev), mask.to(dev), prefills,
                                  self.block_size, torch.tensor(lens, dtype=torch.long, device=dev),
-                                 self.attention_backend)
+                                 self.attention_backend, max(lens + [p.slots.numel() for p in prefills], default=0))
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, sample_index)
 

@@ -5,15 +5,16 @@
     per layer:  x = rmsnorm(h); q, k, v = x Wq, x Wk, x Wv (+ bias)   [T, heads | kv_heads, D]
                 (qwen3: q, k = rmsnorm_head(q), rmsnorm_head(k))
                 q, k = rope(q, k, positions)
-                h = h + Wo paged_attention(q, k, v)                   (writes k, v to the cache)
+                h = h + Wo paged_attention(q, k, v, window)           (writes k, v to the cache)
                 h = h + W_down (silu(x W_gate) * x W_up),  x = rmsnorm(h)
     logits = lm_head(rmsnorm(h)[last token of each sampling sequence])
 
 The weights are those of the loaded Hugging Face model (a float checkpoint, or one qtk's loader
 filled with QuantLinear layers): this module shares its Linear / QuantLinear, norm and embedding
-modules, and its rotary module computes cos/sin for every RoPE scaling type the config names.
-What is ours is the packing and the paged attention. Adding a family is a row in FAMILIES plus
-what is truly new about it.
+modules, and its rotary module computes the frequencies for every RoPE scaling type the config
+names, once at load for the longest sequence (`frozen_rope`). What is ours is the packing and the
+paged attention, sliding windows included (`sliding_windows`). Adding a family is a row in
+FAMILIES plus what is truly new about it.
 """
 from __future__ import annotations
 
@@ -33,6 +34,27 @@ class Family:
 FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm=True)}
 # sibling projections the engine may fuse into one matmul (packed_linear.pack_linears)
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def sliding_windows(cfg) -> list[int | None]:
+    """Per layer, the sliding window (a query sees its last `window` keys, itself included) or None,
+    as transformers and vLLM read the config: with `layer_types` (Qwen2/Qwen3: use_sliding_window
+    and max_window_layers) on the layers of type "sliding_attention", else (Mistral) on every layer."""
+    window, n = getattr(cfg, "sliding_window", None), cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * n
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def frozen_rope(rotary: nn.Module, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2], attention scaling) of transformers' rotary module for a sequence of
+    max_positions tokens, fixed at load. Per forward it picks them by that forward's last position
+    ("longrope": short or long factors; "dynamic": grown past max_position_embeddings), which here
+    would make a token's RoPE depend on the chunk and the batch it runs in, and differ from its
+    cached keys'. vLLM fixes them at load too (longrope: the long factors where max_model_len >
+    original_max_position_embeddings; the engine's max_model_len is at most max_positions)."""
+    inv_freq = rotary.inv_freq
+    rotary(torch.zeros(1, device=inv_freq.device), torch.tensor([[max_positions - 1]], device=inv_freq.device))
+    return rotary.inv_freq.detach().float().clone(), rotary.attention_scaling
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -55,6 +77,9 @@ class LlamaModel(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
+        self.windows = sliding_windows(cfg)
+        inv_freq, self.rope_scaling = frozen_rope(self.rotary_emb, cfg.max_position_embeddings)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         self.cpu_ops = self._cpu_ops()
         self._plan = None  # per layer, the projections' callables (built at the first fused forward)
 
@@ -71,20 +96,26 @@ class LlamaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] of positions [T]: transformers' rotary forward over the frozen frequencies."""
+        freqs = positions[:, None].float() * self.rope_inv_freq  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(h[None], positions[None])
+        cos, sin = self.rope(positions, h.dtype)
         if self.cpu_ops is not None and meta.backend == "cpu":
-            return self._forward_fused(h, cos[0], sin[0], meta, kv_caches)
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
-        for layer, cache in zip(self.layers, kv_caches):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, meta, cache)
+            return self._forward_fused(h, cos, sin, meta, kv_caches)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+        for layer, cache, window in zip(self.layers, kv_caches, self.windows):
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, meta, cache, window)
             h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
         return self.norm(h)
 
-    def _attention(self, attn, x, cos, sin, meta, cache) -> torch.Tensor:
+    def _attention(self, attn, x, cos, sin, meta, cache, window) -> torch.Tensor:
         T = x.shape[0]
         if hasattr(attn, "qkv_proj"):  # fused by the engine
             q, k, v = attn.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -98,7 +129,7 @@ class LlamaModel(nn.Module):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        o = paged_attention(q, k, v, cache, meta, self.scale)
+        o = paged_attention(q, k, v, cache, meta, self.scale, window=window)
         return attn.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
     def _forward_fused(self, h, cos, sin, meta, kv_caches) -> torch.Tensor:
@@ -131,7 +162,7 @@ class LlamaModel(nn.Module):
             else:  # in place, through 2-D views
                 ops.rope_(q.view(T, H * D), cos, sin, H)
                 ops.rope_(k.view(T, KV * D), cos, sin, KV)
-            o = paged_attention(q, k, v, cache, meta, self.scale, ops)
+            o = paged_attention(q, k, v, cache, meta, self.scale, ops, self.windows[i])
             x = ops.add_rms_norm_(h, o_proj(o.view(T, H * D)), *self._post_norms[i])
             m = down(ops.silu_and_mul(gate_up(x))) if gate_up is not None else layer.mlp(x)
             x = ops.add_rms_norm_(h, m, *norms[i + 1])

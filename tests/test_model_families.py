@@ -1,0 +1,152 @@
+"""Config features of the Llama family the runtime must read as transformers does: sliding-window
+attention (Mistral on every layer, Qwen2/Qwen3 on the layers past max_window_layers) and RoPE
+scalings whose frequencies transformers picks per forward (longrope). Each against transformers'
+forward over the whole sequence, through chunked prefills, decodes and every attention backend."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from interop import TINY, byte_tokenizer
+from qtk.runtime.block_manager import BlockManager
+from qtk.runtime.model_runner import ModelRunner
+from qtk.runtime.models.llama import LlamaModel, sliding_windows
+from qtk.runtime.scheduler import Scheduler, SchedulerConfig
+from qtk.runtime.sequence import Sequence
+
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+WINDOWED = {"mistral": dict(sliding_window=8),  # every layer
+            "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 1 only
+            "qwen3": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, head_dim=16)}
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 32,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]}
+
+
+def tiny(family: str, **overrides):
+    """A seeded random model of the family (TINY's sizes), eval mode, float32."""
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, name) for name in CLASSES[family])
+    torch.manual_seed(0)
+    return model_cls(config_cls(**{**TINY, **overrides})).eval()
+
+
+def saved(model, path) -> str:
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def prompts(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_logits(model, prompts, new_tokens: int, backend: str, budget: int = 7, block_size: int = 4):
+    """Greedy decoding through scheduler + runner on one attention backend -> (sequences, per
+    sequence the logits of each sampling step)."""
+    runner = ModelRunner(LlamaModel(model), 64, block_size, attention_backend=backend)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget), BlockManager(64, block_size))
+    seqs = [Sequence(p, block_size=block_size) for p in prompts]
+    for s in seqs:
+        sched.add(s)
+    logits = {s.seq_id: [] for s in seqs}
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        out, _ = runner.run(batch)
+        for s, row in zip(sampling, out):
+            logits[s.seq_id].append(row)
+        sched.finish_step(batch, {s.seq_id: int(row.argmax()) for s, row in zip(sampling, out)})
+        for s in list(sched.running):
+            if s.num_generated_tokens >= new_tokens:
+                sched.finish(s)
+    return seqs, logits
+
+
+def backend_context(backend: str):
+    if backend == "cpu":
+        from qtk.kernels import cpu as cpu_kernels
+
+        if cpu_kernels.ops() is None:
+            pytest.skip("no C++ compiler: no qtk CPU ops")
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from test_kernels_interp import exact_interpretation
+
+        return exact_interpretation()
+    return contextlib.nullcontext()
+
+
+def test_sliding_windows_are_read_as_transformers_reads_them():
+    assert sliding_windows(tiny("mistral", sliding_window=8).config) == [8, 8]
+    assert sliding_windows(tiny("mistral", sliding_window=None).config) == [None, None]
+    assert sliding_windows(tiny("qwen2", **WINDOWED["qwen2"]).config) == [None, 8]
+    assert sliding_windows(tiny("qwen2", use_sliding_window=False, sliding_window=8).config) == [None, None]
+    assert sliding_windows(tiny("llama").config) == [None, None]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_sliding_window_attention_is_transformers(family, backend):
+    """A window of 8 over prompts of 23 and 5 tokens prefilled in 7-token chunks beside decodes
+    that grow past the window: every sampling step's logits are transformers' at that position
+    (the runtime used to attend to the whole context)."""
+    model = tiny(family, **WINDOWED[family])
+    with backend_context(backend):
+        seqs, logits = greedy_logits(model, prompts(23, 5), new_tokens=6, backend=backend)
+    for s in seqs:
+        with torch.no_grad():
+            want = model(torch.tensor([s.token_ids])).logits[0, s.num_prompt_tokens - 1:len(s) - 1]
+        torch.testing.assert_close(torch.stack(logits[s.seq_id]), want, atol=2e-4, rtol=1e-4)
+
+
+def test_engine_sliding_window_prompt_logprobs_and_greedy_text(tmp_path):
+    """Mistral with sliding_window 16 and a 50-token prompt through the engine (16-token prefill
+    chunks): prompt logprobs and greedy tokens are transformers'; decodes past the window run
+    with no CUDA graph to skip it (the graphs replay kernels that have no window)."""
+    from transformers import AutoModelForCausalLM
+
+    from qtk import LLM, SamplingParams
+
+    path = saved(tiny("mistral", sliding_window=16), tmp_path / "mistral")
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22, block_size=8, max_num_batched_tokens=16)
+    [prompt] = prompts(50)
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0))[0]
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        lp = ref(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0].log_softmax(-1)
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert abs(entry[prompt[i]] - lp[i - 1, prompt[i]].item()) < 1e-4
+    assert out.outputs[0].token_ids == lp[len(prompt) - 1:-1].argmax(-1).tolist()
+    runner = ModelRunner(llm.model, 4, 4, attention_backend="triton")
+    assert "sliding window 16 < max_model_len 64" in runner.capture_graphs(4, 64, record=None)
+
+
+def test_longrope_frequencies_do_not_depend_on_the_chunk_or_the_batch(tmp_path):
+    """transformers picks longrope's short or long factors per forward by its last position; the
+    runtime fixes them at load (the long ones, as vLLM where max_model_len > the original 32): a
+    50-token prompt prefilled in 16-token chunks gets transformers' one-shot prompt logprobs, and
+    a short prompt's are the same alone and beside a long one (they used to differ by ~3e-3)."""
+    from transformers import AutoModelForCausalLM
+
+    from qtk import LLM, SamplingParams
+
+    path = saved(tiny("llama", rope_scaling=LONGROPE), tmp_path / "longrope")
+    long, short = prompts(50, 20)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    chunks = LLM(path, dtype="float32", kv_cache_memory=2**22, block_size=8, max_num_batched_tokens=16)
+    chunked = chunks.generate([long], params)[0].prompt_logprobs
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        lp = ref(torch.tensor([long])).logits[0].log_softmax(-1)
+    for i, entry in enumerate(chunked[1:], start=1):
+        assert abs(entry[long[i]] - lp[i - 1, long[i]].item()) < 2e-5  # before: 1.3e-4
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22, block_size=8)  # both prompts in one step
+    alone = llm.generate([short], params)[0].prompt_logprobs
+    beside = llm.generate([short, long], params)[0].prompt_logprobs
+    for a, b, token in zip(alone[1:], beside[1:], short[1:]):
+        assert abs(a[token] - b[token]) < 1e-5
