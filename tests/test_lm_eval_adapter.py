@@ -31,6 +31,42 @@ def lm(tiny_dir):
 
 
 @pytest.fixture(scope="module")
+def metaspace_dir(tmp_path_factory):
+    """The tiny random Llama (vocab 256) with a Llama-2-style tokenizer: SentencePiece's Metaspace
+    pieces ("▁the"), BOS added, and a decoder that drops the space a text's first piece starts with."""
+    import string
+
+    from interop import TINY
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in " \x0b\x0c\r"]
+    vocab = ["<unk>", "<s>", "</s>", "▁", *chars, *("▁" + c for c in string.ascii_letters)]
+    vocab += [f"<extra_{i}>" for i in range(TINY["vocab_size"] - len(vocab))]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, unk_token="<unk>",
+                               merges=[("▁", c) for c in string.ascii_letters]))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    tok.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    d = tmp_path_factory.mktemp("metaspace")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(d)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**TINY, "bos_token_id": 1, "eos_token_id": 2})).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def metaspace(metaspace_dir):
+    """(qtk, lm-eval's HFLM) on that model. HFLM one request at a time: in a batch, a row its
+    stopping criterion has stopped generates on until every row has stopped."""
+    from lm_eval.models.huggingface import HFLM
+
+    ref = HFLM(pretrained=str(metaspace_dir), dtype="float32", device="cpu", batch_size=1, max_length=MAX_LEN)
+    return QtkLM(pretrained=str(metaspace_dir), **ENGINE), ref
+
+
+@pytest.fixture(scope="module")
 def hf(tiny_dir):
     from transformers import AutoModelForCausalLM
 
@@ -110,6 +146,36 @@ def test_generate_until_matches_transformers_greedy(lm, hf, tokenizer):
     assert lm.generate_until(reqs) == [texts[0], texts[1][:texts[1].index(stop)]]
 
 
+def test_generate_until_text_is_hflms_on_a_sentencepiece_tokenizer(metaspace):
+    """HFLM decodes the generated tokens alone, so a first piece "▁P" reads "P"; the engine decodes
+    them after the prompt's, " P". Greedy answers equal HFLM's, the prompts chosen so that some do
+    begin with such a piece."""
+    from qtk.runtime.sampling_params import SamplingParams
+
+    lm, ref = metaspace
+    contexts = ["The b", "A d", "So b", "It c"]
+    engine = lm.llm.generate([lm.tok_encode(c) for c in contexts], SamplingParams(max_tokens=6, temperature=0.0))
+    assert any(out.outputs[0].text.startswith(" ") for out in engine)
+    greedy = {"until": ["\n"], "max_gen_toks": 6, "do_sample": False}
+    reqs = [Instance("generate_until", {}, (c, greedy), i) for i, c in enumerate(contexts)]
+    assert lm.generate_until(reqs) == ref.generate_until(reqs)
+
+
+def test_generate_until_stops_at_a_special_token_in_until(metaspace):
+    """An `until` that is a special token other than EOS ("<s>" here; "</s>" or "<|endoftext|>" in
+    task YAMLs) stops HFLM, whose stopping criterion decodes with special tokens, and stops qtk at
+    the same token although the answer's text leaves special tokens out."""
+    from qtk.runtime.sampling_params import SamplingParams
+
+    lm, ref = metaspace
+    contexts = ["My q", "x y", "My s"]
+    engine = lm.llm.generate([lm.tok_encode(c) for c in contexts], SamplingParams(max_tokens=12, temperature=0.0))
+    assert all(lm.tokenizer.bos_token_id in out.outputs[0].token_ids[:-1] for out in engine)  # "<s>", then more
+    until = {"until": ["<s>"], "max_gen_toks": 12, "do_sample": False}
+    reqs = [Instance("generate_until", {}, (c, until), i) for i, c in enumerate(contexts)]
+    assert lm.generate_until(reqs) == ref.generate_until(reqs)
+
+
 def test_sampling_params_from_gen_kwargs():
     greedy = sampling_params({"do_sample": False, "temperature": 0.0}, ["\n"], 8)
     assert (greedy.temperature, greedy.max_tokens, greedy.stop) == (0.0, 8, ("\n",))
@@ -128,6 +194,18 @@ def test_model_args_errors_and_a_shared_engine(lm, tiny_dir):
     assert QtkLM(pretrained=lm.llm).llm is lm.llm  # run_lm_eval(llm, ...) scores on the caller's engine
     with pytest.raises(InputError, match="dtype set how qtk loads a model"):
         QtkLM(pretrained=lm.llm, dtype="float32")
+
+
+def test_model_args_as_lm_eval_parses_them(tiny_dir):
+    """max_length is lm-eval's name for the context length (HFLM's and its vLLM model's), and
+    lm-eval parses kv_cache_memory=4e6 into the float 4e6: both reach the engine."""
+    lm = QtkLM.create_from_arg_string(f"pretrained={tiny_dir},dtype=float32,max_length=48,kv_cache_memory=4e6",
+                                      {"batch_size": "auto", "max_batch_size": None, "device": "cpu"})
+    assert lm.max_length == 48 and lm.get_model_info()["kv_cache_memory"] == 4_000_000
+    with pytest.raises(InputError, match="max_length and max_model_len"):
+        QtkLM(pretrained=str(tiny_dir), max_length=48, max_model_len=64)
+    with pytest.raises(InputError, match="kv_cache_memory must be an integer, got 4.5"):
+        QtkLM(pretrained=str(tiny_dir), kv_cache_memory=4.5)
 
 
 def test_unknown_task_names_close_matches(tiny_dir):

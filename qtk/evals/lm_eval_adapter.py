@@ -33,7 +33,8 @@ import jinja2
 import lm_eval.models  # noqa: F401  (see below)
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
+from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
+                                  postprocess_generated_text)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from .. import __version__
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 TASKS_DIR = Path(__file__).parent / "data" / "lm_eval"
 ENGINE_ARGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                "kv_cache_memory", "enable_prefix_caching", "enforce_eager", "gpu_memory_utilization")
+INTEGER_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
 IGNORED_ARGS = ("batch_size", "max_batch_size")  # lm-eval's CLI always passes them; the engine forms its own batches
 SAMPLING_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # SamplingParams' names
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
@@ -56,21 +58,22 @@ DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 class QtkLM(TemplateLM):
     """lm-eval's LM on qtk.LLM. model_args: pretrained (any model qtk reads, or a built qtk.LLM
     to share one engine, as HFLM takes a loaded model), device (default: cuda when available, as
-    HFLM), and the engine's dtype, kv_cache_dtype, max_model_len, max_num_seqs,
-    max_num_batched_tokens, kv_cache_memory, enable_prefix_caching, enforce_eager,
-    gpu_memory_utilization."""
+    HFLM), and the engine's dtype, kv_cache_dtype, max_model_len (or lm-eval's name for it,
+    max_length, as HFLM and lm-eval's vLLM model take it), max_num_seqs, max_num_batched_tokens,
+    kv_cache_memory, enable_prefix_caching, enforce_eager, gpu_memory_utilization."""
 
     def __init__(self, pretrained=None, device: str | None = None, **args):
         super().__init__()
         from ..runtime.engine import LLM
 
-        unknown = sorted(set(args) - set(ENGINE_ARGS) - set(IGNORED_ARGS))
+        unknown = sorted(set(args) - set(ENGINE_ARGS) - {"max_length"} - set(IGNORED_ARGS))
         if unknown:
             raise InputError(f"unknown qtk model_args {', '.join(unknown)}; qtk takes pretrained, device, "
-                             f"{', '.join(ENGINE_ARGS)} (and ignores {', '.join(IGNORED_ARGS)})")
+                             f"{', '.join(ENGINE_ARGS)}, max_length (= max_model_len) "
+                             f"(and ignores {', '.join(IGNORED_ARGS)})")
         if pretrained is None:
             raise InputError("qtk needs model_args pretrained=MODEL (an HF dir, a .gguf or a qtk checkpoint)")
-        engine_args = {k: v for k, v in args.items() if k in ENGINE_ARGS}
+        engine_args = _engine_args(args)
         if isinstance(pretrained, LLM):
             given = sorted(engine_args) + (["device"] if device is not None else [])
             if given:
@@ -191,9 +194,13 @@ class QtkLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each (context, gen_kwargs): greedy unless do_sample, up to max_gen_toks (default 256),
         the text cut before the first `until` string (EOS stops too). Contexts are left-truncated
-        to max_model_len - max_gen_toks tokens (HFLM). All requests in one generate()."""
+        to max_model_len - max_gen_toks tokens (HFLM). All requests in one generate().
+
+        The text is HFLM's: the generated tokens decoded alone, then cut at the stop strings. The
+        engine's own text is decoded after the prompt's tokens, which keeps the leading space a
+        SentencePiece tokenizer (Llama 2, Mistral, Gemma) drops from a text's first token."""
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        prompts, params = [], []
+        prompts, params, stops = [], [], []
         for context, gen_kwargs in (req.args for req in requests):
             kwargs = dict(normalize_gen_kwargs(gen_kwargs, DEFAULT_MAX_GEN_TOKS))
             until = handle_stop_sequences(kwargs.pop("until"), eos=eos)
@@ -204,8 +211,10 @@ class QtkLM(TemplateLM):
             ids = self.tok_encode(context, left_truncate_len=self.max_length - max_gen_toks)
             prompts.append(ids or [self.prefix_token_id])
             params.append(sampling_params(kwargs, until, max_gen_toks))
+            stops.append(until)
         outs = self.llm.generate(prompts, params) if prompts else []
-        texts = [out.outputs[0].text for out in outs]
+        texts = [postprocess_generated_text(self.tok_decode(out.outputs[0].token_ids), until, None)
+                 for out, until in zip(outs, stops)]
         for req, text in zip(requests, texts):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return texts
@@ -221,7 +230,9 @@ def score_continuation(tokens: list[int], logprobs: list[dict[int, float]]) -> t
 
 def sampling_params(kwargs: dict, until: list[str], max_gen_toks: int):
     """SamplingParams from lm-eval's normalized gen_kwargs: do_sample=False is greedy;
-    do_sample=True without a temperature samples at 1.0 (transformers' default)."""
+    do_sample=True without a temperature samples at 1.0 (transformers' default). The stop strings
+    are looked for in the text with its special tokens, as HFLM's stopping criterion decodes it:
+    an `until` such as "</s>" or "<|endoftext|>" stops at that token even when it is not EOS."""
     from ..runtime.sampling_params import SamplingParams
 
     do_sample = kwargs.pop("do_sample")
@@ -231,7 +242,26 @@ def sampling_params(kwargs: dict, until: list[str], max_gen_toks: int):
     if unknown:
         raise InputError(f"qtk does not support the generation kwargs {', '.join(unknown)}; it takes until, "
                          f"max_gen_toks, do_sample, {', '.join(SAMPLING_KWARGS)}")
-    return SamplingParams(max_tokens=max_gen_toks, stop=tuple(until), temperature=temperature, **kwargs)
+    return SamplingParams(max_tokens=max_gen_toks, stop=tuple(until), temperature=temperature,
+                          skip_special_tokens=False, **kwargs)
+
+
+def _engine_args(args: dict) -> dict:
+    """The engine's model_args: lm-eval's max_length as max_model_len, and the integer ones as
+    ints (lm-eval reads kv_cache_memory=4e9 as the float 4e9)."""
+    args = dict(args)
+    max_length = args.pop("max_length", None)
+    if max_length is not None:
+        if args.get("max_model_len") is not None:
+            raise InputError("max_length and max_model_len are one setting (the context length): give one")
+        args["max_model_len"] = max_length
+    for name in INTEGER_ARGS:
+        value = args.get(name)
+        if isinstance(value, float) and value.is_integer():
+            args[name] = int(value)
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise InputError(f"model_args {name} must be an integer, got {value!r}")
+    return {k: v for k, v in args.items() if k in ENGINE_ARGS}
 
 
 def _device(device: str | None) -> str:
