@@ -199,7 +199,8 @@ def test_model_args_errors_and_a_shared_engine(lm, tiny_dir):
 def test_model_args_as_lm_eval_parses_them(tiny_dir):
     """max_length is lm-eval's name for the context length (HFLM's and its vLLM model's), and
     lm-eval parses kv_cache_memory=4e6 into the float 4e6: both reach the engine."""
-    lm = QtkLM.create_from_arg_string(f"pretrained={tiny_dir},dtype=float32,max_length=48,kv_cache_memory=4e6",
+    lm = QtkLM.create_from_arg_string(f"pretrained={tiny_dir},dtype=float32,max_length=48,kv_cache_memory=4e6"
+                                      ",trust_remote_code=True",  # what `lm_eval --trust_remote_code` adds
                                       {"batch_size": "auto", "max_batch_size": None, "device": "cpu"})
     assert lm.max_length == 48 and lm.get_model_info()["kv_cache_memory"] == 4_000_000
     with pytest.raises(InputError, match="max_length and max_model_len"):

@@ -46,7 +46,9 @@ TASKS_DIR = Path(__file__).parent / "data" / "lm_eval"
 ENGINE_ARGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                "kv_cache_memory", "enable_prefix_caching", "enforce_eager", "gpu_memory_utilization")
 INTEGER_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
-IGNORED_ARGS = ("batch_size", "max_batch_size")  # lm-eval's CLI always passes them; the engine forms its own batches
+# lm-eval's CLI always passes the batch sizes (the engine forms its own batches), and `lm_eval
+# --trust_remote_code` adds trust_remote_code (qtk runs its own model code, never a checkpoint's)
+IGNORED_ARGS = ("batch_size", "max_batch_size", "trust_remote_code")
 SAMPLING_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # SamplingParams' names
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 
