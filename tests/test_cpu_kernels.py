@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,6 +104,32 @@ def test_bad_operands_are_refused(lib):
         cpu.pack(codes[:, :100], scale[:, :3], None, 4)
 
 
+def test_packed_operands_of_the_wrong_shape_are_refused(lib):
+    """A bias or scales that do not cover every column are refused (they were read out of bounds)."""
+    codes, scale, zero = random_layer(64, 256, 64, 4, True)
+    w = cpu.pack(codes, scale, zero, 4)
+    x = torch.randn(3, 256)
+    with pytest.raises(RuntimeError, match=r"bias must be \[64\], got \[3\]"):
+        lib.woq_linear(x, w.codes, w.scales, w.zs, torch.randn(3), 4, 64)
+    with pytest.raises(RuntimeError, match=r"bias must be \[64\], got \[2, 64\]"):
+        lib.woq_linear(x, w.codes, w.scales, w.zs, torch.randn(2, 64), 4, 64)
+    with pytest.raises(RuntimeError, match=r"scales must be \[8, G, 8\]"):
+        lib.woq_linear(x, w.codes, w.scales[:2].contiguous(), w.zs[:2].contiguous(), None, 4, 64)
+
+
+@pytest.mark.parametrize("m", [5, 600])  # the gemv (or decoded slices) and the tiles + sgemm path
+def test_x_that_requires_grad(lib, m):
+    """Every path computes without autograd, with or without grad mode (the tiles' mm_out refused an
+    x that requires grad: 'functions with out=... arguments don't support automatic differentiation')."""
+    codes, scale, zero = random_layer(40, 128, 32, 4, False)
+    w = cpu.pack(codes, scale, zero, 4)
+    x, bias = torch.randn(m, 128, requires_grad=True), torch.randn(40)
+    want = reference.cpu_woq_linear_ref(x.detach(), w.codes, w.scales, w.zs, bias, 4, 40)
+    assert rel_err(cpu.woq_linear(x, w, bias, lib), want) < 1e-5
+    with torch.no_grad():
+        assert rel_err(cpu.woq_linear(x, w, bias, lib), want) < 1e-5
+
+
 def test_variant_override(monkeypatch):
     monkeypatch.setenv("QTK_CPU_KERNEL", "generic")
     assert cpu.variant() == "generic"
@@ -125,6 +152,69 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog):
     assert "could not be built (Ninja is required" in caplog.text
 
 
+def test_unwritable_cache_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
+    """No build directory (a read-only home, QTK_CACHE under a file): the reference path, with one
+    warning, instead of an error at the first layer."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("QTK_CACHE", str(tmp_path / "file" / "qtk"))
+    with caplog.at_level(logging.WARNING, logger="qtk.kernels.cpu"):
+        assert cpu.library.__wrapped__("generic") is None
+    assert "could not be built" in caplog.text and "writable cache" in caplog.text
+
+
+def test_a_killed_builds_lock_is_removed(tmp_path, monkeypatch, caplog):
+    """cpp_extension waits while its build directory holds a lock file: one a killed build left
+    would hang every later process. An old lock is removed (with a warning), a recent one kept."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("QTK_CACHE", str(tmp_path))
+    seen = []
+
+    def load(**kw):  # records whether the build would have waited, then fails (no real build)
+        lock = Path(kw["build_directory"]) / "lock"
+        seen.append(lock.exists())
+        lock.touch()
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert cpu.library.__wrapped__("generic") is None  # leaves a fresh lock: another build running
+    assert cpu.library.__wrapped__("generic") is None
+    lock = next(tmp_path.glob("kernels/*/lock"))
+    old = time.time() - 2 * cpu.STALE_LOCK_S
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="qtk.kernels.cpu"):
+        assert cpu.library.__wrapped__("generic") is None
+    assert seen == [False, True, False] and "did not finish" in caplog.text
+
+
+def test_checkouts_of_one_version_share_a_build(tmp_path, monkeypatch):
+    """Two copies of the sources (git worktrees, an unpacked archive) compile the same files in the
+    same build directory: ninja's commands name the files, so compiling each copy's own rebuilt
+    the other's build at every first call (about two minutes on 2 cores)."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("QTK_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def load(**kw):
+        calls.append((kw["build_directory"], kw["sources"]))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    for checkout in ("a", "b"):
+        (tmp_path / checkout).mkdir()
+        copies = [Path(shutil.copy(p, tmp_path / checkout / p.name)) for p in cpu.SOURCES]
+        monkeypatch.setattr(cpu, "SOURCES", copies)
+        assert cpu.library.__wrapped__("generic") is None
+    assert calls[0] == calls[1]
+    assert [Path(p).read_bytes() for p in calls[0][1]] == [p.read_bytes() for p in cpu.SOURCES]
+
+
 @pytest.mark.parametrize("scheme,group", [("w4a16", 64), ("w4a16_asym", 32), ("w8a16", None), ("w4a16", -1)])
 def test_quant_linear_runs_the_kernel(scheme, group, monkeypatch):
     monkeypatch.setenv("QTK_CPU_BF16", "0")
@@ -137,6 +227,38 @@ def test_quant_linear_runs_the_kernel(scheme, group, monkeypatch):
     x = torch.randn(3, 192)
     assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuWOQ)
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-5
+
+
+@pytest.mark.parametrize("scheme,group", [("w4a16", 8), ("w4a16_asym", 24), ("w8a16", 20)])
+def test_groups_the_kernel_takes_but_triton_does_not(scheme, group, monkeypatch):
+    """int4 groups of a multiple of 8 and int8 groups of any size run qtk's kernel on CPU (the
+    Triton kernel's multiple of 16 sent them to a float32 matmul on a decoded weight)."""
+    monkeypatch.setenv("QTK_CPU_BF16", "0")
+    if cpu.ops() is None:
+        pytest.skip("no C++ compiler")
+    w = torch.randn(40, 240) * 0.05
+    s = preset(scheme, group_size=group)
+    q, scale, zp = quantize_weight(w, s.weights)
+    layer = QuantLinear.from_codes(q, scale, zp, s, dtype=torch.float32)
+    x = torch.randn(3, 240)
+    assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuWOQ)
+    assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-5
+
+
+def test_runtime_follows_a_data_reload(monkeypatch):
+    """`tensor.data = new` (a reload) keeps the tensor and its version counter: the cached runtime
+    is rebuilt from the new weights all the same."""
+    monkeypatch.setenv("QTK_CPU_BF16", "0")
+    s = preset("w4a16_asym", group_size=32)
+    q, scale, zp = quantize_weight(torch.randn(48, 128) * 0.05, s.weights)
+    layer = QuantLinear.from_codes(q, scale, zp, s, bias=torch.randn(48), dtype=torch.float32)
+    x = torch.randn(3, 128)
+    layer(x)
+    q2, scale2, zp2 = quantize_weight(torch.randn(48, 128) * 0.05, s.weights)
+    new = QuantLinear.from_codes(q2, scale2, zp2, s, bias=torch.randn(48), dtype=torch.float32)
+    for name, t in new.state_dict().items():
+        getattr(layer, name).data = t
+    assert rel_err(layer(x), reference.quant_linear_ref(x, new)) < 1e-5
 
 
 @pytest.mark.slow
@@ -241,6 +363,34 @@ def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D):
     want = _decode(q, ref, meta, 0.125)
     got = lib.paged_decode_attention(q, _bytes(ours.k), _bytes(ours.v), tables, lens, bs, 0.125, *flat)
     assert rel_err(got, want) < 1e-5
+
+
+def test_store_and_decode_refuse_mismatched_operands(lib):
+    """Operands that do not match the cache are refused with a message (they were read or written
+    out of bounds, or crashed the process); strided slots are stored where they say."""
+    KV, S, D = 2, 16, 8
+    cache = lambda slots=S, dtype=torch.float32: torch.zeros(KV, slots, D, dtype=dtype)  # noqa: E731
+    k, slots = torch.randn(4, KV, D), torch.arange(8)[::2]
+    kc, vc = cache(), cache()
+    lib.store_kv_(kc, vc, k, k, slots, None, None)
+    assert torch.equal(kc[:, slots], k.transpose(0, 1)) and torch.equal(vc[:, slots], k.transpose(0, 1))
+    with pytest.raises(RuntimeError, match="both of one shape"):
+        lib.store_kv_(cache(), cache(2), k, k, slots, None, None)
+    with pytest.raises(RuntimeError, match="k, v must be float32"):
+        lib.store_kv_(cache(), cache(), k, k[:1], slots, None, None)
+    i8 = lambda: cache(dtype=torch.int8)  # noqa: E731
+    for n in (0, 3):
+        with pytest.raises(RuntimeError, match=f"must hold 1 or 2 \\(kv_heads\\) values, got {n}"):
+            lib.store_kv_(i8(), i8(), k, k, slots, torch.ones(n), torch.ones(n))
+    q, tables, lens = torch.randn(1, 4, D), torch.tensor([[0, 1]]), torch.tensor([5])
+    with pytest.raises(RuntimeError, match="both of one shape"):
+        lib.paged_decode_attention(q, cache(), cache(2), tables, lens, 8, 0.3, None, None)
+    with pytest.raises(RuntimeError, match="block_size must be positive, got 0"):
+        lib.paged_decode_attention(q, cache(), cache(), tables, lens, 0, 0.3, None, None)
+    with pytest.raises(RuntimeError, match="context length 0 of sequence 0"):
+        lib.paged_decode_attention(q, cache(), cache(), tables, torch.tensor([0]), 8, 0.3, None, None)
+    with pytest.raises(RuntimeError, match="got 3"):
+        lib.paged_decode_attention(q, i8(), i8(), tables, lens, 8, 0.3, torch.ones(3), torch.ones(3))
 
 
 def test_fused_forward_equals_the_torch_forward():

@@ -8,7 +8,8 @@ decodes the codes in registers and streams them once per 4 rows of x, so a decod
 about an eighth of the float32 bytes.
 
 The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja; about a
-minute) into qtk's cache, one build per variant, torch version and source:
+minute) into qtk's cache, one build per variant, torch installation and source (the sources are
+copied into the build, so checkouts of one version share it):
     avx2     -mavx2 -mfma: CPUs whose torch capability is AVX2 or AVX512
     generic  portable C++ loops (-O3, whatever the compiler vectorizes): any other CPU
 QTK_CPU_KERNEL=avx2|generic|off overrides the choice (off: the reference path, a float32 matmul
@@ -20,6 +21,8 @@ import functools
 import hashlib
 import logging
 import os
+import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +39,7 @@ VARIANTS = {
     "generic": ["-O3", "-fopenmp", "-DQTK_LIB=qtk_cpu_generic"],
 }  # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, and runs serially without it
 LANES = 8  # output columns per packed block (one AVX2 register)
+STALE_LOCK_S = 600  # a build takes 1-2 minutes: a lock file older than this is a killed build's
 
 
 
@@ -64,17 +68,22 @@ def library(name: str):
     from ..models import cache_dir
 
     flags = VARIANTS[name]
-    tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(flags).encode()
-                         + torch.__version__.encode()).hexdigest()[:12]
+    sources = {p.name: p.read_bytes() for p in SOURCES}
+    # what ninja's commands hold besides the sources (torch's and Python's headers, by path): two
+    # environments with one torch version get a build each instead of rebuilding each other's
+    env = [" ".join(flags), torch.__version__, os.path.dirname(torch.__file__), sysconfig.get_paths()["include"]]
+    tag = hashlib.sha256(b"".join(sources.values()) + "\n".join(env).encode()).hexdigest()[:12]
     build = cache_dir() / "kernels" / f"cpu_woq-{name}-{tag}"
-    build.mkdir(parents=True, exist_ok=True)
     try:
-        module = cpp_extension.load(name=f"qtk_cpu_woq_{name}", sources=[str(p) for p in SOURCES],
+        build.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(build / "lock")
+        module = cpp_extension.load(name=f"qtk_cpu_woq_{name}", sources=_copy_sources(build / "src", sources),
                                     extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build),
                                     is_python_module=True, verbose=False)
-    except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja, or a failed build
+    except (RuntimeError, OSError, ImportError) as e:  # no compiler, ninja or writable cache, or a failed build
         log.warning("qtk's %s CPU kernel could not be built (%s); weight-only layers run as float32 matmuls "
-                    "on decoded weights instead (install g++ and ninja for the fast path)", name,
+                    "on decoded weights instead (the fast path needs g++, ninja and a writable cache, $QTK_CACHE or "
+                    "~/.cache/qtk)", name,
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
 
@@ -84,6 +93,34 @@ def library(name: str):
 
     module.torch_ops = getattr(torch.ops, f"qtk_cpu_{name}")  # what torch.compile traces
     return module
+
+
+def _copy_sources(src: Path, sources: dict[str, bytes]) -> list[str]:
+    """The sources written into the build directory, once (its name holds their hash). ninja's
+    commands name the files they compile, so two checkouts of one version (git worktrees, copies)
+    compiling their own files would rebuild each other's build at every first call."""
+    src.mkdir(exist_ok=True)
+    paths = []
+    for name, data in sources.items():
+        path = src / name
+        if not path.exists():  # written whole, then renamed: a concurrent build sees all of it or none
+            tmp = src / f".{name}.{os.getpid()}"
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        paths.append(str(path))
+    return paths
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """Remove the lock of a build that was killed (SIGKILL, out of memory): cpp_extension waits for
+    it to go away, and would wait forever."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f minutes ago by a CPU kernel build that did not finish", lock, age / 60)
+        lock.unlink(missing_ok=True)
 
 
 def ops():

@@ -4,7 +4,7 @@
 that applies wins) and caches it on the layer as the plain attribute `_qtk_runtime` (not a
 buffer: state_dict and checkpoints are unchanged). It is the one cache of anything derived from
 a layer's tensors (repacked or decoded weights). It is rebuilt when the layer's tensors are
-replaced or modified in place (.to(), load_state_dict), x's device/dtype change, or
+replaced or modified in place (.to(), load_state_dict, `.data =`), x's device/dtype change, or
 `dense_weights()` is entered or left.
 
     scheme                     CUDA (fp16/bf16 x)               CPU
@@ -26,7 +26,8 @@ replaced or modified in place (.to(), load_state_dict), x's device/dtype change,
 Dense is the reference's math (reference.quant_linear_ref: activations fake-quantized as the
 scheme's kernel sees them, a float32 matmul) on a weight decoded once. Inside `dense_weights()`
 (calibration) every weight-only layer is Dense in the activations' dtype instead (float32 for bf16
-activations on a CPU without bf16 units). `qtk inspect --runtime MODEL` prints the choice per layer.
+activations on a CPU without bf16 units). The engine's start-up log names the kernel of each kind of
+layer (runtime/packed_linear.kernel_summary).
 
 CPU rows, measured (benchmarks/cpu_dtype.py and `qtk bench kernels --device cpu`; figures in
 benchmarks/results/cpu_dtype.md and cpu_kernels.md). On a CPU with AVX512-BF16 torch's int4/int8
@@ -232,9 +233,11 @@ def _woq(layer, device: torch.device, dtype: torch.dtype):
     group = args.group_size if args.strategy == "group" else None
     perm, codes, zp, ok = _act_order(layer)
     n, k = codes.shape
-    if not ok or (group is not None and (group % 16 or k % group)):
+    if not ok or (group is not None and k % group):
         return reference_runtime(layer, device)
     if device.type == "cuda" and dtype in ACT_DTYPES:
+        if group is not None and group % 16:  # woq_gemm takes groups of a multiple of 16
+            return reference_runtime(layer, device)
         w = pack_woq(codes, layer.weight_scale, zp, args.num_bits, group, dtype, perm)
         return WOQTriton(w, layer.bias)
     if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_native_bf16():
@@ -295,10 +298,10 @@ def build_runtime(layer, device: torch.device, dtype: torch.dtype, dense: bool =
 @dataclass(frozen=True)
 class _Cached:
     """A runtime and what it was built from: the layer's tensors (held, so identity is safe),
-    their in-place version counters, the activations' device and dtype, and the dense mode."""
+    their stamps, the activations' device and dtype, and the dense mode."""
 
     sources: tuple
-    versions: tuple
+    stamps: tuple
     device: torch.device
     dtype: torch.dtype
     dense: bool
@@ -307,7 +310,13 @@ class _Cached:
     def fresh(self, sources: tuple, x: torch.Tensor, dense: bool) -> bool:
         return (x.device == self.device and x.dtype == self.dtype and dense == self.dense
                 and len(sources) == len(self.sources) and all(a is b for a, b in zip(sources, self.sources))
-                and all(t._version == v for t, v in zip(sources, self.versions)))
+                and all(_stamp(t) == v for t, v in zip(sources, self.stamps)))
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    """A tensor's in-place version counter and data address: `t.data = new` (a reload) keeps the
+    tensor and its counter, and changes only the address."""
+    return t._version, t.data_ptr()
 
 
 class _DenseMode(threading.local):
@@ -347,7 +356,7 @@ def runtime_for(layer, x: torch.Tensor):
     if cached is None or not cached.fresh(sources, x, dense):
         with torch.no_grad():
             runtime = build_runtime(layer, x.device, x.dtype, dense)
-        cached = _Cached(sources, tuple(t._version for t in sources), x.device, x.dtype, dense, runtime)
+        cached = _Cached(sources, tuple(_stamp(t) for t in sources), x.device, x.dtype, dense, runtime)
         layer._qtk_runtime = cached
         if dense:
             _dense_mode.layers.append(layer)

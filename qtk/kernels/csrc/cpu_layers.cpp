@@ -229,6 +229,13 @@ uint8_t float_to_e4m3(float f) {  // round to nearest even, saturating at +-448 
 
 enum class Kv { F32, I8, F8 };
 
+// Scales of a quantized cache: one per tensor or one per KV head, as float32.
+at::Tensor kv_scale(const at::Tensor& scale, int64_t kv_heads, const char* name) {
+  TORCH_CHECK(scale.numel() == 1 || scale.numel() == kv_heads, name, ": k_scale and v_scale must hold 1 or ", kv_heads,
+              " (kv_heads) values, got ", scale.numel());
+  return scale.to(at::kFloat).contiguous();
+}
+
 Kv kv_kind(const at::Tensor& cache) {
   if (cache.scalar_type() == at::kFloat) return Kv::F32;
   if (cache.scalar_type() == at::kChar) return Kv::I8;
@@ -242,16 +249,20 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
   const Kv kind = kv_kind(k_cache);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
               "store_kv_: caches must be contiguous [kv_heads, slots, D] of one dtype");
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 && v.dim() == 3 &&
-              k.stride(2) == 1 && v.stride(2) == 1, "store_kv_: k, v must be float32 [T, kv_heads, D] with contiguous D");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "store_kv_: caches must be [kv_heads, slots, D], both of one shape");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 &&
+              v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "store_kv_: k, v must be float32 [T, kv_heads, D] with contiguous D");
   TORCH_CHECK((kind == Kv::F32) == !k_scale.has_value() && k_scale.has_value() == v_scale.has_value(),
               "store_kv_: scales go with (and only with) an INT8 / FP8 cache");
   const int64_t T = k.size(0), KV = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
   TORCH_CHECK(k.size(1) == KV && k.size(2) == D && slots.numel() == T && slots.scalar_type() == at::kLong,
               "store_kv_: shapes do not match the cache");
-  const int64_t* sl = slots.data_ptr<int64_t>();
+  const at::Tensor slots_c = slots.contiguous();
+  const int64_t* sl = slots_c.data_ptr<int64_t>();
   at::Tensor ks, vs;
-  if (k_scale) { ks = k_scale->to(at::kFloat).contiguous(); vs = v_scale->to(at::kFloat).contiguous(); }
+  if (k_scale) { ks = kv_scale(*k_scale, KV, "store_kv_"); vs = kv_scale(*v_scale, KV, "store_kv_"); }
   at::parallel_for(0, T * KV, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / KV, h = i % KV, slot = sl[t];
@@ -385,7 +396,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (KV * splits), h = (i / splits) % KV, s = i % splits;
       const int64_t g0 = s * G / splits, g1 = (s + 1) * G / splits, ng = g1 - g0, L = ln[b];
-      TORCH_CHECK(L >= 1 && (L + bs - 1) / bs <= W, "paged_decode_attention: context longer than its block table");
+      TORCH_CHECK(L >= 1, "paged_decode_attention: context length ", L, " of sequence ", b, " (at least 1)");
+      TORCH_CHECK((L + bs - 1) / bs <= W, "paged_decode_attention: context longer than its block table");
       const kv_t<KIND>* kh = kc + h * S * D;
       const kv_t<KIND>* vh = vc + h * S * D;
       krow.resize(L);  // the context's rows, through the block table (decoded once for INT8 / FP8)
@@ -437,8 +449,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
               "paged_decode_attention: q must be float32 [B, H, D] with contiguous D");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type() &&
-              k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(0) == 0,
-              "paged_decode_attention: caches must be contiguous [kv_heads, slots, D] with heads % kv_heads == 0");
+              k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == q.size(2) &&
+              q.size(1) % k_cache.size(0) == 0,
+              "paged_decode_attention: caches must be contiguous [kv_heads, slots, D], both of one shape, with "
+              "heads % kv_heads == 0");
+  TORCH_CHECK(block_size > 0, "paged_decode_attention: block_size must be positive, got ", block_size);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
               block_tables.size(0) == q.size(0) && lens.scalar_type() == at::kLong && lens.is_contiguous() &&
               lens.numel() == q.size(0), "paged_decode_attention: block_tables [B, W] and lens [B] must be int64");
@@ -446,7 +461,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "paged_decode_attention: scales go with (and only with) an INT8 / FP8 cache");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   at::Tensor ks, vs;
-  if (k_scale) { ks = k_scale->to(at::kFloat).contiguous(); vs = v_scale->to(at::kFloat).contiguous(); }
+  if (k_scale) {
+    ks = kv_scale(*k_scale, k_cache.size(0), "paged_decode_attention");
+    vs = kv_scale(*v_scale, k_cache.size(0), "paged_decode_attention");
+  }
   const float* ksp = k_scale ? ks.data_ptr<float>() : nullptr;
   const float* vsp = k_scale ? vs.data_ptr<float>() : nullptr;
   const int64_t nks = k_scale ? ks.numel() : 0, nvs = k_scale ? vs.numel() : 0;

@@ -454,6 +454,7 @@ static void tiles(const Args& a, const at::Tensor& x, const at::Tensor& y, const
   const bool inference = c10::InferenceMode::is_enabled();  // thread-local: carry it to the workers
   at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
     c10::InferenceMode guard(inference);
+    at::NoGradGuard no_grad;  // workers start with grad mode on, and mm_out refuses an x that requires grad
     std::vector<float> buf(TILE_COLS * a.K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t nb0 = t * per, nblk = std::min(per, nblocks - nb0);
@@ -480,6 +481,10 @@ at::Tensor woq_linear(const at::Tensor& x_in, const at::Tensor& codes, const at:
               " column blocks for n=", n);
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
               "woq_linear: packed tensors must be contiguous (float32 scales)");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == nblocks && scales.size(2) == LANES, "woq_linear: scales must be [",
+              nblocks, ", G, ", LANES, "] (one row of groups per column block), got ", scales.sizes());
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->numel() == n), "woq_linear: bias must be [", n, "], got ",
+              bias ? bias->sizes() : at::IntArrayRef{});
   TORCH_CHECK(codes.numel() * codes.element_size() == nblocks * (bits == 4 ? K * 4 : K * LANES * (bits / 8)),
               "woq_linear: codes do not match K=", K);
   TORCH_CHECK(bits != 4 || (K % 8 == 0 && zs), "woq_linear: int4 needs K % 8 == 0 and zs");
