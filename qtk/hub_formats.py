@@ -101,6 +101,12 @@ def convert(qc: dict, tensors: dict[str, torch.Tensor], model: nn.Module,
         missing = [k for k in ("qzeros", "scales") if parts[k] is None]
         if missing:
             raise CheckpointError(f"{path}: {name} has a qweight but no {missing[0]}")
+        for k in ("qweight", "qzeros"):  # GPTQModel can pack into int8/16/64 words (pack_dtype)
+            if parts[k].dtype != torch.int32:
+                raise CheckpointError(f"{path}: {name}.{k} is {str(parts[k].dtype).removeprefix('torch.')}; qtk "
+                                      "reads int32-packed GPTQ / AWQ layers (GPTQModel's default pack_dtype)")
+        if not parts["scales"].is_floating_point():
+            raise CheckpointError(f"{path}: {name}.scales is {parts['scales'].dtype}, not a float tensor")
         layer = _gptq_layer if method == "gptq" else _awq_layer
         try:
             bits, q, zero, scales, g_idx = layer(parts, mod.in_features, mod.out_features, v1)

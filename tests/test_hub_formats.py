@@ -127,6 +127,11 @@ def test_broken_tensors_are_named(tmp_path):
     _edit(d, tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.qzeros"))
     with pytest.raises(CheckpointError, match="up_proj has a qweight but no qzeros"):
         load_quantized(d)
+    d = _copy("gptq_asym", tmp_path / "c")
+    _edit(d, tensors=lambda t: t.update({"model.layers.0.mlp.up_proj.qweight":
+                                         t["model.layers.0.mlp.up_proj.qweight"].view(torch.int16)}))
+    with pytest.raises(CheckpointError, match="up_proj.qweight is int16; qtk reads int32-packed"):
+        load_quantized(d)
     d = _copy("awq_gemm", tmp_path / "b")
     _edit(d, tensors=lambda t: t.update({"model.layers.0.mlp.down_proj.qweight":
                                          t["model.layers.0.mlp.down_proj.qweight"][:64]}))
