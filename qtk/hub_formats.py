@@ -9,7 +9,8 @@ checkpoint_format "gptq" or "gptq_v2") and an AWQ one (AutoAWQ's GEMM layout: qu
                 word i holds inputs (32/b)i + j at       holds outputs 8c + ORDER[j] at bits 4j,
                 bits b*j                                 ORDER = 0 2 4 6 1 3 5 7
     qzeros      int32 [groups, N*b/32], packed along N   same packing (and order) as its qweight
-                (v1 "gptq" stores zero - 1, v2 zero)
+                (v1 "gptq" stores zero - 1, v2 zero)      (zero_point false: GPTQModel's symmetric
+                                                         AWQ, every zero 2^(b-1))
     scales      fp16 [groups, N]
     g_idx       int32 [K]: the group of each input       (none: group k // group_size)
                 (act-order / desc_act permutes it)
@@ -18,11 +19,16 @@ checkpoint_format "gptq" or "gptq_v2") and an AWQ one (AutoAWQ's GEMM layout: qu
 
 with q and zero unsigned b-bit integers. compressed-tensors (and QuantLinear) store the signed
 q - 2^(b-1) as q - 2^(b-1) + 2^(b-1): the same bits, so GPTQ's qweight transposed is weight_packed,
-and AWQ's is unpacked, put in order and packed along K; zero points are repacked likewise (v1: + 1).
-Reading is exact, and the kernels run the result as they run llm-compressor's checkpoints:
-- a layer whose zeros are all 2^(b-1) (every symmetric GPTQ checkpoint) has no zero point;
+and AWQ's is unpacked, put in order and packed along K; zero points are repacked likewise.
+v1 words are read as GPTQModel reads them, word + 0x11111111 (4-bit; 0x01010101 for 8): it writes
+them as v2 word - 0x11111111, so a zero of 0 borrows from the next field, and only the carry undoes
+that (AutoGPTQ's packer instead ORs the wrapped -1 over the fields above, which no reader undoes;
+those words read as GPTQModel and transformers read them). Reading is exact, and the kernels run
+the result as they run llm-compressor's checkpoints:
+- a layer whose zeros are all 2^(b-1) (every symmetric checkpoint) has no zero point;
 - g_idx that is not k // group_size becomes weight_g_idx (run as a column permutation,
-  kernels/dispatch.py); a trivial one is dropped.
+  kernels/dispatch.py); a trivial one is dropped, unless the last group is partial (K not a
+  multiple of group_size, as AutoGPTQ and GPTQModel allow): g_idx is what reads that one.
 Bit width and group count come from each layer's tensors (GPTQModel's per-module `dynamic`
 overrides need nothing more), checked against the Linear the config describes. Layers without a
 qweight are float and load as such (lm_head, `modules_to_not_convert`, GPTQModel's "-:" rules).
@@ -56,7 +62,7 @@ def check_config(qc: dict, path: Path) -> None:
     method = qc["quant_method"]
     where = f"{path / 'config.json'} quantization_config"
     if method == "gptq":
-        fmt = qc.get("checkpoint_format", "gptq")
+        fmt = "marlin" if qc.get("is_marlin_format") else qc.get("checkpoint_format", "gptq")  # AutoGPTQ 0.6
         if fmt not in ("gptq", "gptq_v2"):
             raise CheckpointError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported; qtk reads "
                                   "'gptq' (v1) and 'gptq_v2' (GPTQModel can convert others back to them)")
@@ -65,9 +71,6 @@ def check_config(qc: dict, path: Path) -> None:
         if version != "gemm":
             raise CheckpointError(f"{where}: AWQ version {version!r} is not supported; qtk reads AutoAWQ's "
                                   "'gemm' layout (as vLLM does)")
-        if not qc.get("zero_point", True):
-            raise CheckpointError(f"{where}: AWQ with zero_point false is not supported (AutoAWQ's gemm layout "
-                                  "always has zero points)")
     bits = qc.get("bits", qc.get("w_bit"))
     if bits not in BITS or (method == "awq" and bits != 4):
         raise CheckpointError(f"{where}: {bits}-bit {method.upper()} is not supported; qtk reads "
@@ -83,7 +86,7 @@ def describe(qc: dict) -> list[dict]:
         sym = qc.get("sym", True)
         order = ", act-order" if qc.get("desc_act") else ""
     else:
-        fmt, sym, order = "awq gemm", False, ""
+        fmt, sym, order = "awq gemm", not qc.get("zero_point", True), ""
     w = f"int{bits} " + ("channel" if group in (-1, None) else f"group g{group}") + ("" if sym else " asym") + order
     return [{"group": qc["quant_method"], "targets": ["Linear"], "format": fmt, "weights": w, "activations": None}]
 
@@ -129,13 +132,21 @@ def _gptq_layer(t: dict, k: int, n: int, v1: bool):
     _shape(t["qzeros"], (t["scales"].shape[0], n * bits // 32), "qzeros")
     # both store code + 2^(b-1) = GPTQ's unsigned code, packed along K the same way: a transpose
     packed = t["qweight"].t().contiguous()
-    zero = unpack_int32(t["qzeros"], bits, n).to(torch.int16) + (1 << (bits - 1)) + (1 if v1 else 0)
+    qzeros = _v1_to_v2(t["qzeros"], bits) if v1 else t["qzeros"]
+    zero = unpack_int32(qzeros, bits, n).to(torch.int16) + (1 << (bits - 1))
     g_idx = t["g_idx"]
     if g_idx is not None:
         _shape(g_idx, (k,), "g_idx")
         if g_idx.min() < 0 or g_idx.max() >= t["scales"].shape[0]:
             raise ValueError(f"g_idx names groups outside 0..{t['scales'].shape[0] - 1}")
     return bits, packed, zero, t["scales"], g_idx
+
+
+def _v1_to_v2(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQModel's convert_gptq_v1_to_v2_format: + 1 in every field of the word, carries included."""
+    ones = sum(1 << i for i in range(0, 32, bits))  # 0x11111111 for 4 bits
+    w = (qzeros.to(torch.int64) + ones) & 0xFFFFFFFF
+    return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
 
 
 def _awq_layer(t: dict, k: int, n: int, v1: bool):
@@ -194,13 +205,7 @@ def _compressed(bits: int, packed, zero, scales, g_idx, group_size: int) -> tupl
     if groups != math.ceil(k / group_size):
         raise ValueError(f"{groups} scale rows for {k} inputs do not fit group_size {group_size}")
     half = 1 << (bits - 1)
-    if (zero == half).all():
-        zp = None
-    elif zero.min() < 0 or zero.max() >= 2 * half:
-        raise ValueError(f"zero point {int(zero.max())} does not fit {bits} bits (a GPTQ v1 checkpoint "
-                         "whose packer wrapped a zero point of 0); re-quantize it, or save it as gptq_v2")
-    else:
-        zp = zero - half
+    zp = None if (zero == half).all() else zero - half
     strategy = "channel" if groups == 1 else "group"
     args = QuantArgs(num_bits=bits, type="int", symmetric=zp is None, strategy=strategy,
                      group_size=group_size if strategy == "group" else None)
@@ -208,7 +213,10 @@ def _compressed(bits: int, packed, zero, scales, g_idx, group_size: int) -> tupl
                "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
     if zp is not None:
         tensors["weight_zero_point"] = pack_int32(zp.t().to(torch.int8).contiguous(), bits, packed_dim=0)
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group_size):
+    trivial = torch.arange(k, dtype=torch.int32) // group_size
+    g_idx = trivial if g_idx is None else g_idx
+    # a partial last group is read through g_idx (groups of group_size columns otherwise)
+    if k % group_size or not torch.equal(g_idx.to(torch.int32), trivial):
         tensors["weight_g_idx"] = g_idx.to(torch.int32).contiguous()
     return Scheme(weights=args, stored_format="pack-quantized"), tensors
 

@@ -69,12 +69,16 @@ def test_schemes_follow_each_layers_tensors():
 def test_engine_runs_them_as_transformers_runs_the_weights(name):
     """The runtime's kernels (act-order as a column permutation included) against transformers
     on the dequantized model: greedy tokens equal, prompt logprobs within 1e-4."""
+    _engine_matches_transformers(DATA / name)
+
+
+def _engine_matches_transformers(path: Path) -> None:
     from qtk import LLM, SamplingParams
 
-    llm = LLM(str(DATA / name), dtype="float32", max_model_len=128, kv_cache_memory=2**20)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory=2**20)
     prompt = list(range(40, 80))
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=1))[0]
-    ref = weight_only(load_quantized(DATA / name)).eval()
+    ref = weight_only(load_quantized(path)).eval()
     with torch.no_grad():
         ids = torch.tensor([prompt + out.outputs[0].token_ids])
         lp = ref(ids).logits[0].float().log_softmax(-1)
@@ -109,9 +113,9 @@ def test_a_zero_bias_autogptq_saved_is_dropped(tmp_path):
 
 @pytest.mark.parametrize("name, edit, match", [
     ("awq_gemm", lambda qc: qc.update(version="gemv"), "AWQ version 'gemv' is not supported"),
-    ("awq_gemm", lambda qc: qc.update(zero_point=False), "zero_point false"),
     ("gptq_asym", lambda qc: qc.update(bits=3), "3-bit GPTQ is not supported"),
     ("gptq_asym", lambda qc: qc.update(checkpoint_format="marlin"), "checkpoint_format 'marlin'"),
+    ("gptq_asym", lambda qc: qc.update(is_marlin_format=True), "checkpoint_format 'marlin'"),  # AutoGPTQ 0.6
     ("gptq_asym", lambda qc: qc.update(group_size=16), "do not fit group_size 16"),
     ("gptq_asym", lambda qc: qc.update(quant_method="bitsandbytes"), "qtk reads compressed-tensors"),
 ])
@@ -139,20 +143,86 @@ def test_broken_tensors_are_named(tmp_path):
         load_quantized(d)
 
 
-def test_a_wrapped_v1_zero_is_refused(tmp_path):
-    """AutoGPTQ's v1 packer stores zero - 1, so a zero of 0 wraps to 15 and reads as 16: it fits no
-    4-bit zero point, and loading it as anything else would be wrong weights."""
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    w = words & 0xFFFFFFFF
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def test_a_v1_zero_of_0_is_read_as_gptqmodel_writes_it(tmp_path):
+    """GPTQModel packs v2 zeros and saves v1 as qzeros - 0x11111111, word arithmetic
+    (utils/model.py convert_gptq_v2_to_v1_format_module): a zero of 0 borrows from the next field,
+    and GPTQModel reads it back by adding 0x11111111. The same layer saved both ways reads the same."""
+    v2, v1 = _copy("gptq_asym", tmp_path / "v2"), _copy("gptq_asym", tmp_path / "v1")
+    t = load_file(str(DATA / "gptq_asym" / "model.safetensors"))
+    zeros = {}  # v2 zeros, signed (zero - 8): the fixture's v1 has no wrapped field, so + 1 in each
+    for k in [k for k in t if k.endswith(".qzeros")]:
+        zeros[k] = unpack_int32(t[k], 4, t[k].shape[1] * 8) + 1
+    key = "model.layers.0.mlp.up_proj.qzeros"
+    z = zeros[key]
+    z[0, 0], z[0, 1], z[1, 7] = -8, -7, -8  # zeros 0, 1, 0: borrows into the next field and out of the word
+    words = {k: pack_int32(v, 4) for k, v in zeros.items()}
+    _edit(v2, tensors=lambda t: t.update(words), config=lambda qc: qc.update(checkpoint_format="gptq_v2"))
+    _edit(v1, tensors=lambda t: t.update({k: _int32(w.long() - 0x11111111) for k, w in words.items()}))
+    a, b = quant_linears(load_quantized(v2)), quant_linears(load_quantized(v1))
+    for layers in (a, b):  # zero points [out, groups], signed: zero - 8
+        assert torch.equal(layers["model.layers.0.mlp.up_proj"].zero_point().t(), z)
+    for n in a:
+        assert torch.equal(a[n].dequantized_weight(), b[n].dequantized_weight()), n
+
+
+def test_awq_without_zero_point_is_symmetric(tmp_path):
+    """GPTQModel's AWQ default (sym=True) writes zero_point false, version gemm and qzeros holding
+    2^(b-1) (looper/awq_processor.py pseudo_quantize_tensor): vLLM reads it, so qtk must."""
+    sym, asym = _copy("awq_gemm", tmp_path / "sym"), _copy("awq_gemm", tmp_path / "asym")
+
+    def eights(t):
+        for k in [k for k in t if k.endswith(".qzeros")]:
+            t[k] = torch.full_like(t[k], _int32(torch.tensor(0x88888888)).item())
+
+    _edit(sym, tensors=eights, config=lambda qc: qc.update(zero_point=False))
+    _edit(asym, tensors=eights)
+    a, b = quant_linears(load_quantized(sym)), quant_linears(load_quantized(asym))
+    for n in a:
+        assert a[n].scheme.weights.symmetric and not hasattr(a[n], "weight_zero_point"), n
+        assert torch.equal(a[n].dequantized_weight(), b[n].dequantized_weight()), n
+    from qtk.inspect import inspect_checkpoint
+
+    assert inspect_checkpoint(str(sym))["quantization"][0]["weights"] == "int4 group g32"
+
+
+def _regroup(t: dict, group_size: int) -> None:
+    """The fixture's GPTQ layers with group_size 48: ceil(in / 48) groups, the last one partial."""
+    for k in [k for k in t if k.endswith(".qweight")]:
+        base, k_in = k.removesuffix(".qweight"), t[k].shape[0] * 8
+        groups = -(-k_in // group_size)
+        t[f"{base}.scales"] = t[f"{base}.scales"][:groups].contiguous()
+        t[f"{base}.qzeros"] = t[f"{base}.qzeros"][:groups].contiguous()
+        t[f"{base}.g_idx"] = (torch.arange(k_in) // group_size).to(torch.int32)
+
+
+def _autogptq_weight(t: dict, base: str) -> torch.Tensor:
+    """AutoGPTQ's torch dequantization (qlinear_cuda.py forward): w = s[g_idx] * (q - (stored + 1))."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    q = ((t[f"{base}.qweight"].unsqueeze(1) >> shifts[:, None]) & 15).reshape(-1, t[f"{base}.qweight"].shape[1])
+    z = ((t[f"{base}.qzeros"].unsqueeze(-1) >> shifts) & 15).reshape(t[f"{base}.qzeros"].shape[0], -1) + 1
+    g = t[f"{base}.g_idx"].long()
+    return (t[f"{base}.scales"].float()[g] * (q - z[g]).float()).t()
+
+
+def test_a_partial_last_group_is_read_through_g_idx(tmp_path):
+    """in_features not a multiple of group_size (SmolLM2-135M's 576 with 128): AutoGPTQ and GPTQModel
+    keep ceil(in / group) groups and dequantize through g_idx; so do qtk's layers and its engine."""
     d = _copy("gptq_asym", tmp_path)
-
-    def wrap(t):
-        k = "model.layers.0.mlp.up_proj.qzeros"
-        z = unpack_int32(t[k], 4, t[k].shape[1] * 8)
-        z[0, 0] = 7  # stored 15
-        t[k] = pack_int32(z, 4)
-
-    _edit(d, tensors=wrap)
-    with pytest.raises(CheckpointError, match="up_proj: zero point 16 does not fit 4 bits"):
-        load_quantized(d)
+    _edit(d, tensors=lambda t: _regroup(t, 48), config=lambda qc: qc.update(group_size=48))
+    t = load_file(str(d / "model.safetensors"))
+    layers = quant_linears(load_quantized(d))
+    x = torch.randn(3, 128)
+    for n, q in layers.items():
+        ref = _autogptq_weight(t, n)
+        assert torch.allclose(q.dequantized_weight(), ref, rtol=0, atol=1e-6), n
+        with torch.no_grad():
+            assert torch.allclose(q(x[:, :q.in_features]), x[:, :q.in_features] @ ref.t(), atol=1e-4), n
+    _engine_matches_transformers(d)
 
 
 def test_inspect_reads_them():
