@@ -71,13 +71,12 @@ def _weight_shapes(path, meta) -> dict[str, list[int]]:
 
 def _hub_shape(meta, base, qc) -> list[int]:
     """[out, in] of a GPTQ / AWQ layer from its tensors' shapes (AWQ: qweight [in, .], scales [., out];
-    GPTQ: g_idx [in], or qweight rows x 32 / the config's bits)."""
+    GPTQ: qweight rows x 32 / the layer's bits, which its qzeros [groups, out * bits / 32] give)."""
     out = meta[f"{base}.scales"][1][1]
     if qc["quant_method"] == "awq":
         return [out, meta[f"{base}.qweight"][1][0]]
-    if f"{base}.g_idx" in meta:
-        return [out, meta[f"{base}.g_idx"][1][0]]
-    return [out, meta[f"{base}.qweight"][1][0] * 32 // qc.get("bits", 4)]
+    bits = meta[f"{base}.qzeros"][1][1] * 32 // out
+    return [out, meta[f"{base}.qweight"][1][0] * 32 // bits]
 
 
 def _bits(meta, base, shapes, keys=("weight_packed", "weight", "weight_scale", "weight_zero_point")) -> float:
