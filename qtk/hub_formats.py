@@ -27,8 +27,10 @@ those words read as GPTQModel and transformers read them). Reading is exact, and
 the result as they run llm-compressor's checkpoints:
 - a layer whose zeros are all 2^(b-1) (every symmetric checkpoint) has no zero point;
 - g_idx that is not k // group_size becomes weight_g_idx (run as a column permutation,
-  kernels/dispatch.py); a trivial one is dropped, unless the last group is partial (K not a
-  multiple of group_size, as AutoGPTQ and GPTQModel allow): g_idx is what reads that one.
+  kernels/dispatch.py); a trivial one is dropped;
+- a partial last group (K not a multiple of group_size, as AutoGPTQ and GPTQModel allow) becomes
+  groups of gcd(K, group_size), each group's scale and zero repeated: the same weights, in groups
+  the kernels take (with act-order, g_idx reads it instead, on the reference path).
 Bit width and group count come from each layer's tensors (GPTQModel's per-module `dynamic`
 overrides need nothing more), checked against the Linear the config describes. Layers without a
 qweight are float and load as such (lm_head, `modules_to_not_convert`, GPTQModel's "-:" rules).
@@ -206,6 +208,14 @@ def _compressed(bits: int, packed, zero, scales, g_idx, group_size: int) -> tupl
         raise ValueError(f"{groups} scale rows for {k} inputs do not fit group_size {group_size}")
     half = 1 << (bits - 1)
     zp = None if (zero == half).all() else zero - half
+    trivial = torch.arange(k, dtype=torch.int32) // group_size
+    if k % group_size and (g_idx is None or torch.equal(g_idx.to(torch.int32), trivial)):
+        # a partial last group: the same weights in groups of gcd(K, group_size), each a part of one
+        # group (its scale and zero repeated), which every kernel takes (576 in 128s: 9 groups of 64)
+        repeat, group_size = group_size // math.gcd(k, group_size), math.gcd(k, group_size)
+        scales = scales.repeat_interleave(repeat, dim=0)[:k // group_size]
+        zp = None if zp is None else zp.repeat_interleave(repeat, dim=0)[:k // group_size]
+        g_idx, groups = None, k // group_size
     strategy = "channel" if groups == 1 else "group"
     args = QuantArgs(num_bits=bits, type="int", symmetric=zp is None, strategy=strategy,
                      group_size=group_size if strategy == "group" else None)
@@ -213,11 +223,8 @@ def _compressed(bits: int, packed, zero, scales, g_idx, group_size: int) -> tupl
                "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
     if zp is not None:
         tensors["weight_zero_point"] = pack_int32(zp.t().to(torch.int8).contiguous(), bits, packed_dim=0)
-    trivial = torch.arange(k, dtype=torch.int32) // group_size
-    g_idx = trivial if g_idx is None else g_idx
-    # a partial last group is read through g_idx (groups of group_size columns otherwise)
-    if k % group_size or not torch.equal(g_idx.to(torch.int32), trivial):
-        tensors["weight_g_idx"] = g_idx.to(torch.int32).contiguous()
+    if g_idx is not None and (k % group_size or not torch.equal(g_idx.to(torch.int32), trivial)):
+        tensors["weight_g_idx"] = g_idx.to(torch.int32).contiguous()  # act-order (with a partial group)
     return Scheme(weights=args, stored_format="pack-quantized"), tensors
 
 

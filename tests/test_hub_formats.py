@@ -209,9 +209,13 @@ def _autogptq_weight(t: dict, base: str) -> torch.Tensor:
     return (t[f"{base}.scales"].float()[g] * (q - z[g]).float()).t()
 
 
-def test_a_partial_last_group_is_read_through_g_idx(tmp_path):
+def test_a_partial_last_group_is_read_in_smaller_groups(tmp_path):
     """in_features not a multiple of group_size (SmolLM2-135M's 576 with 128): AutoGPTQ and GPTQModel
-    keep ceil(in / group) groups and dequantize through g_idx; so do qtk's layers and its engine."""
+    keep ceil(in / group) groups and dequantize through g_idx; qtk reads the same weights in groups
+    of gcd(in, group) (here 16), which its CPU kernel runs, and so does its engine."""
+    from qtk.kernels import cpu as cpu_kernels
+    from qtk.kernels.dispatch import CpuWOQ, build_runtime
+
     d = _copy("gptq_asym", tmp_path)
     _edit(d, tensors=lambda t: _regroup(t, 48), config=lambda qc: qc.update(group_size=48))
     t = load_file(str(d / "model.safetensors"))
@@ -220,6 +224,9 @@ def test_a_partial_last_group_is_read_through_g_idx(tmp_path):
     for n, q in layers.items():
         ref = _autogptq_weight(t, n)
         assert torch.allclose(q.dequantized_weight(), ref, rtol=0, atol=1e-6), n
+        assert q.scheme.weights.group_size == 16 and not hasattr(q, "weight_g_idx")
+        if cpu_kernels.ops() is not None:  # built (g++ and ninja present)
+            assert isinstance(build_runtime(q, torch.device("cpu"), torch.float32), CpuWOQ)
         with torch.no_grad():
             assert torch.allclose(q(x[:, :q.in_features]), x[:, :q.in_features] @ ref.t(), atol=1e-4), n
     _engine_matches_transformers(d)
