@@ -270,6 +270,60 @@ def test_w8a8_pipeline():
     assert_close(y, ref, 1e-2)
 
 
+def test_gemms_take_empty_operands():
+    """M = 0 or N = 0 launches nothing and K = 0 writes the bias (no split of zero tiles)."""
+    w = random_woq(40, 64, 32, 4, False, torch.float16)
+    no_cols = torch.zeros(8, 0, dtype=torch.int32), torch.zeros(2, 0).half()
+    for cfg in (None, w4a16.WOQConfig(16, 32, 32)):
+        y = w4a16.woq_gemm(torch.randn(0, 64).half(), w.qweight, w.scales, None, None, 4, 32, config=cfg)
+        assert y.shape == (0, 40)
+        assert w4a16.woq_gemm(torch.randn(8, 64).half(), *no_cols, None, None, 4, 32, config=cfg).shape == (8, 0)
+    w_q = torch.randint(-128, 128, (24, 64), dtype=torch.int8)
+    for a_scale in (torch.rand(0, 1), torch.tensor([0.01])):
+        assert w8a8.int8_gemm(w_q[:0], w_q, a_scale, torch.rand(24), None, torch.float16).shape == (0, 24)
+    assert w8a8.int8_gemm(w_q[:3], w_q[:0], torch.rand(3, 1), torch.rand(0), None, torch.float16).shape == (3, 0)
+    a_fp8 = torch.zeros(0, 64).to(torch.float8_e4m3fn)
+    assert fp8.fp8_gemm(a_fp8, w_q.float().to(torch.float8_e4m3fn), torch.rand(0, 1), torch.rand(24), None,
+                        torch.bfloat16).shape == (0, 24)
+    bias = torch.randn(24).half()
+    y = w8a8.int8_gemm(w_q[:3, :0], w_q[:, :0], torch.rand(3, 1), torch.rand(24), bias, torch.float16)
+    assert torch.equal(y, bias.expand(3, 24))
+    for cfg in (None, w4a16.WOQConfig(16, 32, 32)):
+        y = w4a16.woq_gemm(torch.randn(3, 0).half(), torch.zeros(0, 24, dtype=torch.int32), torch.rand(1, 24).half(),
+                           None, bias, 4, None, config=cfg)
+        assert torch.equal(y, bias.expand(3, 24))
+
+
+def test_act_quant_op_checks_operands_in_every_mode():
+    """torch.ops.qtk.act_quant refuses what the Triton launcher refuses, on CPU and in fake mode too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qtk.kernels import ops  # noqa: F401  registers torch.ops.qtk.*
+
+    bad = [((torch.randn(64, 5).t(), torch.int8, None), "contiguous along dim 1"),
+           ((torch.randn(5, 64).double(), torch.int8, None), "X must be one of"),
+           ((torch.randn(5, 64), torch.int8, torch.rand(3)), "one value")]
+    for args, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            act_quant.act_quant(*args)
+        with pytest.raises(ValueError, match=msg):
+            torch.ops.qtk.act_quant(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match=msg):
+            torch.ops.qtk.act_quant(*args)
+
+
+def test_fp8_codes_refused_before_sm89(monkeypatch):
+    """Triton has no e4m3 type before sm_89: FP8 activation codes there are a ValueError, not a
+    compile error on the first call (fake CUDA tensors stand in for a GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with FakeTensorMode():
+        x = torch.empty(4, 64, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="sm_89"):
+            act_quant.act_quant(x, torch.float8_e4m3fn)
+
+
 # -- a checkpoint-layout QuantLinear through the runtime dispatch builds for a GPU ----------------
 
 @pytest.mark.parametrize("scheme,group,act_order,dtype", [

@@ -206,6 +206,44 @@ def test_decode_empty_context_gives_zeros():
         assert_close(out[1:], ref, TOL[torch.float16])
 
 
+@interp
+def test_decode_empty_batch():
+    """No sequence at all: an empty output (the split heuristic has no program to count)."""
+    q, k_cache, v_cache, tables, lens, _ = decode_case([5], 4, 2, 32, torch.float16, torch.float16, False)
+    out = ta.decode_attention(q[:0], k_cache, v_cache, tables[:0], lens[:0], 0.2, BLOCK_SIZE)
+    assert out.shape == (0, 4, 32)
+
+
+@interp
+def test_expanded_scales_read_as_their_values():
+    """A per-head scale given as an expanded view (stride 0, one value for every head) quantizes
+    and dequantizes with that value for every head, not with the memory after it."""
+    q, k_cache, v_cache, tables, lens, _ = decode_case([20, 9], 4, 2, 32, torch.float16, torch.int8, False)
+    base = torch.tensor([0.01, 50.0, 50.0])
+    k_scale, v_scale = base[:1].expand(2), torch.tensor([0.02]).expand(2, 1, 1)
+    out = ta.decode_attention(q, k_cache, v_cache, tables, lens, 0.2, BLOCK_SIZE, k_scale=k_scale, v_scale=v_scale)
+    ref = decode_ref(q, k_cache, v_cache, tables, lens, 0.2, k_scale=k_scale.contiguous(), v_scale=v_scale.contiguous())
+    assert_close(out, ref, TOL[torch.float16])
+    k = torch.randn(3, 2, 32)
+    slots = torch.tensor([0, 5, 9])
+    ta.store_kv(k, k, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(k_cache[:, slots].transpose(0, 1), quantize_ref(k, torch.tensor([0.01]), torch.int8))
+
+
+def test_fp8_cache_refused_before_sm89(monkeypatch):
+    """Triton has no e4m3 type before sm_89: an FP8 cache there is a ValueError naming the way out,
+    not a compile error in the first step (fake CUDA tensors stand in for a GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    with FakeTensorMode():
+        k_cache = torch.empty(2, 64, 32, dtype=FP8, device="cuda")
+        k = torch.empty(3, 2, 32, dtype=torch.bfloat16, device="cuda")
+        scale = torch.ones(1, device="cuda")
+        with pytest.raises(ValueError, match="INT8"):
+            ta.store_kv(k, k, k_cache, k_cache, torch.zeros(3, dtype=torch.int64, device="cuda"), scale, scale)
+
+
 def test_decode_config_splits_only_small_batches():
     assert ta.decode_config(1, 8, 4, 4096, 132) == ta.AttnConfig(16, 64, 16)
     assert ta.decode_config(16, 8, 4, 4096, 132).num_splits == 3
@@ -292,6 +330,10 @@ def test_launchers_reject_bad_inputs():
         ta.decode_attention(q, k_cache.float(), v_cache.float(), tables, lens, 0.1, BLOCK_SIZE)
     with pytest.raises(ValueError, match="slot_mapping"):
         ta.store_kv(q[:, :2], q[:, :2], k_cache, v_cache, torch.zeros(1, dtype=torch.int32), **scales)
+    with pytest.raises(ValueError, match="different devices"):
+        ta.decode_attention(q, k_cache, v_cache, tables.to("meta"), lens, 0.1, BLOCK_SIZE, **scales)
+    with pytest.raises(ValueError, match="different devices"):
+        ta.store_kv(q[:, :2], q[:, :2], k_cache, v_cache, torch.zeros(1, dtype=torch.int64, device="meta"), **scales)
 
 
 # -- ahead-of-time compiles -------------------------------------------------------------------

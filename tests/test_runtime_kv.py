@@ -129,3 +129,15 @@ def test_bad_kv_cache_dtype_says_what_is_allowed(tiny_dir):
 
     with pytest.raises(InputError, match="auto, fp8 or int8"):
         LLM(str(tiny_dir), dtype="float32", kv_cache_dtype="fp4", kv_cache_memory=2**20, max_model_len=128)
+
+
+def test_fp8_cache_on_a_gpu_without_fp8_is_refused_at_start_up(monkeypatch):
+    """Triton has no e4m3 before sm_89: the engine says so when it starts, not at its first step."""
+    from types import SimpleNamespace
+
+    import qtk.runtime.engine as engine
+    from qtk.errors import InputError
+
+    monkeypatch.setattr(engine, "fp8_supported", lambda device: False)
+    with pytest.raises(InputError, match="fp8 on CUDA needs a GPU with FP8 support.*use kv_cache_dtype int8"):
+        engine.LLM._kv_cache(SimpleNamespace(), "fp8", "cuda")

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import check, check_matrix
+from .fp8 import fp8_supported
 
 # round half to even in fp32 for |x| < 2^22: (x + 1.5 * 2^23) - 1.5 * 2^23 (libdevice.rint does it on
 # a GPU, but the interpreter has no libdevice; tests/test_kernels_aot.py checks both adds survive)
@@ -97,15 +98,26 @@ def act_quant_config(m: int, k: int) -> tuple[int, int, int]:
     return 1, block_k, 4 if block_k <= 2048 else 8 if block_k <= 8192 else 16
 
 
+def check_act_quant(x: torch.Tensor, out_dtype: torch.dtype, static_scale: torch.Tensor | None) -> QuantDtype:
+    """Validate act_quant's operands (ValueError naming the tensor); returns the code kind."""
+    kind = QuantDtype.of(out_dtype)
+    check_matrix("X", x, (torch.float16, torch.bfloat16, torch.float32))
+    check(kind is QuantDtype.INT8 or x.device.type != "cuda" or fp8_supported(x.device),
+          f"FP8 codes need an sm_89+ GPU, {x.device} is not one")  # Triton has no e4m3 before sm_89
+    if static_scale is not None:
+        check(isinstance(static_scale, torch.Tensor) and static_scale.dtype.is_floating_point,
+              f"static_scale must be a float tensor, got {getattr(static_scale, 'dtype', type(static_scale))}")
+        check(static_scale.numel() == 1, f"static_scale must hold one value, got shape {list(static_scale.shape)}")
+        check(static_scale.device == x.device, f"static_scale is on {static_scale.device}, X on {x.device}")
+    return kind
+
+
 def act_quant(x: torch.Tensor, out_dtype: torch.dtype = torch.int8, static_scale: torch.Tensor | None = None,
               block_m: int | None = None, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes [M, K] and scales ([M, 1] fp32 per token, or static_scale as [1] fp32)."""
-    kind = QuantDtype.of(out_dtype)
-    check_matrix("X", x, (torch.float16, torch.bfloat16, torch.float32))
+    kind = check_act_quant(x, out_dtype, static_scale)
     m, k = x.shape
     if static_scale is not None:
-        check(static_scale.numel() == 1, f"static_scale must hold one value, got shape {list(static_scale.shape)}")
-        check(static_scale.device == x.device, f"static_scale is on {static_scale.device}, X on {x.device}")
         scale = static_scale.reshape(1).to(torch.float32)
     else:
         scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)

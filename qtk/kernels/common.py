@@ -75,16 +75,19 @@ def sm_count(device: torch.device) -> int:
 
 
 def pick_split_k(tiles: int, k_blocks: int, sms: int, max_split: int = 16, min_blocks: int = 2) -> int:
-    """Slices of K so tiles * split covers the SMs twice, each slice at least min_blocks blocks."""
-    if tiles >= sms:
+    """Slices of K so tiles * split covers the SMs twice, each slice at least min_blocks blocks
+    (1 for no tiles at all: an empty M or N launches nothing)."""
+    if tiles == 0 or tiles >= sms:
         return 1
     split = min(max_split, triton.cdiv(2 * sms, tiles), max(1, k_blocks // min_blocks))
     return max(1, split)
 
 
-def k_per_split(k: int, split_k: int, block_k: int) -> int:
-    """Length of each K slice, a multiple of block_k (the last slice may be shorter)."""
-    return triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+def k_splits(k: int, split_k: int, block_k: int) -> tuple[int, int]:
+    """(length of each K slice, a multiple of block_k, the last one maybe shorter; slices, at most
+    split_k and each non-empty). K = 0 is one empty slice: the GEMM writes the bias."""
+    k_per_split = max(1, triton.cdiv(triton.cdiv(k, split_k), block_k)) * block_k
+    return k_per_split, max(1, triton.cdiv(k, k_per_split))
 
 
 @triton.jit

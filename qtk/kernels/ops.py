@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .act_quant import QuantDtype, act_quant
+from .act_quant import act_quant, check_act_quant
 from .fp8 import fp8_gemm
 from .w4a16 import check_woq, woq_gemm
 from .w8a8 import check_scaled_mm, scaled_mm
@@ -44,16 +44,14 @@ def act_quant_op(x: torch.Tensor, out_dtype: torch.dtype,
 
 @act_quant_op.register_kernel("cpu")
 def _act_quant_cpu(x, out_dtype, static_scale):
-    QuantDtype.of(out_dtype)
+    check_act_quant(x, out_dtype, static_scale)
     q, s = reference.act_quant_ref(x, out_dtype, static_scale)
     return q, s.clone() if static_scale is not None else s
 
 
 @act_quant_op.register_fake
 def _act_quant_fake(x, out_dtype, static_scale):
-    QuantDtype.of(out_dtype)
-    if x.dim() != 2:
-        raise ValueError(f"X must be 2-D, got shape {list(x.shape)}")
+    check_act_quant(x, out_dtype, static_scale)
     scale = x.new_empty(1, dtype=torch.float32) if static_scale is not None else x.new_empty(x.shape[0], 1, dtype=torch.float32)
     return x.new_empty(x.shape, dtype=out_dtype), scale
 

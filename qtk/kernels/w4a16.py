@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ACT_DTYPES, check, check_bias, check_matrix, check_same_device, k_per_split, pick_split_k, \
+from .common import ACT_DTYPES, check, check_bias, check_matrix, check_same_device, k_splits, pick_split_k, \
     TileConfig, sm_count, splitk_reduce, store_tile, tile_of
 from .layout import WOQ_BITS
 
@@ -209,9 +209,7 @@ def woq_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     if m == 0 or n == 0:
         return out
-    split = cfg.split_k
-    kps = k_per_split(k, split, cfg.block_k)
-    split = triton.cdiv(k, kps)
+    kps, split = k_splits(k, cfg.split_k, cfg.block_k)
     c = torch.empty(split, m, n, device=a.device, dtype=torch.float32) if split > 1 else out
     common = dict(BITS=bits, GROUP_SIZE=group_size or 1, PER_CHANNEL=group_size is None, HAS_ZP=zeros is not None,
                   HAS_BIAS=bias is not None, WRITE_PARTIAL=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ACT_DTYPES, check, check_bias, check_matrix, check_same_device, k_per_split, pick_split_k, \
+from .common import ACT_DTYPES, check, check_bias, check_matrix, check_same_device, k_splits, pick_split_k, \
     TileConfig, sm_count, splitk_reduce, store_tile, tile_of
 
 W8A8_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -105,8 +105,7 @@ def scaled_mm(a_q: torch.Tensor, w_q: torch.Tensor, a_scale: torch.Tensor, w_sca
     out = torch.empty(m, n, device=a_q.device, dtype=out_dtype)
     if m == 0 or n == 0:
         return out
-    kps = k_per_split(k, cfg.split_k, cfg.block_k)
-    split = triton.cdiv(k, kps)
+    kps, split = k_splits(k, cfg.split_k, cfg.block_k)
     c = torch.empty(split, m, n, device=a_q.device, dtype=torch.float32) if split > 1 else out
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     _scaled_mm_kernel[(tiles, split)](

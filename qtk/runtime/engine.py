@@ -25,6 +25,7 @@ from .detokenizer import IncrementalDetokenizer, find_stop, held_back
 from .model_runner import ModelRunner, kv_bytes_per_token, measure_kv_scales
 from .models.llama import FUSED, LlamaModel
 from ..kernels.dispatch import prepare
+from ..kernels.fp8 import fp8_supported
 from .packed_linear import bf16_lm_head, kernel_summary, pack_linears
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -156,6 +157,9 @@ class LLM:
         if kv_cache_dtype not in KV_DTYPES:
             raise InputError(f"kv_cache_dtype must be auto, fp8 or int8, not {kv_cache_dtype!r}")
         dtype = KV_DTYPES[kv_cache_dtype]
+        if kv_cache_dtype == "fp8" and torch.device(device).type == "cuda" and not fp8_supported(torch.device(device)):
+            raise InputError("kv_cache_dtype fp8 on CUDA needs a GPU with FP8 support (compute capability 8.9+: "
+                             "Ada, Hopper); use kv_cache_dtype int8 on this one")
         attns = [layer.self_attn for layer in self.model.layers]
         if all(hasattr(a, "k_scale") and hasattr(a, "kv_scheme") for a in attns):
             scales = []

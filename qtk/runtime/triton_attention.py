@@ -46,7 +46,8 @@ import triton
 import triton.language as tl
 
 from qtk.kernels.act_quant import _quantize
-from qtk.kernels.common import check, pick_split_k, sm_count
+from qtk.kernels.common import check, check_same_device, pick_split_k, sm_count
+from qtk.kernels.fp8 import fp8_supported
 
 LOG2E = tl.constexpr(1.4426950408889634)
 NO_SCORE = tl.constexpr(-1.0e30)  # the running max before any key: finite, so 2^(m - m') is never NaN
@@ -319,15 +320,20 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, model_dtype: torc
           f"[kv_heads, num_slots, D], got {list(k_cache.shape)}, {list(v_cache.shape)}")
     check(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous")
     check(k_cache.dtype == v_cache.dtype, f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    check_same_device(k_cache=k_cache, v_cache=v_cache)
     mode = CACHE_MODES.get(k_cache.dtype, "float")
     if mode == "float":
         check(k_cache.dtype == model_dtype,
               f"a float cache must be in the model dtype {model_dtype}, got {k_cache.dtype}")
         check(k_scale is None and v_scale is None, f"k_scale/v_scale given for a {k_cache.dtype} cache")
         return mode, False, k_cache, v_cache
+    # Triton has no e4m3 type before sm_89 (the kernels would fail to compile there)
+    check(mode != "fp8" or k_cache.device.type != "cuda" or fp8_supported(k_cache.device),
+          f"an FP8 KV cache needs an sm_89+ GPU, {k_cache.device} is not one: use an INT8 cache")
     check(k_scale is not None and v_scale is not None, f"a {k_cache.dtype} cache needs k_scale and v_scale")
     kv_heads = k_cache.shape[0]
-    k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
+    # flat and dense: the kernels read scale h at offset h (an expanded [1] is a stride-0 view)
+    k_scale, v_scale = k_scale.reshape(-1).contiguous(), v_scale.reshape(-1).contiguous()
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         check(s.numel() in (1, kv_heads), f"{name} must hold 1 or kv_heads={kv_heads} values, got {s.numel()}")
         check(s.dtype.is_floating_point and s.device == k_cache.device, f"{name} must be float on {k_cache.device}")
@@ -347,6 +353,7 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch
           and block_tables.stride(1) == 1, f"block_tables must be int32 [{seqs}, max_blocks] with unit column stride")
     check(context_lens.shape == (seqs,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous(),
           f"context_lens must be contiguous int32 [{seqs}]")
+    check_same_device(q=q, k_cache=k_cache, block_tables=block_tables, context_lens=context_lens)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -361,6 +368,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check(k.shape == v.shape and k.shape[1:] == (kv_heads, d), f"k, v must be [T, {kv_heads}, {d}]")
     check(slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous(),
           f"slot_mapping must be contiguous int64 [{k.shape[0]}]")
+    check_same_device(k=k, v=v, k_cache=k_cache, slot_mapping=slot_mapping)
     if k.shape[0] == 0:
         return
     _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, ks, vs, slot_mapping, k.stride(0), k.stride(1),
@@ -416,6 +424,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _check_attention(q, k_cache, block_tables, context_lens, seqs, block_size)
     check(query_start_loc.shape == (seqs + 1,) and query_start_loc.dtype == torch.int32
           and query_start_loc.is_contiguous(), f"query_start_loc must be contiguous int32 [{seqs + 1}]")
+    check_same_device(q=q, query_start_loc=query_start_loc)
     out = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
     if t == 0:
         return out
