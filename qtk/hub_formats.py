@@ -74,6 +74,9 @@ def check_config(qc: dict, path: Path) -> None:
             raise CheckpointError(f"{where}: AWQ version {version!r} is not supported; qtk reads AutoAWQ's "
                                   "'gemm' layout (as vLLM does)")
     bits = qc.get("bits", qc.get("w_bit"))
+    if bits is None:
+        raise CheckpointError(f"{where}: a {method.upper()} config needs 'bits' (is this a {method.upper()} "
+                              "checkpoint? its quant_method says so)")
     if bits not in BITS or (method == "awq" and bits != 4):
         raise CheckpointError(f"{where}: {bits}-bit {method.upper()} is not supported; qtk reads "
                               + ("4- and 8-bit GPTQ" if method == "gptq" else "4-bit AWQ"))

@@ -385,8 +385,12 @@ def test_unknown_format_and_method(w4_ckpt):
     _rewrite_config(w4_ckpt, lambda c: c["quantization_config"]["config_groups"]["group_0"].update(format="marlin-24"))
     with pytest.raises(CheckpointError, match="format 'marlin-24' is not supported"):
         load_quantized(w4_ckpt)
+    _rewrite_config(w4_ckpt, lambda c: c["quantization_config"].update(quant_method="bitsandbytes"))
+    with pytest.raises(CheckpointError, match="quant_method is 'bitsandbytes'; qtk reads compressed-tensors"):
+        load_quantized(w4_ckpt)
+    # GPTQ and AWQ are read (tests/test_hub_formats.py), but this is no GPTQ config
     _rewrite_config(w4_ckpt, lambda c: c["quantization_config"].update(quant_method="gptq"))
-    with pytest.raises(CheckpointError, match="quant_method is 'gptq'"):
+    with pytest.raises(CheckpointError, match="a GPTQ config needs 'bits'"):
         load_quantized(w4_ckpt)
 
 
