@@ -215,32 +215,20 @@ def test_checkouts_of_one_version_share_a_build(tmp_path, monkeypatch):
     assert [Path(p).read_bytes() for p in calls[0][1]] == [p.read_bytes() for p in cpu.SOURCES]
 
 
-@pytest.mark.parametrize("scheme,group", [("w4a16", 64), ("w4a16_asym", 32), ("w8a16", None), ("w4a16", -1)])
+@pytest.mark.parametrize("scheme,group", [("w4a16", 64), ("w4a16_asym", 32), ("w8a16", None), ("w4a16", -1),
+                                          ("w4a16", 8), ("w4a16_asym", 24), ("w8a16", 20)])
 def test_quant_linear_runs_the_kernel(scheme, group, monkeypatch):
+    """Every group the kernel takes runs it: int4 groups of a multiple of 8 and int8 groups of any
+    size too (the Triton kernel's multiple of 16 once sent them to a float32 matmul on CPU)."""
     monkeypatch.setenv("QTK_CPU_BF16", "0")
     if cpu.ops() is None:
         pytest.skip("no C++ compiler")
-    w = torch.randn(80, 192) * 0.05
+    k = 240 if group in (8, 24, 20) else 192
+    w = torch.randn(80, k) * 0.05
     s = preset(scheme, group_size=group)
     q, scale, zp = quantize_weight(w, s.weights)
     layer = QuantLinear.from_codes(q, scale, zp, s, bias=torch.randn(80), dtype=torch.float32)
-    x = torch.randn(3, 192)
-    assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuWOQ)
-    assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-5
-
-
-@pytest.mark.parametrize("scheme,group", [("w4a16", 8), ("w4a16_asym", 24), ("w8a16", 20)])
-def test_groups_the_kernel_takes_but_triton_does_not(scheme, group, monkeypatch):
-    """int4 groups of a multiple of 8 and int8 groups of any size run qtk's kernel on CPU (the
-    Triton kernel's multiple of 16 sent them to a float32 matmul on a decoded weight)."""
-    monkeypatch.setenv("QTK_CPU_BF16", "0")
-    if cpu.ops() is None:
-        pytest.skip("no C++ compiler")
-    w = torch.randn(40, 240) * 0.05
-    s = preset(scheme, group_size=group)
-    q, scale, zp = quantize_weight(w, s.weights)
-    layer = QuantLinear.from_codes(q, scale, zp, s, dtype=torch.float32)
-    x = torch.randn(3, 240)
+    x = torch.randn(3, k)
     assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuWOQ)
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-5
 

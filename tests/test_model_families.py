@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from interop import TINY, byte_tokenizer
-from qtk.runtime.block_manager import BlockManager
 from qtk.runtime.model_runner import ModelRunner
-from qtk.runtime.models.llama import LlamaModel, sliding_windows
-from qtk.runtime.scheduler import Scheduler, SchedulerConfig
-from qtk.runtime.sequence import Sequence
+from qtk.runtime.models.llama import sliding_windows
+from test_runtime import greedy_through_runtime
 
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
@@ -43,28 +41,6 @@ def saved(model, path) -> str:
 def prompts(*lengths: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in lengths]
-
-
-def greedy_logits(model, prompts, new_tokens: int, backend: str, budget: int = 7, block_size: int = 4):
-    """Greedy decoding through scheduler + runner on one attention backend -> (sequences, per
-    sequence the logits of each sampling step)."""
-    runner = ModelRunner(LlamaModel(model), 64, block_size, attention_backend=backend)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget), BlockManager(64, block_size))
-    seqs = [Sequence(p, block_size=block_size) for p in prompts]
-    for s in seqs:
-        sched.add(s)
-    logits = {s.seq_id: [] for s in seqs}
-    while sched.has_unfinished():
-        batch = sched.schedule()
-        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
-        out, _ = runner.run(batch)
-        for s, row in zip(sampling, out):
-            logits[s.seq_id].append(row)
-        sched.finish_step(batch, {s.seq_id: int(row.argmax()) for s, row in zip(sampling, out)})
-        for s in list(sched.running):
-            if s.num_generated_tokens >= new_tokens:
-                sched.finish(s)
-    return seqs, logits
 
 
 def backend_context(backend: str):
@@ -97,7 +73,7 @@ def test_sliding_window_attention_is_transformers(family, backend):
     (the runtime used to attend to the whole context)."""
     model = tiny(family, **WINDOWED[family])
     with backend_context(backend):
-        seqs, logits = greedy_logits(model, prompts(23, 5), new_tokens=6, backend=backend)
+        seqs, logits, _ = greedy_through_runtime(model, prompts(23, 5), new_tokens=6, backend=backend)
     for s in seqs:
         with torch.no_grad():
             want = model(torch.tensor([s.token_ids])).logits[0, s.num_prompt_tokens - 1:len(s) - 1]
