@@ -40,7 +40,7 @@ def export(src: Path, out: Path, tool: str) -> None:
     else:
         gemm = awq_modules(next(p for p in TOOLS.glob("autoawq-*") if p.is_dir()))
     model = load_quantized(src)
-    state = {k: v for k, v in read_tensors(src).items()}
+    state = read_tensors(src)
     group = None
     for name, q in model.named_modules():
         if not isinstance(q, QuantLinear):

@@ -157,7 +157,8 @@ class LLM:
         if kv_cache_dtype not in KV_DTYPES:
             raise InputError(f"kv_cache_dtype must be auto, fp8 or int8, not {kv_cache_dtype!r}")
         dtype = KV_DTYPES[kv_cache_dtype]
-        if kv_cache_dtype == "fp8" and torch.device(device).type == "cuda" and not fp8_supported(torch.device(device)):
+        cuda = torch.device(device).type == "cuda"
+        if kv_cache_dtype == "fp8" and cuda and not fp8_supported(torch.device(device)):
             raise InputError("kv_cache_dtype fp8 on CUDA needs a GPU with FP8 support (compute capability 8.9+: "
                              "Ada, Hopper); use kv_cache_dtype int8 on this one")
         attns = [layer.self_attn for layer in self.model.layers]
