@@ -1,7 +1,8 @@
-"""qtk's CPU kernels (kernels/cpu.py, csrc/cpu_woq.cpp) against their reference twin.
+"""qtk's CPU kernels (kernels/cpu.py, csrc/cpu_woq.cpp, csrc/cpu_w8a8.cpp) against their reference twin.
 
-Both builds run here: the AVX2 one (on a CPU with AVX2, i.e. any x86 machine CI runs on) and the
-portable one, which is what a CPU without AVX2 runs; QTK_CPU_KERNEL=off (the reference path) is
+Every build the CPU can run is tested here: the AVX-512 one (on a CPU with AVX-512 and VNNI), the AVX2
+one (on a CPU with AVX2, i.e. any x86 machine CI runs on) and the portable one, which is what a CPU
+without AVX2 runs; QTK_CPU_KERNEL=off (the reference path) is
 covered in test_kernels.py's dispatch table."""
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from qtk.quant_linear import QuantLinear
 from qtk.schemes import preset
 
 HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-BUILDS = [pytest.param("avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="CPU without AVX2")), "generic"]
+HAS_AVX512 = cpu._has_avx512()
+BUILDS = [pytest.param("avx512", marks=pytest.mark.skipif(not HAS_AVX512, reason="CPU without AVX-512 + VNNI")),
+          pytest.param("avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="CPU without AVX2")), "generic"]
 
 
 @pytest.fixture(params=BUILDS)
@@ -136,7 +139,11 @@ def test_variant_override(monkeypatch):
     monkeypatch.setenv("QTK_CPU_KERNEL", "off")
     assert cpu.variant() is None and cpu.ops() is None
     monkeypatch.setenv("QTK_CPU_KERNEL", "avx9")
-    with pytest.raises(InputError, match="QTK_CPU_KERNEL must be one of avx2, generic, off"):
+    with pytest.raises(InputError, match="QTK_CPU_KERNEL must be one of avx512, avx2, generic, off"):
+        cpu.variant()
+    monkeypatch.setenv("QTK_CPU_KERNEL", "avx512")
+    monkeypatch.setattr(cpu, "_has_avx512", lambda: False)
+    with pytest.raises(InputError, match="needs a CPU with AVX-512"):
         cpu.variant()
 
 
@@ -213,6 +220,60 @@ def test_checkouts_of_one_version_share_a_build(tmp_path, monkeypatch):
         assert cpu.library.__wrapped__("generic") is None
     assert calls[0] == calls[1]
     assert [Path(p).read_bytes() for p in calls[0][1]] == [p.read_bytes() for p in cpu.SOURCES]
+
+
+def w8a8_twin(x, codes, w_scale, static, bias):
+    q, s = reference.act_quant_ref(x.reshape(-1, x.shape[-1]), torch.int8, static)
+    y = reference.scaled_mm_ref(q, codes, s, w_scale, bias, torch.float32)
+    return y.reshape(*x.shape[:-1], codes.shape[0])
+
+
+@pytest.mark.parametrize("static", [None, 0.02])
+def test_w8a8_kernel_matches_twin(lib, static):
+    """x quantized inside the call (per token, or with a static scale) and exact int8 products: the
+    twin's act_quant + scaled_mm, for M across 4/2/1-row passes, N not a multiple of 16 or of the
+    64-column tile, K not a multiple of 4, bias or none, per-channel and per-tensor weight scales."""
+    g = torch.Generator().manual_seed(0)
+    st = None if static is None else torch.tensor([static])
+    for n, k in ((64, 576), (72, 130), (53, 33), (200, 256)):
+        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        for w_scale in (torch.rand(n, 1, generator=g) * 1e-3 + 1e-4, torch.tensor([3e-4])):
+            w = cpu.pack_w8a8(codes, w_scale)
+            for m in (1, 2, 3, 4, 5, 7, 9, 33):
+                x = torch.randn(m, k, generator=g) * 3
+                b = torch.randn(n, generator=g) if m % 2 else None
+                y = cpu.w8a8_linear(x, w, st, b, lib)
+                assert y.shape == (m, n) and rel_err(y, w8a8_twin(x, codes, w_scale, st, b)) < 1e-6, (n, k, m)
+
+
+def test_w8a8_kernel_rounds_as_the_reference(lib):
+    """Ties (x / s exactly half-way) round to even, saturate at -128 / 127, a zero row gets eps as its
+    scale: with unit weight scales a single code off by one would show in y."""
+    k = 40
+    codes = torch.eye(k, dtype=torch.int8)[:32] * 127  # y[:, j] = 127 * q_x[:, j] * s_x
+    w = cpu.pack_w8a8(codes, torch.ones(32, 1))
+    st = torch.tensor([0.5])
+    x = torch.arange(-k, k, 2).float().reshape(1, k) * 0.25  # x / s = -20, -19, ..., 19 (step 1): no ties
+    x = torch.cat([x, x + 0.125, x * 40, torch.zeros(1, k)])  # halves (ties), saturation, a zero row
+    for static in (st, None):
+        y = cpu.w8a8_linear(x, w, static, None, lib)
+        assert torch.equal(y, w8a8_twin(x, codes, torch.ones(32, 1), static, None))
+
+
+def test_w8a8_kernel_inputs(lib):
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(-128, 128, (48, 64), dtype=torch.int8, generator=g)
+    w = cpu.pack_w8a8(codes, torch.rand(48, 1, generator=g) * 1e-3)
+    for x in (torch.randn(64, 6).t(), torch.randn(3, 5, 128)[..., ::2], torch.randn(2, 3, 64)):
+        y = cpu.w8a8_linear(x, w, None, None, lib)
+        assert y.shape == (*x.shape[:-1], 48) and rel_err(y, w8a8_twin(x, codes, w.scales[:48], None, None)) < 1e-6
+    assert cpu.w8a8_linear(torch.randn(0, 64), w, None, None, lib).shape == (0, 48)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        cpu.w8a8_linear(torch.randn(2, 64).bfloat16(), w, None, None, lib)
+    with pytest.raises(RuntimeError, match="codes must be contiguous int8"):
+        cpu.w8a8_linear(torch.randn(2, 60), w, None, None, lib)
+    with pytest.raises(RuntimeError, match=r"bias must be \[48\]"):
+        cpu.w8a8_linear(torch.randn(2, 64), w, None, torch.randn(47), lib)
 
 
 @pytest.mark.parametrize("scheme,group", [("w4a16", 64), ("w4a16_asym", 32), ("w8a16", None), ("w4a16", -1),

@@ -87,10 +87,17 @@ def cpu_units(request, monkeypatch):
     return on
 
 
+def int8_dot_runtime():
+    """W8A8 int8 on a CPU with int8 dot products: qtk's VNNI kernel where its build has one (the
+    avx512 build), else torch._int_mm."""
+    lib = cpu_kernels.ops()
+    return dispatch.CpuW8A8Vnni if lib is not None and lib.compiled_vnni() else dispatch.CpuW8A8Int
+
+
 # (scheme, group, x dtype, runtime on a CPU with bf16/int8 units, runtime without them (AVX2)).
 # CpuWOQ is qtk's own kernel (kernels/cpu.py); with QTK_CPU_KERNEL=off (or no compiler) it is Dense,
-# the reference's float32 matmul on a decoded weight.
-W, D = dispatch.CpuWOQ, dispatch.Dense
+# the reference's float32 matmul on a decoded weight. I8: int8_dot_runtime().
+W, D, I8 = dispatch.CpuWOQ, dispatch.Dense, "int8 dot"
 DISPATCH = [
     ("w4a16", 32, torch.bfloat16, dispatch.CpuInt4, W),
     ("w4a16_asym", 64, torch.bfloat16, dispatch.CpuInt4, W),
@@ -100,8 +107,8 @@ DISPATCH = [
     ("w4a16_asym", 32, torch.float16, W, W),
     ("w8a16", None, torch.bfloat16, dispatch.CpuInt8, W),
     ("w8a16", None, torch.float32, W, W),
-    ("w8a8", None, torch.float32, dispatch.CpuW8A8Int, dispatch.CpuW8A8Woq),
-    ("w8a8", None, torch.bfloat16, dispatch.CpuW8A8Int, dispatch.CpuW8A8Woq),
+    ("w8a8", None, torch.float32, I8, dispatch.CpuW8A8Woq),
+    ("w8a8", None, torch.bfloat16, I8, dispatch.CpuW8A8Woq),
     ("fp8", None, torch.bfloat16, D, D),
     ("fp8_static", None, torch.float32, D, D),
 ]
@@ -116,6 +123,7 @@ def test_cpu_dispatch_agrees_with_reference(scheme, group, dtype, with_units, wi
     x = torch.randn(2, 5, 128).to(dtype)
     y = layer(x)
     expected = with_units if cpu_units else without
+    expected = int8_dot_runtime() if expected == I8 else expected
     if expected in (W, dispatch.CpuW8A8Woq) and (kernel == "off" or cpu_kernels.ops() is None):
         expected = D
     assert type(dispatch.runtime_for(layer, x.reshape(-1, 128))) is expected
@@ -124,17 +132,20 @@ def test_cpu_dispatch_agrees_with_reference(scheme, group, dtype, with_units, wi
     assert rel_err(y, ref) < (1.5e-2 if dtype == torch.bfloat16 else 1e-5 if dtype == torch.float32 else 1e-3)
 
 
-def test_static_w8a8_on_cpu(cpu_units):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_per_tensor_w8a8_on_cpu(cpu_units, dynamic):
+    """Static and dynamic per-tensor activation scales (per token is in the dispatch table)."""
     from dataclasses import replace
 
     scheme = preset("w8a8")
-    scheme = replace(scheme, input_activations=replace(scheme.input_activations, strategy="tensor", dynamic=False))
+    scheme = replace(scheme, input_activations=replace(scheme.input_activations, strategy="tensor", dynamic=dynamic))
     w = torch.randn(32, 64) * 0.05
     q, scale, zp = quantize_weight(w, scheme.weights)
-    layer = QuantLinear.from_codes(q, scale, zp, scheme, input_scale=torch.tensor([2.0 / 127]), dtype=torch.float32)
+    static = None if dynamic else torch.tensor([2.0 / 127])
+    layer = QuantLinear.from_codes(q, scale, zp, scheme, input_scale=static, dtype=torch.float32)
     x = torch.randn(7, 64)
     without = dispatch.CpuW8A8Woq if cpu_kernels.ops() else dispatch.Dense
-    assert isinstance(dispatch.runtime_for(layer, x), dispatch.CpuW8A8Int if cpu_units else without)
+    assert isinstance(dispatch.runtime_for(layer, x), int8_dot_runtime() if cpu_units else without)
     assert rel_err(layer(x), reference.quant_linear_ref(x, layer)) < 1e-5
 
 
@@ -181,7 +192,7 @@ def test_prepare_builds_every_runtime(monkeypatch):
                                 quant_linear("w8a8", k=48, dtype=torch.bfloat16))
     kernels.prepare(model, "cpu", torch.bfloat16)
     assert isinstance(model[0]._qtk_runtime.runtime, dispatch.CpuInt4)
-    assert isinstance(model[1]._qtk_runtime.runtime, dispatch.CpuW8A8Int)
+    assert isinstance(model[1]._qtk_runtime.runtime, int8_dot_runtime())
 
 
 # -- custom ops ----------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ save_quantized in bf16 (as qtk.pipeline does, tokenizer included) and checks:
   scale; default (bf16) load within 2^-5;
 - transformers, dequantize=False (compressed-tensors' fake-quant forward of weights, activations
   and KV cache, float32): no missing, unexpected or mismatched keys, k_scale/v_scale loaded as
-  written, logits equal to qtk's reference forward up to float32 summation order;
+  written, logits equal to qtk's reference forward up to float32 summation order (where
+  compressed-tensors 0.20 skips the KV cache, from transformers 5.24: K/V unquantized on both sides);
 - compressed-tensors' CompressedTensorsDequantizer on the folder: equal to dequantized_weight();
 - qtk.quant.pack_int32 against compressed-tensors' pack_to_int32 / unpack_from_int32.
 Tolerances and the two deliberate differences are explained in tests/interop.py.
@@ -22,6 +23,7 @@ from interop import (BF16_ROUNDING, TINY, byte_tokenizer, ct_dequantize, logits,
                      quant_linears, reference_forward, weight_only)
 from qtk.calibrate import checkpoint_groups, quantize_model
 from qtk.checkpoint import load_quantized, read_tensors, save_quantized
+from qtk.chunked_sdpa import set_implementation
 from qtk.quant import pack_int32, unpack_int32
 from qtk.recipe import from_flags
 
@@ -106,13 +108,35 @@ def test_compressed_tensors_fake_quant_forward(checkpoint, ids, monkeypatch, req
                                               reason="compressed-tensors 0.20 meta skeleton: unpacked zero point"))
     ours = load_quantized(checkpoint)
     hf, info = _transformers(checkpoint, dequantize=False)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     tensors = read_tensors(checkpoint)
-    for k in (k for k in tensors if k.endswith(("k_scale", "v_scale"))):
-        torch.testing.assert_close(hf.get_parameter(k).data, tensors[k].float(), rtol=0, atol=0, msg=k)
+    kv_scales = {k for k in tensors if k.endswith(("k_scale", "v_scale"))}
+    if kv_scales and not _compressed_tensors_quantizes_kv(hf, kv_scales):
+        # transformers 5.24 renamed the attention forward's `past_key_values` argument to `cache`
+        # (models/llama/modeling_llama.py, LlamaAttention.forward, under
+        # @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache"); every model did the same).
+        # compressed-tensors 0.20 KV-quantizes only attention modules whose forward takes
+        # `past_key_value(s)` (quantization/lifecycle/initialize.py is_cached_attention_module,
+        # called from apply.py _apply_kv_cache_scheme), so transformers' CompressedTensorsHfQuantizer
+        # (apply_quantization_config, unchanged since 5.23) registers no k_scale / v_scale and runs
+        # K and V unquantized. The checkpoint is as before (vLLM reads these scales): check all
+        # the rest against qtk's forward with its K/V fake quantization off too.
+        assert info["unexpected_keys"] == kv_scales and not info["missing_keys"] and not info["mismatched_keys"], info
+        set_implementation(ours, "sdpa")
+    else:
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+        for k in kv_scales:
+            torch.testing.assert_close(hf.get_parameter(k).data, tensors[k].float(), rtol=0, atol=0, msg=k)
     reference_forward(monkeypatch, ct_grid=True)
     ref = logits(ours, ids)
     assert max_diff(logits(hf, ids), ref) <= LOGITS_SAME_OPS * ref.abs().max().item()
+
+
+def _compressed_tensors_quantizes_kv(model, kv_scales: set[str]) -> bool:
+    """Whether compressed-tensors takes the attention modules holding `kv_scales` for KV-cache
+    quantization (the test it applies to every module in _apply_kv_cache_scheme)."""
+    from compressed_tensors.quantization import is_cached_attention_module
+
+    return all(is_cached_attention_module(model.get_submodule(k.rsplit(".", 1)[0])) for k in kv_scales)
 
 
 def test_compressed_tensors_dequantizer(checkpoint):

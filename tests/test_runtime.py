@@ -469,6 +469,50 @@ def test_fused_weight_only_projections_keep_the_logits(scheme, family):
         torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("activations", ["token", "static same", "static each"])
+def test_w8a8_projections_on_the_vnni_kernel_keep_the_logits(activations):
+    """W8A8 int8 QuantLinears run qtk's VNNI kernel straight from the module (W8A8Linear); q/k/v and
+    gate/up are joined where their activations are quantized alike (per token, or one static scale),
+    and each keeps its own otherwise. The logits equal the model's through QuantLinear's dispatch."""
+    import copy
+    from dataclasses import replace
+
+    from qtk.kernels import cpu as cpu_kernels
+    from qtk.quant import quantize_weight
+    from qtk.quant_linear import QuantLinear
+    from qtk.runtime.models.llama import FUSED
+    from qtk.runtime.packed_linear import W8A8Linear, pack_linears
+    from qtk.schemes import preset
+
+    lib = cpu_kernels.ops()
+    if lib is None or not lib.compiled_vnni():
+        pytest.skip("qtk's VNNI kernel needs a CPU with AVX-512 + VNNI (the avx512 build)")
+    model = hf_model("qwen2")
+    s = preset("w8a8")
+    if activations != "token":
+        s = replace(s, input_activations=replace(s.input_activations, strategy="tensor", dynamic=False))
+    for i, layer in enumerate(model.model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for j, (name, lin) in enumerate(list(parent.named_children())):
+                if isinstance(lin, torch.nn.Linear):
+                    q, scale, zp = quantize_weight(lin.weight.detach(), s.weights)
+                    static = None if activations == "token" else torch.tensor([0.02 + 0.01 * j * (activations == "static each")])
+                    setattr(parent, name, QuantLinear.from_codes(q, scale, zp, s, bias=lin.bias, input_scale=static,
+                                                                 dtype=torch.float32))
+    fused = copy.deepcopy(model)
+    pack_linears(fused, fuse=FUSED)
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    if activations == "static each":
+        assert not hasattr(attn, "qkv_proj") and isinstance(attn.q_proj, W8A8Linear)
+    else:
+        assert isinstance(attn.qkv_proj, W8A8Linear) and isinstance(mlp.gate_up_proj, W8A8Linear)
+    prompts = [list(range(30, 41)), list(range(60, 63))]
+    _, want, _ = greedy_through_runtime(model, prompts, new_tokens=4)
+    _, got, _ = greedy_through_runtime(fused, prompts, new_tokens=4)
+    for a, b in zip(want.values(), got.values()):
+        torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=2e-4, rtol=1e-4)
+
+
 def test_a_peers_root_cause_is_read_from_its_workers_stderr():
     """vLLM's front end says only that a worker failed; under torch.compile the worker's traceback
     names the exception without its message, after the user code that raised it."""

@@ -32,9 +32,12 @@ from ..errors import InputError
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_woq.cpp", "cpu_layers.cpp", "cpu_bindings.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_woq.cpp", "cpu_w8a8.cpp", "cpu_layers.cpp",
+                                                                 "cpu_bindings.cpp")]
 OVERRIDE = "QTK_CPU_KERNEL"
 VARIANTS = {
+    "avx512": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+               "-mavx512vnni", "-DQTK_LIB=qtk_cpu_avx512"],
     "avx2": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-DQTK_LIB=qtk_cpu_avx2"],
     "generic": ["-O3", "-fopenmp", "-DQTK_LIB=qtk_cpu_generic"],
 }  # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, and runs serially without it
@@ -53,8 +56,19 @@ def _variant(forced: str) -> str | None:  # cached: the runtime asks once per la
     if forced:
         if forced not in (*VARIANTS, "off"):
             raise InputError(f"{OVERRIDE} must be one of {', '.join(VARIANTS)}, off (or unset), got {forced!r}")
+        if forced == "avx512" and not _has_avx512():
+            raise InputError(f"{OVERRIDE}=avx512 needs a CPU with AVX-512 (F, BW, VL, DQ) and AVX512-VNNI; this one "
+                             f"has {torch.backends.cpu.get_cpu_capability()} (use avx2 or generic)")
         return None if forced == "off" else forced
+    if _has_avx512():
+        return "avx512"
     return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "generic"
+
+
+def _has_avx512() -> bool:
+    """AVX-512 F/BW/VL/DQ (torch's AVX512 capability) and AVX512-VNNI: Intel from Cascade Lake, AMD
+    from Zen 4. Skylake-SP (AVX-512 without VNNI) runs the avx2 build."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_vnni_supported()
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,6 +103,10 @@ def library(name: str):
 
     @torch.library.register_fake(f"qtk_cpu_{name}::woq_linear")
     def _(x, codes, scales, zs, bias, bits, n):  # shapes for torch.compile
+        return x.new_empty(*x.shape[:-1], n)
+
+    @torch.library.register_fake(f"qtk_cpu_{name}::w8a8_linear")
+    def _(x, codes, colsum, scales, static_scale, bias, n):
         return x.new_empty(*x.shape[:-1], n)
 
     module.torch_ops = getattr(torch.ops, f"qtk_cpu_{name}")  # what torch.compile traces
@@ -217,3 +235,45 @@ def woq_linear(x: torch.Tensor, w: PackedWOQ, bias: torch.Tensor | None, lib) ->
     """y = x @ dequant(W)^T + bias for float32 x [..., K]; lib: a kernel library (ops(), library(name))."""
     op = lib.torch_ops.woq_linear if torch.compiler.is_compiling() else lib.woq_linear
     return op(x, w.codes, w.scales, w.zs, bias, w.bits, w.n)
+
+
+W8A8_COLS = 16  # output columns per block of the W8A8 layout (one AVX-512 register of int32 sums)
+
+
+@dataclass(frozen=True)
+class PackedW8A8:
+    """An int8 W8A8 layer in csrc/cpu_w8a8.cpp's layout: codes int8 [N16/16, K4/4, 16, 4] (4 consecutive
+    k of a column per dword), colsum int32 [N16] = 128 * sum_k q_w[n, k], scales float32 [N16]."""
+
+    codes: torch.Tensor
+    colsum: torch.Tensor
+    scales: torch.Tensor
+    n: int
+
+    @staticmethod
+    def cat(parts: list[PackedW8A8]) -> PackedW8A8:
+        """Layers reading the same input side by side (outputs concatenated): each n % 16 == 0."""
+        if len({p.codes.shape[1:] for p in parts}) != 1 or any(p.n % W8A8_COLS for p in parts):
+            raise ValueError("only layers of one input size and whole 16-column blocks can be joined")
+        return PackedW8A8(torch.cat([p.codes for p in parts]), torch.cat([p.colsum for p in parts]),
+                          torch.cat([p.scales for p in parts]), sum(p.n for p in parts))
+
+
+def pack_w8a8(codes: torch.Tensor, scale: torch.Tensor) -> PackedW8A8:
+    """int8 weight codes [N, K] and their per-channel (or per-tensor) scale -> the W8A8 kernel's layout."""
+    n, k = codes.shape
+    pad_n, pad_k = (-n) % W8A8_COLS, (-k) % 4
+    q = torch.nn.functional.pad(codes.to(torch.int8), (0, pad_k, 0, pad_n))
+    n16, k4 = n + pad_n, k + pad_k
+    blocks = q.reshape(n16 // W8A8_COLS, W8A8_COLS, k4 // 4, 4).transpose(1, 2).contiguous()
+    colsum = torch.nn.functional.pad(128 * codes.to(torch.int32).sum(1), (0, pad_n)).to(torch.int32)
+    s = scale.float().reshape(-1).expand(n) if scale.numel() == 1 else scale.float().reshape(n)
+    return PackedW8A8(blocks, colsum.contiguous(), torch.nn.functional.pad(s, (0, pad_n)).contiguous(), n)
+
+
+def w8a8_linear(x: torch.Tensor, w: PackedW8A8, static_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                lib) -> torch.Tensor:
+    """y = (q_x @ q_w^T) * s_x * s_w + bias for float32 x [..., K], x quantized to int8 in the call
+    per token (static_scale None) or with the static per-tensor scale, as quantize_activation does."""
+    op = lib.torch_ops.w8a8_linear if torch.compiler.is_compiling() else lib.w8a8_linear
+    return op(x, w.codes, w.colsum, w.scales, static_scale, bias, w.n)

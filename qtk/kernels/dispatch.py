@@ -207,6 +207,26 @@ class W8A8:
 
 
 @dataclass(frozen=True)
+class CpuW8A8Vnni:
+    """W8A8 int8 on qtk's VNNI kernel (kernels/cpu.py, csrc/cpu_w8a8.cpp): x quantized per token (or
+    with the static scale) inside the call, exact int8 products on VPDPBUSD, scales in the epilogue."""
+
+    w: cpu_kernels.PackedW8A8
+    input_scale: torch.Tensor | None  # float32 [1] for static activation scales
+    per_token: bool  # dynamic per token; dynamic per tensor when False and input_scale is None
+    bias: torch.Tensor | None  # float32
+    lib: object
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        s = self.input_scale
+        if s is None and not self.per_token:  # dynamic per tensor, as W8A8.input_scale_for
+            s = (xf.abs().amax() / 127.0).reshape(1)
+            s = torch.where(s > 0, s, torch.finfo(torch.float32).eps)
+        return cpu_kernels.w8a8_linear(xf, self.w, s, self.bias, self.lib).to(x.dtype)
+
+
+@dataclass(frozen=True)
 class CpuW8A8Int(W8A8):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         q, s = act_quant_ref(x, torch.int8, self.input_scale_for(x))
@@ -270,9 +290,12 @@ def _w8a8(layer, device: torch.device, dtype: torch.dtype):
     parts = (layer.weight, w_scale.contiguous(), static, act.dynamic and act.strategy == "token", layer.bias)
     if device.type == "cuda" and dtype in ACT_DTYPES and (w.type == "int" or fp8_supported(device)):
         return W8A8(*parts)
-    if device.type == "cpu" and w.type == "int" and cpu_has_int8_dot():
-        return CpuW8A8Int(*parts)
     lib = cpu_kernels.ops() if device.type == "cpu" else None
+    if device.type == "cpu" and w.type == "int" and cpu_has_int8_dot():
+        if lib is not None and lib.compiled_vnni() and w.num_bits == 8:
+            bias = None if layer.bias is None else layer.bias.float().contiguous()
+            return CpuW8A8Vnni(cpu_kernels.pack_w8a8(layer.weight, layer.weight_scale), static, parts[3], bias, lib)
+        return CpuW8A8Int(*parts)
     n, k = layer.weight.shape
     if lib is not None and w.type == "int" and w.num_bits == 8 and cpu_kernels.supports(k, None, 8):
         scale = layer.weight_scale.float().reshape(-1, 1).expand(n, 1)

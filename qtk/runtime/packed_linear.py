@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..kernels import cpu as cpu_kernels
-from ..kernels.dispatch import CpuWOQ, build_runtime, cpu_packed_weight, packed_linear
+from ..kernels.dispatch import CpuW8A8Vnni, CpuWOQ, build_runtime, cpu_packed_weight, packed_linear
 from ..quant_linear import QuantLinear
 
 
@@ -58,6 +58,34 @@ class WOQLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weights}, qtk CPU kernel"
 
 
+class W8A8Linear(nn.Module):
+    """W8A8 int8 QuantLinears on qtk's VNNI kernel (kernels/cpu.py, csrc/cpu_w8a8.cpp) straight from
+    the module, several that read the same input (q/k/v, gate/up) joined into one where their
+    activations are quantized alike (per token, or one static scale): the input is quantized once."""
+
+    def __init__(self, runtime: CpuW8A8Vnni, in_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, runtime.w.n
+        self.runtime = runtime
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        return self.runtime(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+
+    def direct(self):
+        """The kernel call itself, for float32 [T, K] contiguous x (the runtime's fused forward)."""
+        r = self.runtime
+        if r.input_scale is None and not r.per_token:  # dynamic per tensor: the scale comes first
+            return r
+        w, s, bias, op = r.w, r.input_scale, r.bias, r.lib.w8a8_linear
+        return lambda x: op(x, w.codes, w.colsum, w.scales, s, bias, w.n)
+
+    weights = "int8 W8A8"
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8, qtk CPU VNNI kernel"
+
+
 def bf16_lm_head(model: nn.Module) -> bool:
     """Give a float32 CPU model's lm_head (a plain nn.Linear; run this before pack_linears) to
     a bf16 WOQLinear where its weight is all bf16 numbers and qtk's CPU kernel is built (a tied
@@ -74,15 +102,17 @@ def bf16_lm_head(model: nn.Module) -> bool:
     return True
 
 
-def _fused_woq(linears: list[nn.Module]) -> WOQLinear | None:
+def _fused_kernel(linears: list[nn.Module]) -> WOQLinear | W8A8Linear | None:
     """One WOQLinear for sibling weight-only QuantLinears on CPU that qtk's kernel runs with
-    one layout, or None."""
+    one layout, one W8A8Linear for sibling W8A8 ones on its VNNI kernel, or None."""
     if not linears or not all(isinstance(m, QuantLinear) and hasattr(m, "weight_scale") for m in linears):
         return None
     dtype = linears[0].weight_scale.dtype
     if linears[0].weight_scale.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     runtimes = [build_runtime(m, torch.device("cpu"), torch.float32) for m in linears]
+    if all(type(r) is CpuW8A8Vnni for r in runtimes):
+        return _fused_w8a8(runtimes, linears[0].in_features)
     if not all(type(r) is CpuWOQ and r.perm is None for r in runtimes):
         return None
     try:
@@ -93,6 +123,22 @@ def _fused_woq(linears: list[nn.Module]) -> WOQLinear | None:
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else torch.zeros(r.w.n) for r, b in zip(runtimes, biases)])
     return WOQLinear(CpuWOQ(w, None, bias, runtimes[0].lib), linears[0].in_features)
+
+
+def _fused_w8a8(runtimes: list[CpuW8A8Vnni], in_features: int) -> W8A8Linear | None:
+    first = runtimes[0]
+    same_input = all(r.per_token == first.per_token and (r.input_scale is None) == (first.input_scale is None) and
+                     (r.input_scale is None or torch.equal(r.input_scale, first.input_scale)) for r in runtimes)
+    if not same_input:  # different static scales: each layer quantizes x its own way
+        return None
+    try:
+        w = cpu_kernels.PackedW8A8.cat([r.w for r in runtimes]) if len(runtimes) > 1 else first.w
+    except ValueError:
+        return None
+    biases = [r.bias for r in runtimes]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b if b is not None else torch.zeros(r.w.n) for r, b in zip(runtimes, biases)])
+    return W8A8Linear(CpuW8A8Vnni(w, first.input_scale, first.per_token, bias, first.lib), in_features)
 
 
 def _packed(linears: list[nn.Module]) -> PackedLinear | None:
@@ -116,7 +162,7 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
     Dense runtime packs its decoded weight. `fuse` {new name: (names, ...)}: sibling Linears that
     read the same input (q/k/v, gate/up) become one matmul under the new name, the old ones are
     dropped (the runtime's forward splits the output); so do sibling weight-only QuantLinears that
-    qtk's CPU kernel runs (WOQLinear). Returns how many modules were packed or fused."""
+    qtk's CPU kernel runs (WOQLinear), and W8A8 ones on its VNNI kernel (W8A8Linear). Returns how many modules were packed or fused."""
     count = 0
     for parent in list(model.modules()):
         if isinstance(parent, QuantLinear):
@@ -124,14 +170,14 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
         for new, names in (fuse or {}).items():
             if all(isinstance(getattr(parent, n, None), nn.Module) for n in names):
                 siblings = [getattr(parent, n) for n in names]
-                fused = _packed(siblings) or _fused_woq(siblings)
+                fused = _packed(siblings) or _fused_kernel(siblings)
                 if fused is not None:
                     for n in names:
                         delattr(parent, n)
                     setattr(parent, new, fused)
                     count += 1
         for name, child in list(parent.named_children()):
-            packed = _packed([child]) if type(child) is nn.Linear else _fused_woq([child]) if isinstance(
+            packed = _packed([child]) if type(child) is nn.Linear else _fused_kernel([child]) if isinstance(
                 child, QuantLinear) else None
             if packed is not None:
                 setattr(parent, name, packed)
@@ -152,8 +198,8 @@ def kernel_summary(model: nn.Module) -> str:
         if isinstance(m, QuantLinear):
             cached = getattr(m, "_qtk_runtime", None)
             kinds[named(type(cached.runtime).__name__, cached.runtime) if cached else "not built yet"] += 1
-        elif isinstance(m, WOQLinear):
-            kinds[named(f"WOQLinear {m.weights}", m.runtime)] += 1
+        elif isinstance(m, (WOQLinear, W8A8Linear)):
+            kinds[named(f"{type(m).__name__} {m.weights}", m.runtime)] += 1
         elif isinstance(m, PackedLinear):
             kinds["PackedLinear (oneDNN float32)"] += 1
         elif type(m) is nn.Linear:

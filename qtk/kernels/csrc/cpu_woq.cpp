@@ -31,6 +31,11 @@
 //   tiles: long prefill chunks: each thread decodes a tile of 64 columns into a float buffer [K, 64]
 //         that stays in its cache, then multiplies with at::mm_out (MKL / oneDNN sgemm) straight into y.
 // All parallelise over column tiles with torch's intra-op threads (at::parallel_for).
+//
+// The AVX-512 build (cpu.py's avx512 variant) runs the gemv on 16-lane registers: the same layout,
+// two adjacent column blocks per register (block b in the low half, b + 1 in the high), tiles of 8
+// blocks (64 columns) and up to 4 rows per pass with 16 of its 32 registers as accumulators, so a
+// decoded code feeds 4 FMAs instead of 2. The other paths are the AVX2 code, compiled with EVEX.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -45,6 +50,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QTK_AVX2 1
+#endif
+#if defined(QTK_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define QTK_AVX512 1
 #endif
 
 namespace {
@@ -203,6 +211,158 @@ static inline void dot_4blocks(const uint8_t* blk, int64_t bb, const float* x0, 
 }
 #endif
 
+#ifdef QTK_AVX512
+constexpr int NT16 = 8;  // column blocks per AVX-512 gemv tile: 64 columns, 4 registers of 16 lanes
+
+#define QTK_INLINE inline __attribute__((always_inline))
+
+// Row kb (8 k x 8 lanes of int4 words) of blocks b and b + 1 (bb bytes apart) as one register.
+static QTK_INLINE __m512i pair_words(const uint8_t* blk, int64_t bb, int64_t kb) {
+  const __m256i* lo = reinterpret_cast<const __m256i*>(blk) + kb;
+  const __m256i* hi = reinterpret_cast<const __m256i*>(blk + bb) + kb;
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(lo)), _mm256_loadu_si256(hi), 1);
+}
+
+// int8 codes or bf16 weights at row k of blocks b and b + 1 as 16 floats.
+template <int BITS>
+static QTK_INLINE __m512 pair_lanes(const uint8_t* blk, int64_t bb, int64_t k) {
+  if constexpr (BITS == 8) {
+    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + k * LANES));
+    const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + bb + k * LANES));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi)));
+  } else {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + k * LANES * 2));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + bb + k * LANES * 2));
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// 8 floats of blocks b and b + 1 of a per-block array [nblocks, G, 8] (scales, zs) at group g.
+static QTK_INLINE __m512 pair_floats(const float* p, int64_t G, int64_t g) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p + g * LANES)),
+                            _mm256_loadu_ps(p + (G + g) * LANES), 1);
+}
+
+template <int I>
+static QTK_INLINE __m512 nibble16(__m512i v) {  // as nibble<I>, 16 lanes
+  if constexpr (I == 7) return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 28));
+  else return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFu << (4 * I)))));
+}
+
+// acc[c][t] += w[t] * x_r[k] for the MR rows; one row alternates two sets of accumulators (c = `odd`)
+// so that 8 FMA chains are in flight, as in Acc4.
+template <int MR, bool ODD>
+static QTK_INLINE void fma16(__m512 (&acc)[MR == 1 ? 2 : MR][4], const __m512 (&w)[4], const float* const (&x)[MR],
+                             int64_t k) {
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    const __m512 xb = _mm512_set1_ps(x[r][k]);
+    const int c = MR == 1 ? (ODD ? 1 : 0) : r;
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) acc[c][t] = _mm512_fmadd_ps(w[t], xb, acc[c][t]);
+  }
+}
+
+template <int I, int MR>
+static QTK_INLINE void int4_step16(__m512 (&acc)[MR == 1 ? 2 : MR][4], const __m512i (&v)[4],
+                                   const float* const (&x)[MR], int64_t k) {
+  const __m512 w[4] = {nibble16<I>(v[0]), nibble16<I>(v[1]), nibble16<I>(v[2]), nibble16<I>(v[3])};
+  fma16<MR, I % 2 == 1>(acc, w, x, k + I);
+}
+
+// out[r][0..64) += the group sums of MR rows against 8 column blocks (4 pairs), over k0..k1.
+template <int BITS, int MR>
+static QTK_INLINE void dot_8blocks(const uint8_t* blk, int64_t bb, const float* const (&x)[MR], int64_t k0,
+                                   int64_t k1, __m512 (&out)[MR][4]) {
+  constexpr int NC = MR == 1 ? 2 : MR;
+  __m512 acc[NC][4];
+#pragma GCC unroll 4
+  for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) acc[c][t] = _mm512_setzero_ps();
+  if constexpr (BITS == 4) {
+    for (int64_t kb = k0 / 8; kb < k1 / 8; ++kb) {
+      if ((kb & 1) == 0) {  // the next tile's codes (8 blocks on), one cache line per stream
+        const char* next = reinterpret_cast<const char*>(blk) + kb * 32 + 8 * bb;
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) _mm_prefetch(next + t * bb, _MM_HINT_T0);
+      }
+      const __m512i v[4] = {pair_words(blk, bb, kb), pair_words(blk + 2 * bb, bb, kb),
+                            pair_words(blk + 4 * bb, bb, kb), pair_words(blk + 6 * bb, bb, kb)};
+      const int64_t k = 8 * kb;
+      int4_step16<0, MR>(acc, v, x, k); int4_step16<1, MR>(acc, v, x, k);
+      int4_step16<2, MR>(acc, v, x, k); int4_step16<3, MR>(acc, v, x, k);
+      int4_step16<4, MR>(acc, v, x, k); int4_step16<5, MR>(acc, v, x, k);
+      int4_step16<6, MR>(acc, v, x, k); int4_step16<7, MR>(acc, v, x, k);
+    }
+  } else {
+    int64_t k = k0;
+    for (; k + 2 <= k1; k += 2) {
+      const __m512 w0[4] = {pair_lanes<BITS>(blk, bb, k), pair_lanes<BITS>(blk + 2 * bb, bb, k),
+                            pair_lanes<BITS>(blk + 4 * bb, bb, k), pair_lanes<BITS>(blk + 6 * bb, bb, k)};
+      fma16<MR, false>(acc, w0, x, k);
+      const __m512 w1[4] = {pair_lanes<BITS>(blk, bb, k + 1), pair_lanes<BITS>(blk + 2 * bb, bb, k + 1),
+                            pair_lanes<BITS>(blk + 4 * bb, bb, k + 1), pair_lanes<BITS>(blk + 6 * bb, bb, k + 1)};
+      fma16<MR, true>(acc, w1, x, k + 1);
+    }
+    if (k < k1) {
+      const __m512 w0[4] = {pair_lanes<BITS>(blk, bb, k), pair_lanes<BITS>(blk + 2 * bb, bb, k),
+                            pair_lanes<BITS>(blk + 4 * bb, bb, k), pair_lanes<BITS>(blk + 6 * bb, bb, k)};
+      fma16<MR, false>(acc, w0, x, k);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) out[r][t] = MR == 1 ? _mm512_add_ps(acc[0][t], acc[1][t]) : acc[r][t];
+}
+
+// gemv tile on 16 lanes: rows m0..m0+MR (MR in 1, 2, 4) against the 8 column blocks from nb0.
+template <int BITS, int MR>
+static void gemv_tile16(const Args& a, int64_t m0, int64_t nb0) {
+  const int64_t bb = block_bytes<BITS>(a.K);
+  const float* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = a.xs + (m0 + r) * a.K;
+  __m512 out[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int t = 0; t < 4; ++t) out[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 sum[MR][4];
+    dot_8blocks<BITS, MR>(a.codes + nb0 * bb, bb, x, g * a.gsize, (g + 1) * a.gsize, sum);
+    for (int t = 0; t < 4; ++t) {
+      const int64_t base = (nb0 + 2 * t) * a.G * LANES;
+      const __m512 s = pair_floats(a.scales + base, a.G, g);
+      const __m512 zs = a.zs ? pair_floats(a.zs + base, a.G, g) : _mm512_setzero_ps();
+      for (int r = 0; r < MR; ++r) {
+        out[r][t] = _mm512_fmadd_ps(s, sum[r][t], out[r][t]);
+        if (a.zs) out[r][t] = _mm512_fnmadd_ps(zs, _mm512_set1_ps(a.xsum[(m0 + r) * a.G + g]), out[r][t]);
+      }
+    }
+  }
+  const int64_t c0 = nb0 * LANES, cols = std::min<int64_t>(NT16 * LANES, a.N - c0);
+  for (int r = 0; r < MR; ++r) {
+    float* yr = a.y + (m0 + r) * a.N + c0;
+    for (int t = 0; t < 4; ++t) {
+      const int64_t left = cols - 16 * t;
+      if (left <= 0) break;
+      const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+      __m512 o = out[r][t];
+      if (a.bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(mask, a.bias + c0 + 16 * t));
+      _mm512_mask_storeu_ps(yr + 16 * t, mask, o);
+    }
+  }
+}
+
+template <int BITS>
+static void gemv_columns16(const Args& a, int64_t nb0) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) gemv_tile16<BITS, 4>(a, m, nb0);
+  for (; m + 2 <= a.M; m += 2) gemv_tile16<BITS, 2>(a, m, nb0);
+  if (m < a.M) gemv_tile16<BITS, 1>(a, m, nb0);
+}
+#endif
+
 // gemv tile: rows m0..m0+MR (MR <= 2), column blocks nb0..nb0+nt (nt <= NT).
 template <int BITS, int MR>
 static void gemv_tile(const Args& a, int64_t m0, int64_t nb0, int nt) {
@@ -268,9 +428,9 @@ static void gemv_columns(const Args& a, int64_t nb0, int nt) {
 // for all of it (codes, scales, zeros) at once rather than miss line by line (a small layer is only a
 // few tiles).
 template <int BITS>
-static inline void prefetch_first_tile(const Args& a, int64_t nb0, int64_t nblocks) {
+static inline void prefetch_first_tile(const Args& a, int64_t nb0, int64_t nblocks, int64_t tile = NT) {
 #ifdef QTK_AVX2
-  const int64_t bb = block_bytes<BITS>(a.K), nb = std::min<int64_t>(NT, nblocks - nb0);
+  const int64_t bb = block_bytes<BITS>(a.K), nb = std::min<int64_t>(tile, nblocks - nb0);
   const char* c = reinterpret_cast<const char*>(a.codes + nb0 * bb);
   for (int64_t i = 0; i < nb * bb; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
   const int64_t sb = nb * a.G * LANES * sizeof(float);
@@ -286,6 +446,23 @@ static inline void prefetch_first_tile(const Args& a, int64_t nb0, int64_t nbloc
 template <int BITS>
 static void gemv(const Args& a) {
   const int64_t nblocks = (a.N + LANES - 1) / LANES;
+#ifdef QTK_AVX512
+  if (nblocks >= NT16) {  // whole 64-column tiles on 16 lanes; a last partial one on the AVX2 loops
+    const int64_t full = nblocks / NT16, ntiles = full + (nblocks % NT16 ? 1 : 0);
+    at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+      prefetch_first_tile<BITS>(a, t0 * NT16, nblocks, NT16);
+      for (int64_t t = t0; t < t1; ++t) {
+        if (t < full) {
+          gemv_columns16<BITS>(a, t * NT16);
+        } else {
+          for (int64_t nb = t * NT16; nb < nblocks; nb += NT)
+            gemv_columns<BITS>(a, nb, static_cast<int>(std::min<int64_t>(NT, nblocks - nb)));
+        }
+      }
+    });
+    return;
+  }
+#endif
   const int64_t ntiles = (nblocks + NT - 1) / NT;
   at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
     prefetch_first_tile<BITS>(a, t0 * NT, nblocks);
@@ -555,6 +732,14 @@ bool compiled_avx2() {
 #endif
 }
 
+bool compiled_avx512() {
+#ifdef QTK_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 // One library per build (QTK_LIB: qtk_cpu_avx2, qtk_cpu_generic), so both can be loaded side by side.
@@ -567,6 +752,7 @@ bool compiled_avx2() {
 QTK_LIBRARY(QTK_LIB, m) {
   m.def("woq_linear(Tensor x, Tensor codes, Tensor scales, Tensor? zs, Tensor? bias, int bits, int n) -> Tensor");
   m.def("compiled_avx2() -> bool", &compiled_avx2);
+  m.def("compiled_avx512() -> bool", &compiled_avx512);
 }
 
 QTK_LIBRARY_IMPL(QTK_LIB, CPU, m) { m.impl("woq_linear", &woq_linear); }
@@ -575,6 +761,7 @@ namespace QTK_LIB {
 void bind_woq(pybind11::module_& m) {
   m.def("woq_linear", &woq_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("compiled_avx2", &compiled_avx2);
+  m.def("compiled_avx512", &compiled_avx512);
 }
 }  // namespace QTK_LIB
 

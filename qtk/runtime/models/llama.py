@@ -172,10 +172,11 @@ class LlamaModel(nn.Module):
     def _layer_plan(layer) -> tuple:
         """(qkv, q, k, v, o, gate_up, down): a callable per projection (the kernel itself for the
         ones qtk's CPU kernel runs, else the module), None where fused or unfused away."""
-        from ..packed_linear import WOQLinear
+        from ..packed_linear import W8A8Linear, WOQLinear
 
         def fn(module):
-            return None if module is None else module.direct() if isinstance(module, WOQLinear) else module
+            return None if module is None else module.direct() if isinstance(module, (WOQLinear, W8A8Linear)) \
+                else module
 
         attn, mlp = layer.self_attn, layer.mlp
         get = lambda m, name: getattr(m, name, None)  # noqa: E731

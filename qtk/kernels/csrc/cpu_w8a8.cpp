@@ -1,0 +1,254 @@
+// W8A8 int8 linear layers on x86 CPUs with int8 dot products (AVX512-VNNI):
+//   y = (q_x @ q_w^T) * s_x * s_w + b,   q_x = clamp(round(x / s_x), -128, 127)
+// with s_x per token (dynamic: max |x_m| / 127, eps where 0) or per tensor (static). The activations are
+// quantized inside the call exactly as qtk.quant.quantize_activation does (the same float32 division and
+// round-half-to-even), then the integer products run on VPDPBUSD: 64 u8 x s8 products per instruction,
+// summed exactly into 16 int32 lanes. At M = 1 this reads a quarter of the float32 weight bytes, and the
+// dot product costs one instruction per 64 weights (the float kernels: one FMA per 8 or 16).
+//
+// VPDPBUSD multiplies unsigned by signed bytes, so x is stored as u = q + 128 and each sum loses
+// 128 * sum_k q_w[n, k] (colsum, computed once at pack time): sum_k u q_w - colsum = sum_k q_x q_w.
+//
+// Layout (built once per layer by qtk.kernels.cpu.pack_w8a8):
+//   codes   int8   [N16/16, K4/4, 16, 4]  4 consecutive k of one column per dword, 16 columns per 64-byte
+//                                         row; N padded to N16 (a multiple of 16) and K to K4 (of 4) with 0
+//   colsum  int32  [N16]                  128 * sum_k q_w[n, k]
+//   scales  float  [N16]                  s_w per output channel (a per-tensor scale repeated)
+// Tiles of 4 column blocks (64 columns, one register each) x up to 4 rows of x (16 of the 32 registers
+// as accumulators) run in parallel over column tiles (at::parallel_for). The portable build (no VNNI)
+// has the same operator as plain integer loops, for the tests; the dispatch only routes W8A8 layers to
+// it where the build has VNNI (compiled_vnni()).
+#include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define QTK_VNNI 1
+#endif
+
+#ifndef QTK_LIB
+#define QTK_LIB qtk_cpu_generic
+#endif
+
+namespace {
+
+constexpr int64_t COLS = 16;  // columns per block (one register of int32 sums)
+constexpr int TB = 4;         // blocks per tile: 64 columns
+
+struct W8A8Args {
+  const uint8_t* xq;  // [M, K4] u = q + 128
+  const float* sx;    // [M]
+  int64_t M, K4, N;
+  const int8_t* codes; const int32_t* colsum; const float* scales; const float* bias;
+  float* y;  // [M, N]
+};
+
+// Row m of x as u = round(x / s) + 128 (clamped to 0..255) into q [K4] (padding 128: q_x = 0), and s.
+static float quantize_row(const float* x, int64_t K, int64_t K4, const float* static_scale, uint8_t* q) {
+  float s;
+  if (static_scale) {
+    s = *static_scale;
+  } else {
+    float amax = 0.f;
+    int64_t k = 0;
+#ifdef QTK_VNNI
+    __m512 m = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    amax = _mm512_reduce_max_ps(m);
+#endif
+    for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+    s = amax / 127.f;  // qtk.quant.quantize_activation: absmax / qmax in float32, eps where not > 0
+    if (!(s > 0.f)) s = FLT_EPSILON;
+  }
+  int64_t k = 0;
+#ifdef QTK_VNNI
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  const __m512i off = _mm512_set1_epi32(128);
+  for (; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), sv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
+                     _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), off)));
+  }
+#endif
+  for (; k < K; ++k) {
+    const float v = std::min(std::max(std::nearbyint(x[k] / s), -128.f), 127.f);
+    q[k] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
+  }
+  for (; k < K4; ++k) q[k] = 128;
+  return s;
+}
+
+// y[m, c0 .. c0 + cols) from the int32 sums of one block: (acc - colsum) * s_x * s_w + b.
+static inline void epilogue(const W8A8Args& a, int64_t m, int64_t c0, const int32_t* acc) {
+  const int64_t cols = std::min<int64_t>(COLS, a.N - c0);
+  for (int64_t j = 0; j < cols; ++j) {
+    float v = static_cast<float>(acc[j] - a.colsum[c0 + j]) * a.sx[m] * a.scales[c0 + j];
+    if (a.bias) v += a.bias[c0 + j];
+    a.y[m * a.N + c0 + j] = v;
+  }
+}
+
+#ifdef QTK_VNNI
+#define QTK_INLINE inline __attribute__((always_inline))
+
+// acc[c][t] += the 4-k dot products of MR rows with the 4 blocks at row k4. One row alternates two
+// sets of accumulators (c = `odd`) so that 8 dependency chains are in flight.
+template <int MR, bool ODD>
+static QTK_INLINE void dp_step(__m512i (&acc)[MR == 1 ? 2 : MR][TB], const int8_t* blk, int64_t bb,
+                               const uint8_t* const (&x)[MR], int64_t k4) {
+  __m512i w[TB];
+#pragma GCC unroll 4
+  for (int t = 0; t < TB; ++t) w[t] = _mm512_loadu_si512(blk + t * bb + k4 * 64);
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    int32_t xw;
+    std::memcpy(&xw, x[r] + 4 * k4, 4);
+    const __m512i xb = _mm512_set1_epi32(xw);
+    const int c = MR == 1 ? (ODD ? 1 : 0) : r;
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) acc[c][t] = _mm512_dpbusd_epi32(acc[c][t], xb, w[t]);
+  }
+}
+
+// Rows m0..m0+MR against the 4 blocks from nb0 (all whole blocks of the padded N16).
+template <int MR>
+static void tile(const W8A8Args& a, int64_t m0, int64_t nb0) {
+  constexpr int NC = MR == 1 ? 2 : MR;
+  const int64_t bb = a.K4 * COLS;  // bytes per block
+  const int8_t* blk = a.codes + nb0 * bb;
+  const uint8_t* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = a.xq + (m0 + r) * a.K4;
+  __m512i acc[NC][TB];
+#pragma GCC unroll 4
+  for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) acc[c][t] = _mm512_setzero_si512();
+  const int64_t n4 = a.K4 / 4;
+  int64_t k4 = 0;
+  for (; k4 + 2 <= n4; k4 += 2) {
+    const char* next = reinterpret_cast<const char*>(blk + TB * bb + k4 * 64);  // the next tile, a line per stream
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) {
+      _mm_prefetch(next + t * bb, _MM_HINT_T0);
+      _mm_prefetch(next + t * bb + 64, _MM_HINT_T0);
+    }
+    dp_step<MR, false>(acc, blk, bb, x, k4);
+    dp_step<MR, true>(acc, blk, bb, x, k4 + 1);
+  }
+  if (k4 < n4) dp_step<MR, false>(acc, blk, bb, x, k4);
+  alignas(64) int32_t sums[COLS];
+  for (int r = 0; r < MR; ++r)
+    for (int t = 0; t < TB; ++t) {
+      const int64_t c0 = (nb0 + t) * COLS;
+      if (c0 >= a.N) break;
+      __m512i s = MR == 1 ? _mm512_add_epi32(acc[0][t], acc[1][t]) : acc[r][t];
+      _mm512_store_si512(sums, s);
+      epilogue(a, m0 + r, c0, sums);
+    }
+}
+#endif
+
+// The portable loops: any CPU, any number of blocks from nb0.
+static void tile_portable(const W8A8Args& a, int64_t m, int64_t nb0, int64_t nblk) {
+  const int64_t bb = a.K4 * COLS;
+  for (int64_t b = nb0; b < nb0 + nblk; ++b) {
+    int32_t acc[COLS] = {};
+    const int8_t* blk = a.codes + b * bb;
+    for (int64_t k = 0; k < a.K4; ++k)
+      for (int64_t j = 0; j < COLS; ++j)
+        acc[j] += static_cast<int32_t>(a.xq[m * a.K4 + k]) * blk[(k / 4) * 64 + j * 4 + k % 4];
+    epilogue(a, m, b * COLS, acc);
+  }
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& colsum,
+                       const at::Tensor& scales, const std::optional<at::Tensor>& static_scale,
+                       const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "w8a8_linear: x must be float32 on CPU");
+  const int64_t K = x_in.size(-1), K4 = (K + 3) / 4 * 4;
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
+                  codes.size(1) * 4 == K4 && codes.size(2) == COLS && codes.size(3) == 4,
+              "w8a8_linear: codes must be contiguous int8 [N/16, ", K4 / 4, ", 16, 4] for K=", K, ", got ",
+              codes.sizes());
+  const int64_t N16 = codes.size(0) * COLS;
+  TORCH_CHECK(n > N16 - COLS && n <= N16, "w8a8_linear: codes hold ", N16, " columns for n=", n);
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.numel() == N16 &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N16,
+              "w8a8_linear: colsum (int32) and scales (float32) must be contiguous [", N16, "]");
+  TORCH_CHECK(!static_scale || (static_scale->numel() == 1 && static_scale->scalar_type() == at::kFloat),
+              "w8a8_linear: a static input scale must be one float32");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->numel() == n), "w8a8_linear: bias must be [", n, "]");
+  const at::Tensor x = x_in.dim() == 2 && x_in.is_contiguous() ? x_in : x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = n;
+  at::Tensor y = at::detail::empty_cpu(out_shape, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  if (M == 0) return y;
+  const at::Tensor b = !bias ? at::Tensor() : bias->to(at::kFloat).contiguous();
+  const float st = static_scale ? static_scale->to(at::kFloat).item<float>() : 0.f;
+  std::vector<uint8_t> xq(M * K4);
+  std::vector<float> sx(M);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) sx[m] = quantize_row(xp + m * K, K, K4, static_scale ? &st : nullptr, &xq[m * K4]);
+  });
+  const W8A8Args a{xq.data(), sx.data(), M, K4, n, codes.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(),
+                   scales.data_ptr<float>(), bias ? b.data_ptr<float>() : nullptr, y.data_ptr<float>()};
+  const int64_t nblocks = N16 / COLS, ntiles = (nblocks + TB - 1) / TB;
+  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb0 = t * TB, nblk = std::min<int64_t>(TB, nblocks - nb0);
+#ifdef QTK_VNNI
+      if (nblk == TB) {
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) tile<4>(a, m, nb0);
+        for (; m + 2 <= M; m += 2) tile<2>(a, m, nb0);
+        if (m < M) tile<1>(a, m, nb0);
+        continue;
+      }
+#endif
+      for (int64_t m = 0; m < M; ++m) tile_portable(a, m, nb0, nblk);
+    }
+  });
+  return y;
+}
+
+bool compiled_vnni() {
+#ifdef QTK_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+#define QTK_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define QTK_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+QTK_FRAGMENT(QTK_LIB, m) {
+  m.def("w8a8_linear(Tensor x, Tensor codes, Tensor colsum, Tensor scales, Tensor? static_scale, Tensor? bias, "
+        "int n) -> Tensor");
+  m.def("compiled_vnni() -> bool", &compiled_vnni);
+}
+
+QTK_IMPL(QTK_LIB, CPU, m) { m.impl("w8a8_linear", &w8a8_linear); }
+
+namespace QTK_LIB {
+void bind_w8a8(pybind11::module_& m) {
+  m.def("w8a8_linear", &w8a8_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("compiled_vnni", &compiled_vnni);
+}
+}  // namespace QTK_LIB
