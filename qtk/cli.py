@@ -13,8 +13,9 @@ from .errors import InputError, NotFoundError
 MODEL_HELP = "an HF model directory, a .gguf file, a qtk/compressed-tensors checkpoint, or 'smollm2-135m' (bundled)"
 
 
-DTYPE_HELP = ("Compute dtype. auto: bfloat16 on CUDA and on CPUs with bf16 units (AVX512-BF16, AMX), float32 "
-              "elsewhere (bf16 is emulated and many times slower there); the log says which and why.")
+DTYPE_HELP = ("Compute dtype of qtk's runtime. auto: bfloat16 on CUDA; float32 on CPUs (qtk's CPU kernels take "
+              "float32 activations, and ran faster than bf16 even on CPUs with bf16 units; without a compiler for "
+              "them, bfloat16 where the CPU has bf16 units); the log says which and why.")
 
 
 class QtkGroup(click.Group):

@@ -4,7 +4,8 @@ On CUDA, bf16 is native. On a CPU it depends on the chip: with AVX512-BF16 or AM
 BF16 extension (Arm) a bf16 matmul runs on hardware units and is 2-3x faster than float32; without
 them (AVX2-only x86, common on AMD EPYC and desktop CPUs) torch emulates it and it ran 80x slower
 than float32 (benchmarks/cpu_dtype.py; figures in benchmarks/results/cpu_dtype.md). So
-`--dtype auto`, the default of every command, is bf16 where native and float32 elsewhere.
+`--dtype auto`, the default of every command, is bf16 where native and float32 elsewhere; except
+qtk's runtime on a CPU, float32 wherever qtk's CPU kernels are built (choose_dtype's `runtime`).
 
 The same holds for int8 dot products (AVX512-VNNI, AVX-VNNI, AMX): torch._int_mm ran 20x slower
 than a float32 matmul on an AVX2-only CPU, so W8A8's integer GEMM is used on CPUs that have them.
@@ -104,10 +105,17 @@ def check_device(device: torch.device | str, present: bool = True) -> torch.devi
     return d
 
 
-def choose_dtype(requested: str | torch.dtype | None, device: torch.device | str = "cpu") -> DtypeChoice:
+def choose_dtype(requested: str | torch.dtype | None, device: torch.device | str = "cpu",
+                 runtime: bool = False) -> DtypeChoice:
     """The compute dtype for `requested` ("auto", "bfloat16", "float32" or a torch dtype) on `device`,
     with the reason; logged once per call. An explicit bf16 on a CPU without bf16 units is kept,
-    with a warning."""
+    with a warning.
+
+    runtime: for qtk's runtime (serve, generate, eval, lm-eval, bench engine), where "auto" on a CPU
+    is float32 whenever qtk's CPU kernels are built, bf16 units or not: its fused decoder forward and
+    its int4 / int8 / W8A8 kernels take float32 activations, and on a 2-core Zen 4 with AVX512-BF16
+    the engine ran 1.25-3.3x faster in float32 than in bf16 (benchmarks/results/cpu_kernels.md).
+    Calibration (quantize) keeps bf16 where native: there bf16 matmuls are 2-2.5x faster."""
     device = torch.device(device)
     if isinstance(requested, torch.dtype):
         requested = str(requested).removeprefix("torch.")
@@ -119,6 +127,11 @@ def choose_dtype(requested: str | torch.dtype | None, device: torch.device | str
     else:
         native, why = cpu_bf16_reason()
         why = f"CPU: {why}"
+    if requested == "auto" and runtime and device.type == "cpu" and native and _cpu_kernels_built():
+        choice = DtypeChoice(torch.float32, "auto: qtk's CPU runtime kernels run float32 activations "
+                                            "(faster than bf16 even with bf16 units; --dtype bfloat16 to override)")
+        log.info("dtype %s (%s)", choice.name, choice.reason)
+        return choice
     if requested == "auto":
         choice = DtypeChoice(torch.bfloat16 if native else torch.float32, f"auto: {why}")
         log.info("dtype %s (%s)", choice.name, choice.reason)
@@ -128,3 +141,9 @@ def choose_dtype(requested: str | torch.dtype | None, device: torch.device | str
         log.warning("dtype bfloat16 was requested, but this CPU has no bf16 matmul units (%s): bf16 is emulated "
                     "there and runs many times slower than float32; --dtype auto picks float32", why)
     return choice
+
+
+def _cpu_kernels_built() -> bool:
+    from .kernels import cpu
+
+    return cpu.ops() is not None

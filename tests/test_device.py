@@ -21,6 +21,28 @@ def test_auto_follows_the_cpus_bf16_units(monkeypatch, caplog, forced, expected)
     assert f"dtype {choice.name} (auto: CPU: QTK_CPU_BF16={forced})" in caplog.text
 
 
+@pytest.mark.parametrize("built", [True, False])
+def test_the_runtimes_auto_is_float32_on_a_cpu_where_its_kernels_run(monkeypatch, built):
+    """qtk's runtime kernels take float32 activations: its auto is float32 on a CPU with bf16 units
+    too, while they are built; without them it follows the units as calibration does."""
+    monkeypatch.setenv("QTK_CPU_BF16", "1")
+    monkeypatch.setattr(device, "_cpu_kernels_built", lambda: built)
+    choice = device.choose_dtype("auto", "cpu", runtime=True)
+    assert choice.dtype == (torch.float32 if built else torch.bfloat16)
+    assert device.choose_dtype("auto", "cpu").dtype == torch.bfloat16  # calibration
+    assert device.choose_dtype("bfloat16", "cpu", runtime=True).dtype == torch.bfloat16
+    assert device.choose_dtype("auto", "cuda", runtime=True).dtype == torch.bfloat16
+
+
+def test_the_engine_runs_the_runtimes_auto(monkeypatch, tiny_dir):
+    from qtk import LLM
+    from qtk.kernels import cpu
+
+    monkeypatch.setenv("QTK_CPU_BF16", "1")
+    llm = LLM(str(tiny_dir), kv_cache_memory=2**22)
+    assert llm.dtype == (torch.float32 if cpu.ops() is not None else torch.bfloat16)
+
+
 def test_auto_is_bf16_on_cuda_and_detection_matches_the_hardware(monkeypatch):
     monkeypatch.delenv("QTK_CPU_BF16", raising=False)
     assert device.choose_dtype(None, "cuda").dtype == torch.bfloat16  # no GPU needed to decide

@@ -135,7 +135,8 @@ def _cache_key(fingerprint: str, gate: Gate, engine_args: dict, seed: int) -> st
     from .. import __version__
     from ..device import choose_dtype
 
-    engine = {**engine_args, "dtype": choose_dtype(engine_args.get("dtype"), engine_args.get("device", "cpu")).name}
+    dtype = choose_dtype(engine_args.get("dtype"), engine_args.get("device", "cpu"), runtime=True)
+    engine = {**engine_args, "dtype": dtype.name}
     files = {f: file_sha256(Path(f)) for f in input_files(gate)}
     if gate.kind == "lm-eval":  # lm-eval's own version and qtk's local task data score the task too
         import importlib.metadata

@@ -10,6 +10,9 @@ For each layer (K x N) and M: the median time of
               256 MB copy: the first misses and the prefetchers' ramp dominate);
     int8      qtk_cpu.woq_linear, int8 symmetric per-channel codes;
     deq+mm    decoding the int4 weight to float32 on each call, then F.linear (the naive kernel);
+    w8a8      (a build with VNNI) qtk_cpu.w8a8_linear: x quantized per token in the call, int8
+              symmetric per-channel weights, VPDPBUSD;
+    int_mm    (a build with VNNI) the same layer as torch does it: act_quant_ref + torch._int_mm + scales;
 with the weights out of cache as in decoding: each case cycles through copies of its weight that
 together exceed the last-level cache several times. GB/s counts the weight side (codes, scales,
 zeros) read once per call. The copy bandwidth is measured in the same run: torch's copy_ of a
@@ -36,6 +39,7 @@ from ..runtime.bench import _cpu_name as cpu_name
 from . import cpu
 from .bench import git_commit
 from .dispatch import cpu_packed_weight, packed_linear
+from .reference import act_quant_ref
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,10 @@ def bench_shape(k: int, n: int, ms: list[int], lib, repeats: int) -> list[dict]:
     raw = _rotating(lambda: (q4.clone(), s4.clone(), z4.clone()), n * k + 8 * s4.numel())
     plain = _rotating(lambda: torch.rand(p4.nbytes // 4), p4.nbytes)  # the int4 layer's bytes, as floats
     read_s = timed(lambda: plain().sum(), repeats)
+    vnni = lib.compiled_vnni()
+    if vnni:
+        w8a8 = _rotating(lambda: cpu.pack_w8a8(q8, s8), n * k)
+        q8t = _rotating(lambda: q8.clone().t(), n * k)
     rows = []
     for m in ms:
         x = torch.randn(m, k, generator=g)
@@ -113,12 +121,23 @@ def bench_shape(k: int, n: int, ms: list[int], lib, repeats: int) -> list[dict]:
         t = {"fp32": timed(f32, repeats), "int4": timed(lambda: cpu.woq_linear(x, int4(), None, lib), repeats),
              "int8": timed(lambda: cpu.woq_linear(x, int8(), None, lib), repeats),
              "deq+mm": timed(deq_mm, max(3, repeats // 4)), "read": read_s}
+        if vnni:
+            def int_mm():
+                q, sx = act_quant_ref(x, torch.int8, None)
+                return torch._int_mm(q, q8t()).float() * sx * s8.reshape(1, -1)
+
+            t["w8a8"] = timed(lambda: cpu.w8a8_linear(x, w8a8(), None, None, lib), repeats)
+            t["int_mm"] = timed(int_mm, repeats)
         rows.append({"k": k, "n": n, "m": m, "us": {a: v * 1e6 for a, v in t.items()},
                      "weight_bytes": {"fp32": n * k * 4, "int4": p4.nbytes, "int8": p8.nbytes},
                      "gbps": {"fp32": n * k * 4 / t["fp32"] / 1e9, "int4": p4.nbytes / t["int4"] / 1e9,
                               "int8": p8.nbytes / t["int8"] / 1e9, "read": p4.nbytes / t["read"] / 1e9},
                      "speedup_int4": t["fp32"] / t["int4"], "speedup_int8": t["fp32"] / t["int8"],
                      "int4_vs_deq_mm": t["deq+mm"] / t["int4"]})
+        if vnni:
+            rows[-1]["speedup_w8a8"] = t["fp32"] / t["w8a8"]
+            rows[-1]["w8a8_vs_int_mm"] = t["int_mm"] / t["w8a8"]
+            rows[-1]["gbps"]["w8a8"] = n * k / t["w8a8"] / 1e9
     return rows
 
 
@@ -139,7 +158,9 @@ def run(shapes: str = "smollm2-135m", ms: list[int] | None = None, out: str | Pa
             log.info(f"{layer:8s} K={k:5d} N={n:6d} M={r['m']:4d}  fp32 {u['fp32']:9.1f} us  int4 {u['int4']:9.1f} us "
                      f"({r['speedup_int4']:4.2f}x, {r['gbps']['int4']:5.1f} GB/s = {r['gbps']['int4'] / bw:4.0%} of copy, "
                      f"{r['gbps']['int4'] / r['gbps']['read']:4.0%} of a read)  "
-                     f"int8 {u['int8']:9.1f} us ({r['speedup_int8']:4.2f}x)  deq+mm {u['deq+mm']:9.1f} us")
+                     f"int8 {u['int8']:9.1f} us ({r['speedup_int8']:4.2f}x)  deq+mm {u['deq+mm']:9.1f} us" +
+                     (f"  w8a8 {u['w8a8']:8.1f} us ({r['speedup_w8a8']:4.2f}x; int_mm {u['int_mm']:8.1f} us)"
+                      if "w8a8" in u else ""))
     head = torch.randn(hn, hk) * 0.02
     head_packed = cpu_packed_weight(head)
     x1 = torch.randn(1, hk)
@@ -148,7 +169,7 @@ def run(shapes: str = "smollm2-135m", ms: list[int] | None = None, out: str | Pa
     head_bf16 = cpu.pack_bf16(head.bfloat16().float())
     head_bf16_us = 1e6 * timed(lambda: cpu.woq_linear(x1, head_bf16, None, lib), 10)
     per_token = {a: sum(r["us"][a] * r["count"] * layers for r in rows if r["m"] == 1) / 1e3
-                 for a in ("fp32", "int4", "int8")}
+                 for a in ("fp32", "int4", "int8", "w8a8") if a in rows[0]["us"]}
     per_token["int4_engine"] = sum(r["us"]["int4"] * r["engine_count"] * layers for r in rows if r["m"] == 1) / 1e3
     result = {
         "command": " ".join(["qtk", *sys.argv[1:]]) if Path(sys.argv[0]).name == "qtk" else
@@ -160,27 +181,33 @@ def run(shapes: str = "smollm2-135m", ms: list[int] | None = None, out: str | Pa
     }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernels-cpu-{shapes}-{result['capability'].lower()}.json"
+    tag = result["capability"].lower()
+    tag = tag if tag == name else f"{tag}-{name}-build"  # e.g. QTK_CPU_KERNEL=avx2 on an AVX-512 CPU
+    path = out / f"kernels-cpu-{shapes}-{tag}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     summary = summarize(result) + f"\n\nwrote {path}"
     return result, summary
 
 
 def summarize(r: dict) -> str:
+    vnni = "w8a8" in r["rows"][0]["us"]
     lines = [f"CPU: {r['cpu']} ({r['capability']}, kernel build {r['variant']}, {r['threads']} threads); "
              f"copy bandwidth {r['copy_gbps']:.1f} GB/s",
              "| layer | K x N | M | fp32 us | int4 us | int4 / fp32 speedup | int4 GB/s (% of copy) | "
-             "read of the int4 bytes: GB/s (int4 / read) | int8 us | int8 speedup | int4 vs deq+mm |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "read of the int4 bytes: GB/s (int4 / read) | int8 us | int8 speedup | int4 vs deq+mm |" +
+             (" w8a8 us | w8a8 speedup | int_mm us |" if vnni else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if vnni else "")]
     for x in r["rows"]:
         u = x["us"]
         lines.append(f"| {x['layer']} | {x['k']} x {x['n']} | {x['m']} | {u['fp32']:.1f} | {u['int4']:.1f} | "
                      f"{x['speedup_int4']:.2f}x | {x['gbps']['int4']:.1f} ({x['gbps']['int4'] / r['copy_gbps']:.0%}) | "
                      f"{x['gbps']['read']:.1f} ({x['gbps']['int4'] / x['gbps']['read']:.0%}) | "
-                     f"{u['int8']:.1f} | {x['speedup_int8']:.2f}x | {x['int4_vs_deq_mm']:.2f}x |")
+                     f"{u['int8']:.1f} | {x['speedup_int8']:.2f}x | {x['int4_vs_deq_mm']:.2f}x |" +
+                     (f" {u['w8a8']:.1f} | {x['speedup_w8a8']:.2f}x | {u['int_mm']:.1f} |" if vnni else ""))
     t = r["decoder_ms_per_token_m1"]
     lines.append(f"\nDecoder linears per token at M=1: fp32 {t['fp32']:.1f} ms, int4 {t['int4']:.1f} ms "
                  f"({t['fp32'] / t['int4']:.2f}x; {t['int4_engine']:.1f} ms as the engine joins q/k/v and "
-                 f"gate/up), int8 {t['int8']:.1f} ms; the lm_head adds {r['lm_head_fp32_us_m1'] / 1e3:.1f} ms in float32, "
+                 f"gate/up), int8 {t['int8']:.1f} ms" + (f", w8a8 {t['w8a8']:.1f} ms" if "w8a8" in t else "") +
+                 f"; the lm_head adds {r['lm_head_fp32_us_m1'] / 1e3:.1f} ms in float32, "
                  f"{r.get('lm_head_bf16_us_m1', float('nan')) / 1e3:.1f} ms in bf16 through this kernel")
     return "\n".join(lines)

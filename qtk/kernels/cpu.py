@@ -1,4 +1,5 @@
-"""qtk's CPU kernels for weight-only int4/int8 layers with float32 activations (csrc/cpu_woq.cpp).
+"""qtk's CPU kernels: weight-only int4/int8 layers with float32 activations (csrc/cpu_woq.cpp) and,
+on CPUs with AVX512-VNNI, W8A8 int8 layers (csrc/cpu_w8a8.cpp).
 
 Why qtk carries its own: on an AVX2-only CPU nothing in torch or the libraries we measured reads
 the 4-bit codes faster than a float32 matmul reads float32 weights (benchmarks/results/
@@ -10,10 +11,14 @@ about an eighth of the float32 bytes.
 The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja; about a
 minute) into qtk's cache, one build per variant, torch installation and source (the sources are
 copied into the build, so checkouts of one version share it):
-    avx2     -mavx2 -mfma: CPUs whose torch capability is AVX2 or AVX512
+    avx512   -mavx512f/bw/vl/dq -mavx512vnni: CPUs with AVX-512 and AVX512-VNNI (Intel from Cascade
+             Lake, AMD from Zen 4): the weight-only gemv on 16 lanes from 4 rows, and the W8A8 kernel
+    avx2     -mavx2 -mfma: other CPUs whose torch capability is AVX2 or AVX512 (Skylake-SP)
     generic  portable C++ loops (-O3, whatever the compiler vectorizes): any other CPU
-QTK_CPU_KERNEL=avx2|generic|off overrides the choice (off: the reference path, a float32 matmul
-on weights decoded once). Without a compiler the reference path runs, with one warning.
+QTK_CPU_KERNEL=avx512|avx2|generic|off overrides the choice (off: the reference path, a float32
+matmul on weights decoded once; avx512 is refused on a CPU without it). Without a compiler the
+reference path runs, with one warning. AMX has no build of its own: every AMX CPU has AVX-512 and
+VNNI and runs the avx512 build (no AMX machine was available to write and measure tile kernels on).
 """
 from __future__ import annotations
 

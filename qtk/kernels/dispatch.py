@@ -17,10 +17,13 @@ replaced or modified in place (.to(), load_state_dict, `.data =`), x's device/dt
                                                                 math, AVX2 or portable build) where it
                                                                 is built; else reference
     W8A8 int8                  Triton act_quant + scaled_mm     CPU with int8 dot products (VNNI, AMX):
-                                                                act_quant twin + torch._int_mm + fp32
-                                                                epilogue; else activations quantized as
-                                                                the reference does, then qtk's kernel on
-                                                                the int8 weight (CpuW8A8Woq); else reference
+                                                                qtk's VNNI kernel (CpuW8A8Vnni, the avx512
+                                                                build: x quantized in the call, VPDPBUSD);
+                                                                without that build act_quant twin +
+                                                                torch._int_mm + fp32 epilogue; else
+                                                                activations quantized as the reference
+                                                                does, then qtk's kernel on the int8
+                                                                weight (CpuW8A8Woq); else reference
     W8A8 fp8 (sm_89+)          Triton act_quant + fp8_gemm      reference
     anything else              Dense (float32)                  Dense (float32; oneDNN-packed in the runtime)
 Dense is the reference's math (reference.quant_linear_ref: activations fake-quantized as the

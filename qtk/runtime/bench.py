@@ -157,7 +157,7 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
     cpu_peers = [p for p in peers if p in ("vllm", "llama.cpp")]
     if torch.device(device).type != "cpu" and cpu_peers:
         raise InputError(f"--peer {' '.join(cpu_peers)}: these peers run on the CPU here; bench them with --device cpu")
-    torch_dtype = choose_dtype(dtype, device).dtype
+    torch_dtype = choose_dtype(dtype, device, runtime=True).dtype
     dtype_name = str(torch_dtype).removeprefix("torch.")
     engine_args = {"device": device, "enforce_eager": enforce_eager}
     llm = LLM(model, dtype=dtype_name, **engine_args)

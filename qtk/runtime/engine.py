@@ -79,7 +79,7 @@ class LLM:
 
         t0 = time.perf_counter()
         check_device(device)
-        self.dtype = choose_dtype(dtype, device).dtype
+        self.dtype = choose_dtype(dtype, device, runtime=True).dtype
         hf_model, self.tokenizer = load_model(model, dtype=self.dtype, device=device)
         bf16_lm_head(hf_model)
         pack_linears(hf_model, fuse=FUSED)
