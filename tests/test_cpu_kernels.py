@@ -334,6 +334,9 @@ def test_bundled_model_weights(lib, name):
             zz = None if zp is None else zp.reshape(n, -1).float()
             math = x[:m].double() @ dequant(q, scale.reshape(n, -1), zz).t()
             assert rel_err(y, twin) < 1e-5 and rel_err(twin, math) < 1e-6
+    q, scale, _ = quantize_weight(w, preset("w8a8").weights)  # W8A8: int8 per channel, x per token
+    y = cpu.w8a8_linear(x, cpu.pack_w8a8(q, scale), None, None, lib)
+    assert rel_err(y, w8a8_twin(x, q, scale, None, None)) < 1e-6
 
 
 # -- the fused per-layer ops (csrc/cpu_layers.cpp) against the torch code they replace ------------

@@ -496,7 +496,8 @@ def test_w8a8_projections_on_the_vnni_kernel_keep_the_logits(activations):
             for j, (name, lin) in enumerate(list(parent.named_children())):
                 if isinstance(lin, torch.nn.Linear):
                     q, scale, zp = quantize_weight(lin.weight.detach(), s.weights)
-                    static = None if activations == "token" else torch.tensor([0.02 + 0.01 * j * (activations == "static each")])
+                    step = 0.01 * j if activations == "static each" else 0.0
+                    static = None if activations == "token" else torch.tensor([0.02 + step])
                     setattr(parent, name, QuantLinear.from_codes(q, scale, zp, s, bias=lin.bias, input_scale=static,
                                                                  dtype=torch.float32))
     fused = copy.deepcopy(model)

@@ -162,7 +162,8 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
     Dense runtime packs its decoded weight. `fuse` {new name: (names, ...)}: sibling Linears that
     read the same input (q/k/v, gate/up) become one matmul under the new name, the old ones are
     dropped (the runtime's forward splits the output); so do sibling weight-only QuantLinears that
-    qtk's CPU kernel runs (WOQLinear), and W8A8 ones on its VNNI kernel (W8A8Linear). Returns how many modules were packed or fused."""
+    qtk's CPU kernel runs (WOQLinear), and W8A8 ones on its VNNI kernel (W8A8Linear). Returns how
+    many modules were packed or fused."""
     count = 0
     for parent in list(model.modules()):
         if isinstance(parent, QuantLinear):
