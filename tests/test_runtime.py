@@ -438,35 +438,16 @@ def test_fused_weight_only_projections_keep_the_logits(scheme, family):
     """Weight-only QuantLinears (q/k/v, gate/up) that qtk's CPU kernel runs are fused into one
     kernel call each (WOQLinear): the logits equal the unfused model's (Qwen2: q/k/v biases;
     Qwen3: q/k norms between the projection and RoPE)."""
-    import copy
-
     from qtk.kernels import cpu as cpu_kernels
-    from qtk.quant import quantize_weight
-    from qtk.quant_linear import QuantLinear
-    from qtk.runtime.models.llama import FUSED
-    from qtk.runtime.packed_linear import WOQLinear, pack_linears
+    from qtk.runtime.packed_linear import WOQLinear
     from qtk.schemes import preset
 
     if cpu_kernels.ops() is None:
         pytest.skip("no C++ compiler: weight-only layers run Dense")
-    model = hf_model(family)
-    s = preset(scheme, group_size=None if scheme == "w8a16" else 16)
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, lin in list(parent.named_children()):
-                if isinstance(lin, torch.nn.Linear):
-                    q, scale, zp = quantize_weight(lin.weight.detach(), s.weights)
-                    setattr(parent, name, QuantLinear.from_codes(q, scale, zp, s, bias=lin.bias,
-                                                                 dtype=torch.float32))
-    fused = copy.deepcopy(model)
-    pack_linears(fused, fuse=FUSED)
+    model = quantized_projections(hf_model(family), preset(scheme, group_size=None if scheme == "w8a16" else 16))
+    fused = assert_fusing_keeps_the_logits(model)
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
     assert isinstance(attn.qkv_proj, WOQLinear) and isinstance(mlp.gate_up_proj, WOQLinear)
-    prompts = [list(range(30, 41)), list(range(60, 63))]
-    _, want, _ = greedy_through_runtime(model, prompts, new_tokens=4)
-    _, got, _ = greedy_through_runtime(fused, prompts, new_tokens=4)
-    for a, b in zip(want.values(), got.values()):
-        torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("activations", ["token", "static same", "static each"])
@@ -474,44 +455,60 @@ def test_w8a8_projections_on_the_vnni_kernel_keep_the_logits(activations):
     """W8A8 int8 QuantLinears run qtk's VNNI kernel straight from the module (W8A8Linear); q/k/v and
     gate/up are joined where their activations are quantized alike (per token, or one static scale),
     and each keeps its own otherwise. The logits equal the model's through QuantLinear's dispatch."""
-    import copy
     from dataclasses import replace
 
     from qtk.kernels import cpu as cpu_kernels
-    from qtk.quant import quantize_weight
-    from qtk.quant_linear import QuantLinear
-    from qtk.runtime.models.llama import FUSED
-    from qtk.runtime.packed_linear import W8A8Linear, pack_linears
+    from qtk.runtime.packed_linear import W8A8Linear
     from qtk.schemes import preset
 
     lib = cpu_kernels.ops()
     if lib is None or not lib.compiled_vnni():
         pytest.skip("qtk's VNNI kernel needs a CPU with AVX-512 + VNNI (the avx512 build)")
-    model = hf_model("qwen2")
     s = preset("w8a8")
     if activations != "token":
         s = replace(s, input_activations=replace(s.input_activations, strategy="tensor", dynamic=False))
-    for i, layer in enumerate(model.model.layers):
-        for parent in (layer.self_attn, layer.mlp):
-            for j, (name, lin) in enumerate(list(parent.named_children())):
-                if isinstance(lin, torch.nn.Linear):
-                    q, scale, zp = quantize_weight(lin.weight.detach(), s.weights)
-                    step = 0.01 * j if activations == "static each" else 0.0
-                    static = None if activations == "token" else torch.tensor([0.02 + step])
-                    setattr(parent, name, QuantLinear.from_codes(q, scale, zp, s, bias=lin.bias, input_scale=static,
-                                                                 dtype=torch.float32))
-    fused = copy.deepcopy(model)
-    pack_linears(fused, fuse=FUSED)
+    step = 0.01 if activations == "static each" else 0.0  # the j-th projection of a module: 0.02 + j * step
+    static = None if activations == "token" else lambda j: torch.tensor([0.02 + step * j])
+    fused = assert_fusing_keeps_the_logits(quantized_projections(hf_model("qwen2"), s, static))
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
     if activations == "static each":
         assert not hasattr(attn, "qkv_proj") and isinstance(attn.q_proj, W8A8Linear)
     else:
         assert isinstance(attn.qkv_proj, W8A8Linear) and isinstance(mlp.gate_up_proj, W8A8Linear)
+
+
+def quantized_projections(model, scheme, input_scale=None):
+    """Every Linear of the model's attention and MLP as a float32 QuantLinear of `scheme` (RTN);
+    input_scale(j): the static activation scale of a module's j-th projection."""
+    from qtk.quant import quantize_weight
+    from qtk.quant_linear import QuantLinear
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for j, (name, lin) in enumerate(list(parent.named_children())):
+                if isinstance(lin, torch.nn.Linear):
+                    q, scale, zp = quantize_weight(lin.weight.detach(), scheme.weights)
+                    static = None if input_scale is None else input_scale(j)
+                    setattr(parent, name, QuantLinear.from_codes(q, scale, zp, scheme, bias=lin.bias,
+                                                                 input_scale=static, dtype=torch.float32))
+    return model
+
+
+def assert_fusing_keeps_the_logits(model):
+    """The engine's packing and fusing (pack_linears) of a copy keeps the greedy logits; the copy."""
+    import copy
+
+    from qtk.runtime.models.llama import FUSED
+    from qtk.runtime.packed_linear import pack_linears
+
+    fused = copy.deepcopy(model)
+    pack_linears(fused, fuse=FUSED)
     prompts = [list(range(30, 41)), list(range(60, 63))]
     _, want, _ = greedy_through_runtime(model, prompts, new_tokens=4)
     _, got, _ = greedy_through_runtime(fused, prompts, new_tokens=4)
     for a, b in zip(want.values(), got.values()):
         torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=2e-4, rtol=1e-4)
+    return fused
 
 
 def test_a_peers_root_cause_is_read_from_its_workers_stderr():

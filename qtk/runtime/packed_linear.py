@@ -28,15 +28,11 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
-class WOQLinear(nn.Module):
-    """A layer qtk's CPU kernel runs straight from the module (no dispatch on each call):
-    - weight-only QuantLinears, and several that read the same input (q/k/v, gate/up) joined into
-      one: one call per step instead of three, and more columns to share among threads;
-    - a float32 Linear whose weight holds only bf16 numbers (a bf16 checkpoint's, upcast), kept in
-      bf16: exactly the float32 products at half the bytes. The engine gives it the lm_head, read
-      in full at every decode step (113 of the bundled model's 540 MB in float32)."""
+class KernelLinear(nn.Module):
+    """A layer one of qtk's CPU kernels runs straight from the module (no dispatch on each call),
+    from its runtime (kernels/dispatch.py)."""
 
-    def __init__(self, runtime: CpuWOQ, in_features: int):
+    def __init__(self, runtime: CpuWOQ | CpuW8A8Vnni, in_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, runtime.w.n
         self.runtime = runtime
@@ -44,6 +40,15 @@ class WOQLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         return self.runtime(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+
+
+class WOQLinear(KernelLinear):
+    """qtk's weight-only CPU kernel straight from the module:
+    - weight-only QuantLinears, and several that read the same input (q/k/v, gate/up) joined into
+      one: one call per step instead of three, and more columns to share among threads;
+    - a float32 Linear whose weight holds only bf16 numbers (a bf16 checkpoint's, upcast), kept in
+      bf16: exactly the float32 products at half the bytes. The engine gives it the lm_head, read
+      in full at every decode step (113 of the bundled model's 540 MB in float32)."""
 
     def direct(self):
         """The kernel call itself, for float32 [T, K] contiguous x (the runtime's fused forward)."""
@@ -58,19 +63,10 @@ class WOQLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weights}, qtk CPU kernel"
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(KernelLinear):
     """W8A8 int8 QuantLinears on qtk's VNNI kernel (kernels/cpu.py, csrc/cpu_w8a8.cpp) straight from
     the module, several that read the same input (q/k/v, gate/up) joined into one where their
     activations are quantized alike (per token, or one static scale): the input is quantized once."""
-
-    def __init__(self, runtime: CpuW8A8Vnni, in_features: int):
-        super().__init__()
-        self.in_features, self.out_features = in_features, runtime.w.n
-        self.runtime = runtime
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        return self.runtime(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
 
     def direct(self):
         """The kernel call itself, for float32 [T, K] contiguous x (the runtime's fused forward)."""
@@ -199,7 +195,7 @@ def kernel_summary(model: nn.Module) -> str:
         if isinstance(m, QuantLinear):
             cached = getattr(m, "_qtk_runtime", None)
             kinds[named(type(cached.runtime).__name__, cached.runtime) if cached else "not built yet"] += 1
-        elif isinstance(m, (WOQLinear, W8A8Linear)):
+        elif isinstance(m, KernelLinear):
             kinds[named(f"{type(m).__name__} {m.weights}", m.runtime)] += 1
         elif isinstance(m, PackedLinear):
             kinds["PackedLinear (oneDNN float32)"] += 1

@@ -172,11 +172,10 @@ class LlamaModel(nn.Module):
     def _layer_plan(layer) -> tuple:
         """(qkv, q, k, v, o, gate_up, down): a callable per projection (the kernel itself for the
         ones qtk's CPU kernel runs, else the module), None where fused or unfused away."""
-        from ..packed_linear import W8A8Linear, WOQLinear
+        from ..packed_linear import KernelLinear
 
         def fn(module):
-            return None if module is None else module.direct() if isinstance(module, (WOQLinear, W8A8Linear)) \
-                else module
+            return None if module is None else module.direct() if isinstance(module, KernelLinear) else module
 
         attn, mlp = layer.self_attn, layer.mlp
         get = lambda m, name: getattr(m, name, None)  # noqa: E731
