@@ -193,6 +193,16 @@ class CpuInt8:
         return y if self.bias is None else y + self.bias
 
 
+def input_scale_for(x: torch.Tensor, static: torch.Tensor | None, per_token: bool,
+                    qmax: float) -> torch.Tensor | None:
+    """The activation scale a W8A8 kernel is given: the static one, None for per token (the kernel
+    computes it), or the dynamic per-tensor one, as qtk.quant.quantize_activation computes it."""
+    if static is not None or per_token:
+        return static
+    s = (x.float().abs().amax() / qmax).reshape(1)
+    return torch.where(s > 0, s, torch.finfo(torch.float32).eps)
+
+
 @dataclass(frozen=True)
 class W8A8:
     weight: torch.Tensor  # int8 / fp8 [N, K]
@@ -202,11 +212,8 @@ class W8A8:
     bias: torch.Tensor | None
 
     def input_scale_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self.input_scale is not None or self.per_token:
-            return self.input_scale
         qmax = 448.0 if self.weight.dtype == torch.float8_e4m3fn else 127.0
-        s = (x.float().abs().amax() / qmax).reshape(1)  # dynamic per tensor, as qtk.quant.qparams
-        return torch.where(s > 0, s, torch.finfo(torch.float32).eps)
+        return input_scale_for(x, self.input_scale, self.per_token, qmax)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         q, s = torch.ops.qtk.act_quant(x, self.weight.dtype, self.input_scale_for(x))
@@ -226,10 +233,7 @@ class CpuW8A8Vnni:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        s = self.input_scale
-        if s is None and not self.per_token:  # dynamic per tensor, as W8A8.input_scale_for
-            s = (xf.abs().amax() / 127.0).reshape(1)
-            s = torch.where(s > 0, s, torch.finfo(torch.float32).eps)
+        s = input_scale_for(xf, self.input_scale, self.per_token, 127.0)
         return cpu_kernels.w8a8_linear(xf, self.w, s, self.bias, self.lib).to(x.dtype)
 
 
@@ -294,19 +298,19 @@ def _w8a8(layer, device: torch.device, dtype: torch.dtype):
         return reference_runtime(layer, device)
     static = None if act.dynamic else layer.input_scale.float().reshape(1)
     w_scale = layer.weight_scale.reshape(-1, 1) if w.strategy == "channel" else layer.weight_scale.reshape(1)
-    parts = (layer.weight, w_scale.contiguous(), static, act.dynamic and act.strategy == "token", layer.bias)
+    per_token = act.dynamic and act.strategy == "token"
+    parts = (layer.weight, w_scale.contiguous(), static, per_token, layer.bias)
     if device.type == "cuda" and dtype in ACT_DTYPES and (w.type == "int" or fp8_supported(device)):
         return W8A8(*parts)
     lib = cpu_kernels.ops() if device.type == "cpu" else None
+    bias = None if layer.bias is None else layer.bias.float().contiguous()  # qtk's CPU kernels' epilogue
     if device.type == "cpu" and w.type == "int" and cpu_has_int8_dot():
         if lib is not None and lib.compiled_vnni() and w.num_bits == 8:
-            bias = None if layer.bias is None else layer.bias.float().contiguous()
-            return CpuW8A8Vnni(cpu_kernels.pack_w8a8(layer.weight, layer.weight_scale), static, parts[3], bias, lib)
+            return CpuW8A8Vnni(cpu_kernels.pack_w8a8(layer.weight, layer.weight_scale), static, per_token, bias, lib)
         return CpuW8A8Int(*parts)
     n, k = layer.weight.shape
     if lib is not None and w.type == "int" and w.num_bits == 8 and cpu_kernels.supports(k, None, 8):
         scale = layer.weight_scale.float().reshape(-1, 1).expand(n, 1)
-        bias = None if layer.bias is None else layer.bias.float().contiguous()
         return CpuW8A8Woq(cpu_kernels.pack(layer.weight, scale, None, 8), act, static, bias, lib)
     return reference_runtime(layer, device)
 

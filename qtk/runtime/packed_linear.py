@@ -4,6 +4,8 @@ step). The engine swaps its model's plain Linears for these once at load; QuantL
 same through their Dense runtime. A drop-in module: the transformers model still runs."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -98,43 +100,36 @@ def bf16_lm_head(model: nn.Module) -> bool:
     return True
 
 
-def _fused_kernel(linears: list[nn.Module]) -> WOQLinear | W8A8Linear | None:
+def _fused_kernel(linears: list[nn.Module]) -> KernelLinear | None:
     """One WOQLinear for sibling weight-only QuantLinears on CPU that qtk's kernel runs with
-    one layout, one W8A8Linear for sibling W8A8 ones on its VNNI kernel, or None."""
+    one layout, one W8A8Linear for sibling W8A8 ones on its VNNI kernel that quantize their input
+    alike, or None."""
     if not linears or not all(isinstance(m, QuantLinear) and hasattr(m, "weight_scale") for m in linears):
         return None
     dtype = linears[0].weight_scale.dtype
     if linears[0].weight_scale.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     runtimes = [build_runtime(m, torch.device("cpu"), torch.float32) for m in linears]
-    if all(type(r) is CpuW8A8Vnni for r in runtimes):
-        return _fused_w8a8(runtimes, linears[0].in_features)
-    if not all(type(r) is CpuWOQ and r.perm is None for r in runtimes):
-        return None
-    try:
-        w = cpu_kernels.PackedWOQ.cat([r.w for r in runtimes]) if len(runtimes) > 1 else runtimes[0].w
-    except ValueError:
-        return None
-    biases = [r.bias for r in runtimes]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b if b is not None else torch.zeros(r.w.n) for r, b in zip(runtimes, biases)])
-    return WOQLinear(CpuWOQ(w, None, bias, runtimes[0].lib), linears[0].in_features)
-
-
-def _fused_w8a8(runtimes: list[CpuW8A8Vnni], in_features: int) -> W8A8Linear | None:
     first = runtimes[0]
-    same_input = all(r.per_token == first.per_token and (r.input_scale is None) == (first.input_scale is None) and
-                     (r.input_scale is None or torch.equal(r.input_scale, first.input_scale)) for r in runtimes)
-    if not same_input:  # different static scales: each layer quantizes x its own way
+    if all(type(r) is CpuWOQ and r.perm is None for r in runtimes):
+        module = WOQLinear
+    elif all(type(r) is CpuW8A8Vnni and r.per_token == first.per_token and _same_scale(r.input_scale, first.input_scale)
+             for r in runtimes):  # different static scales: each layer quantizes x its own way
+        module = W8A8Linear
+    else:
         return None
     try:
-        w = cpu_kernels.PackedW8A8.cat([r.w for r in runtimes]) if len(runtimes) > 1 else first.w
+        w = type(first.w).cat([r.w for r in runtimes]) if len(runtimes) > 1 else first.w
     except ValueError:
         return None
     biases = [r.bias for r in runtimes]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else torch.zeros(r.w.n) for r, b in zip(runtimes, biases)])
-    return W8A8Linear(CpuW8A8Vnni(w, first.input_scale, first.per_token, bias, first.lib), in_features)
+    return module(replace(first, w=w, bias=bias), linears[0].in_features)
+
+
+def _same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _packed(linears: list[nn.Module]) -> PackedLinear | None:
