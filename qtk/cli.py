@@ -71,7 +71,7 @@ def _section(**kw):
 @click.option("--kv-strategy", type=click.Choice(["tensor", "head"]), default=None, help="KV scales per tensor or per head.")
 @click.option("--ignore", multiple=True, help="Extra layer names or 're:REGEX' patterns to keep in float (lm_head always).")
 @click.option("--dataset", default=None, help="Calibration text: builtin (pydoc topics), FILE.txt, FILE.jsonl, hf:NAME.")
-@click.option("--num-samples", type=int, default=None, help="Calibration samples (64).")
+@click.option("--num-samples", type=int, default=None, help="Calibration samples (64; 128 in the default recipe).")
 @click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample (512).")
 @click.option("--batch-size", type=int, default=None, help="Calibration samples per forward (8).")
 @click.option("--chat-template", is_flag=True, default=None, help="Wrap calibration samples in the chat template.")
@@ -126,7 +126,7 @@ def inspect(model, json_out):
                    "(qtk's 120 prompts with schemas) or a JSONL of {prompt, schema[, category, id]}. needle: the "
                    "filler, builtin or FILE.txt.")
 @click.option("--seq-len", type=int, default=2048, show_default=True, help="ppl: window length in tokens.")
-@click.option("--limit", type=int, default=None,
+@click.option("--limit", type=click.IntRange(min=1), default=None,
               help="At most N windows (ppl), prompts (json, spread over the categories) or examples per task (lm-eval).")
 @click.option("--lengths", default=None, help="needle: haystack lengths in tokens, comma-separated "
                                                 "(default: 256 doubling up to the context).")
@@ -227,13 +227,15 @@ def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batc
             results.append(res.to_dict(answers=True))
         return {"dataset": dataset, "results": results}
     if kind == "needle":
+        from .data import read_text
         from .evals.needle import needle
 
         filler = None if dataset == "builtin" else Path(dataset)
         if filler is not None and not filler.is_file():
             raise NotFoundError(f"needle filler text {filler} not found")
+        text = read_text(filler, "needle filler text") if filler else None
         llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-        res = needle(llm, lengths, depths, seed=seed, filler=filler.read_text() if filler else None)
+        res = needle(llm, lengths, depths, seed=seed, filler=text)
         click.echo(f"{model}: {res}")
         return res.to_dict(answers=True)
     if kind == "tasks":
@@ -300,12 +302,16 @@ ENGINE_OPTIONS = [
     click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N]."),
     click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
                  help=DTYPE_HELP),
-    click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV-cache block."),
-    click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Sequences per step at most."),
-    click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
+    click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
+                 help="Tokens per KV-cache block."),
+    click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True,
+                 help="Sequences per step at most."),
+    click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
                  help="Tokens per step at most (longer prompts are prefilled in chunks)."),
-    click.option("--max-model-len", type=int, default=None, help="Context length (default: the model's)."),
-    click.option("--kv-cache-memory", type=int, default=None, help="Bytes for the KV cache on CPU (default 2 GiB)."),
+    click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+                 help="Context length (default: the model's)."),
+    click.option("--kv-cache-memory", type=click.IntRange(min=1), default=None,
+                 help="Bytes for the KV cache on CPU (default 2 GiB)."),
     click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
                  help="CUDA: the fraction of the GPU's memory the engine may use (weights + KV cache)."),
     click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
@@ -346,7 +352,7 @@ def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, d
 @main.command()
 @click.argument("model")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--served-model-name", default=None, help="The model name clients send (default: MODEL).")
 @click.option("--api-key", default=None, envvar="QTK_API_KEY", help="Require Authorization: Bearer KEY.")
 @click.option("--max-queue", type=int, default=None, help="Answer 503 (Retry-After) with this many requests waiting.")
@@ -373,6 +379,7 @@ def serve(model, host, port, served_model_name, api_key, max_queue, log_requests
 
     import uvicorn
 
+    from .data import read_text
     from .runtime.async_engine import AsyncLLM
     from .runtime.engine import LLM
     from .runtime.server import build_app
@@ -383,7 +390,7 @@ def serve(model, host, port, served_model_name, api_key, max_queue, log_requests
             is_file = Path(chat_template).is_file()
         except OSError:  # a long inline template is no file name
             is_file = False
-        template = Path(chat_template).read_text() if is_file else chat_template
+        template = read_text(Path(chat_template), "--chat-template file") if is_file else chat_template
         if "{" not in template:
             raise click.BadParameter(f"{chat_template!r} is neither a file nor a Jinja template",
                                      param_hint="--chat-template")
@@ -427,7 +434,7 @@ def bench_kernels(device, shapes, ms, out, dtype):
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    m_list = None if ms is None else [int(m) for m in ms.split(",")]
+    m_list = _ints(ms, "--m")
     if device == "cpu":
         from .kernels.bench_cpu import run as run_cpu
 

@@ -36,6 +36,7 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     check_output(output, force)
     t0 = time.perf_counter()
     path = resolve(model_name)  # also converts a .gguf once
+    check_not_source(output, path)
     if is_quantized_dir(path):
         raise InputError(f"{model_name} is already quantized; quantize the original model")
     recipe = fit_layers(path, recipe)
@@ -71,6 +72,14 @@ def check_output(output: Path, force: bool) -> None:
     except OSError as e:
         raise OutputError(f"cannot write --output {output}: {e.strerror or e} ({output.parent}); "
                           "choose a folder you can write to") from e
+
+
+def check_not_source(output: Path, source: Path) -> None:
+    """Refuse an output that is the model's own folder or holds it: --force would delete the model."""
+    out, src = output.resolve(), Path(source).resolve()
+    if out == src or out in src.parents:
+        raise InputError(f"--output {output} would replace the model being quantized ({source}); "
+                         "choose another output folder")
 
 
 def fit_layers(path: Path, recipe: Recipe) -> Recipe:

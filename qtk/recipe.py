@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from .schemes import KVCacheScheme, Scheme, kv_cache_scheme, preset
@@ -133,6 +134,12 @@ class Recipe:
             raise InputError("gptq solves for integer weights; use --method fp8 for fp8 schemes")
         if "lm_head" not in self.ignore:
             raise InputError("qtk quantizes the decoder blocks only: keep 'lm_head' in ignore")
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as e:
+                    raise InputError(f"ignore pattern {pattern!r} is not a valid regular expression ({e})") from e
 
     @property
     def needs_data(self) -> bool:
@@ -227,9 +234,26 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
                         weights=data.get("weights"), kv_cache=data.get("kv_cache"),
                         kv_strategy=data.get("kv_strategy") or "tensor", ignore=tuple(data.get("ignore") or ()),
                         **sections)
+    _check_applies(recipe, data.get("kv_strategy"), section_overrides)
     auto_group = data.get("group_size") is None and recipe.scheme.weights.strategy == "group"
     return dataclasses.replace(recipe, device=data.get("device") or "cpu", dtype=data.get("dtype") or "auto",
                                auto_group_size=auto_group)
+
+
+def _check_applies(recipe: Recipe, kv_strategy: str | None, section_overrides: dict) -> None:
+    """Refuse a setting the recipe would ignore (a GPTQ option without GPTQ weights, ...): it would
+    be written into recipe.yaml as if it had been used."""
+    if kv_strategy is not None and recipe.kv_cache is None:
+        raise InputError(f"kv_strategy {kv_strategy!r} (--kv-strategy) applies to KV-cache scales; "
+                         "add --kv-cache fp8|int8")
+    used = {"gptq": recipe.weights == "gptq", "awq": recipe.smoothing == "awq",
+            "smoothquant": recipe.smoothing == "smoothquant"}
+    for section, applies in used.items():
+        given = sorted(k for k, v in (section_overrides.get(section) or {}).items() if v is not None)
+        if given and not applies:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise InputError(f"{flags}: {section} option(s), but this recipe (method {recipe.method}, "
+                             f"{recipe.weights} weights) does not run {section}")
 
 
 def _check_top(data: dict) -> None:

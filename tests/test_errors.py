@@ -115,6 +115,19 @@ def test_unwritable_output_fails_before_loading_anything(tiny_dir, tmp_path, mon
     assert "cannot write --output" in error_line(result)
 
 
+def test_an_output_that_would_replace_the_model_is_refused_even_with_force(tiny_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "models" / "tiny"
+    shutil.copytree(tiny_dir, model)
+    before = sorted(p.name for p in model.iterdir())
+    for out in (model, model.parent, tmp_path / "models" / "." / "tiny"):
+        result = run("quantize", model, "--method", "rtn", "-o", out, "--force")
+        assert error_line(result) == (f"error: --output {out} would replace the model being quantized ({model}); "
+                                      "choose another output folder")
+    assert sorted(p.name for p in model.iterdir()) == before
+
+
 def test_a_bug_keeps_its_traceback(tiny_dir, tmp_path, monkeypatch):
     """Only user errors become one line: a RuntimeError from inside (a torch bug, an OOM) propagates."""
     from qtk import pipeline
@@ -172,10 +185,57 @@ def test_recipe_values_of_the_wrong_type(tiny_dir, tmp_path, recipe, message):
     (("--method", "rtn", "--ignore", "re:.*"), "leave no decoder layer to quantize"),
     (("--method", "rtn", "--group-size", "0"), "group size must be positive, or -1"),
     (("--method", "rtn", "--device", "tpu"), "device must be cpu or cuda[:N]"),
+    (("--method", "rtn", "--ignore", "re:[mlp"), "ignore pattern 're:[mlp' is not a valid regular expression"),
+    # options the recipe would ignore (and write into recipe.yaml as if used)
+    (("--method", "rtn", "--kv-strategy", "head"), "kv_strategy 'head' (--kv-strategy) applies to KV-cache scales; "
+                                                   "add --kv-cache fp8|int8"),
+    (("--method", "rtn", "--dampening", "0.05"), "--dampening: gptq option(s), but this recipe (method rtn, rtn "
+                                                 "weights) does not run gptq"),
+    (("--method", "awq", "--no-act-order"), "--act-order: gptq option(s), but this recipe (method awq, rtn weights)"),
+    (("--method", "gptq", "--alpha", "0.8"), "--alpha: smoothquant option(s), but this recipe (method gptq"),
 ])
 def test_quantize_options_that_cannot_work(tiny_dir, tmp_path, args, message):
     assert message in error_line(run("quantize", tiny_dir, *args, "-o", tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_method_options_are_taken_where_the_recipe_runs_the_method():
+    from qtk.recipe import build
+
+    assert build(gptq={"dampening": 0.05}).gptq.dampening == 0.05  # the default recipe: awq + gptq
+    assert build(method="awq", weights="gptq", gptq={"act_order": False}).gptq.act_order is False
+    assert build(method="smoothquant", smoothquant={"alpha": 0.8}).smoothquant.alpha == 0.8
+    assert build(recipe_file="calibration/recipes/fp8-static-fp8kv.yaml", kv_strategy="head").kv_cache.strategy \
+        == "attn_head"
+
+
+@pytest.mark.parametrize("args,message", [
+    (("eval", "{model}", "--limit", "0"), "Invalid value for '--limit': 0 is not in the range x>=1"),
+    (("eval", "{model}", "--task", "json", "--limit", "-1"), "Invalid value for '--limit': -1 is not in the range"),
+    (("eval", "{model}", "--task", "needle", "--dataset", "{latin1}"),
+     "error: needle filler text {latin1} is not UTF-8 text (byte 6)"),
+    (("generate", "{model}", "--prompt", "hi", "--block-size", "0"), "Invalid value for '--block-size'"),
+    (("generate", "{model}", "--prompt", "hi", "--max-num-seqs", "0"), "Invalid value for '--max-num-seqs'"),
+    (("generate", "{model}", "--prompt", "hi", "--max-model-len", "0"), "Invalid value for '--max-model-len'"),
+    (("generate", "{model}", "--prompt", "hi", "--kv-cache-memory", "0"), "Invalid value for '--kv-cache-memory'"),
+    (("serve", "{model}", "--port", "70000"), "Invalid value for '--port': 70000 is not in the range 0<=x<=65535"),
+    (("serve", "{model}", "--chat-template", "{latin1}"), "error: --chat-template file {latin1} is not UTF-8 text"),
+    (("bench", "kernels", "--device", "cpu", "--m", "1,x"), "error: --m takes comma-separated integers, got '1,x'"),
+])
+def test_bad_option_values_are_refused_before_a_model_loads(tiny_dir, tmp_path, monkeypatch, args, message):
+    """Each of these was a traceback (ZeroDivisionError, OverflowError, UnicodeDecodeError, ...) or a
+    silent no-op once the model had loaded."""
+    import qtk.runtime.engine as engine_module
+
+    def must_not_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(engine_module, "LLM", must_not_load)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("un caf\xe9 {{ messages }}".encode("latin-1"))
+    result = run(*[a.format(model=tiny_dir, latin1=latin1) for a in args])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert message.format(latin1=latin1) in result.stderr
 
 
 def test_a_dataset_or_model_the_loader_cannot_read(tiny_dir, broken_copy, tmp_path):
