@@ -466,6 +466,8 @@ def test_tool_history_and_tool_choice_none_answer_in_text(client):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
     ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "unique"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": "x"}}}],
+      "tool_choice": "required"}, "parameters.$defs must be an object"),  # was an AttributeError: a 500
 ])
 def test_tool_requests_qtk_cannot_serve_are_400s(server, extra, message):
     r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
@@ -771,6 +773,26 @@ def test_parallel_tool_calls_false_keeps_the_first_auto_call():
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS, parallel_tool_calls=False)
     msg = ChatChoices(body, HermesToolParser()).message(CompletionOutput(0, HERMES_TEXTS[1], [], "stop"))["message"]
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_time"]
+
+
+def test_auto_calls_with_a_lone_surrogate_escape_still_render():
+    """A model's JSON may escape half a surrogate pair ("\\ud800"): json.loads makes it a str that
+    UTF-8 cannot carry, and the non-streamed response failed to render (a 500 after generating)."""
+    from fastapi.responses import JSONResponse
+
+    from qtk.runtime.chat_choices import ChatChoices
+    from qtk.runtime.engine import CompletionOutput
+    from qtk.runtime.protocol import ChatCompletionRequest
+    from qtk.runtime.tool_calls import HermesToolParser
+
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "\\ud800"}}\n</tool_call>'
+    whole = ChatChoices(body, HermesToolParser()).message(CompletionOutput(0, text, [], "stop"))
+    JSONResponse(whole)  # raised UnicodeEncodeError
+    assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"]) == {"zone": "\ud800"}
+    named = text.replace('"get_time"', '"\\ud800"')  # a name UTF-8 cannot carry: no call, all content
+    whole = ChatChoices(body, HermesToolParser()).message(CompletionOutput(0, named, [], "stop"))
+    assert whole["message"]["content"] == named and "tool_calls" not in whole["message"]
 
 
 def test_a_failing_prompt_cancels_its_siblings():

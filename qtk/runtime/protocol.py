@@ -289,7 +289,11 @@ class ChatCompletionRequest(_Sampling, _Messages):
         for t in tools:
             params = dict(_parameters(t))
             for key in ("$defs", "definitions"):
-                for name, schema in (params.pop(key, None) or {}).items():
+                named = params.pop(key, None) or {}
+                if not isinstance(named, dict):
+                    raise InputError(f"tools: {t.function.name}'s parameters.{key} must be an object of named "
+                                     f"schemas, got {type(named).__name__}")
+                for name, schema in named.items():
                     if defs.setdefault(key, {}).setdefault(name, schema) != schema:
                         raise InputError(f"tools define {key}/{name} differently; give the shared "
                                          "definitions one name each")

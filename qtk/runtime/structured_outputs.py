@@ -78,8 +78,14 @@ class StructuredOutputsParams:
 
 
 def short(error: str, limit: int = 300) -> str:
-    """llguidance's message without its internals: the first line, at most `limit` characters."""
-    first = error.strip().splitlines()[0] if error.strip() else "grammar error"
+    """llguidance's message without its internals: the first line, at most `limit` characters.
+    A regex's message says what is wrong on a later `error: ...` line (the first is only "regex
+    parse error:"), which is kept."""
+    lines = [line.strip() for line in error.strip().splitlines()]
+    first = lines[0] if lines else "grammar error"
+    reason = next((line for line in lines[1:] if line.startswith("error:")), None)
+    if reason is not None:
+        first = f"{first.rstrip(':')}: {reason[len('error:'):].strip()}"
     return first if len(first) <= limit else first[:limit] + "..."
 
 

@@ -60,12 +60,22 @@ def _call(body: str) -> dict | None:
         obj = json.loads(body)
     except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _utf8(obj["name"]):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(args, dict):
         return None
-    return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+    arguments = json.dumps(args, ensure_ascii=False)
+    # a lone surrogate the model escaped ("\ud800") cannot go out as UTF-8: it stays escaped
+    return {"name": obj["name"], "arguments": arguments if _utf8(arguments) else json.dumps(args)}
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def partial_suffix(text: str, tag: str) -> int:
