@@ -448,6 +448,19 @@ def test_forced_tool_calls_parse_and_match_their_function(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_forced_calls_of_a_function_with_an_open_schema_still_pass_an_object(client):
+    """parameters {} allows any JSON value, but a call's arguments are a JSON object (OpenAI's shape)."""
+    tools = [{"type": "function", "function": {"name": "anything", "parameters": {}}}]
+    msgs = [{"role": "user", "content": "Go"}]
+    for seed in range(6):
+        for choice in ({"type": "function", "function": {"name": "anything"}}, "required"):
+            req = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=1.0,
+                                                 seed=seed, tools=tools, tool_choice=choice)
+            calls = req.choices[0].message.tool_calls
+            if req.choices[0].finish_reason != "length":
+                assert isinstance(json.loads(calls[0].function.arguments), dict)
+
+
 def test_tool_history_and_tool_choice_none_answer_in_text(client):
     msgs = [{"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": None, "tool_calls": [

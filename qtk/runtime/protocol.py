@@ -328,8 +328,11 @@ class DetokenizeRequest(BaseModel):
 
 def _parameters(tool: Tool) -> dict:
     """A function's arguments schema (no parameters: an empty object, as OpenAI takes it); with
-    strict, every object schema that does not say otherwise takes no other properties."""
+    strict, every object schema that does not say otherwise takes no other properties. Arguments
+    are a JSON object whatever the schema leaves open ({} would allow a bare string or number)."""
     params = tool.function.parameters if tool.function.parameters is not None else {"type": "object", "properties": {}}
+    if "type" not in params:
+        params = {**params, "type": "object"}
     return _closed(params) if tool.function.strict else params
 
 
