@@ -2,6 +2,8 @@
 bundled model and agrees with qtk's runtime on the same windows and prompts.
 
     python benchmarks/vllm_referee.py [--out benchmarks/results]   # quantizes, runs both, records
+    python benchmarks/vllm_referee.py --dtype bfloat16 --schemes float,w4a16,w4a16_asym
+        # vLLM's CPU W4A16 kernel takes bf16 only (AVX-512 CPUs): both engines in bf16
 
 Per checkpoint (w4a16 sym and asym, w8a8, fp8; the float weights as the control):
     perplexity  both engines score the same windows by prompt logprobs; vLLM's within 1% of qtk's
@@ -43,20 +45,20 @@ def close_until_parting(ours: list[dict], theirs: list[dict], ours_ids: list[int
     return {"agreed": min(len(ours_ids), len(theirs_ids)), "near_tie": True}
 
 
-def referee(model: Path, windows: list[list[int]], prompts: list[list[int]]) -> dict:
+def referee(model: Path, windows: list[list[int]], prompts: list[list[int]], dtype: str = "float32") -> dict:
     from qtk import LLM, SamplingParams
     from qtk.evals.perplexity import engine_perplexity
     from qtk.runtime.bench import run_peer
 
     import torch
 
-    job = {"model": str(model), "dtype": "float32", "max_model_len": 2048, "enforce_eager": True, "tasks": [
+    job = {"model": str(model), "dtype": dtype, "max_model_len": 2048, "enforce_eager": True, "tasks": [
         {"kind": "ppl", "name": "ppl", "windows": windows},
         {"kind": "generate", "name": "greedy", "prompts": prompts, "max_tokens": NEW_TOKENS, "logprobs": TOP}]}
     theirs = run_peer("vllm", "vllm_peer.py", job)
     if "error" in theirs:
         return {"vllm_refused": theirs["error"]}
-    llm = LLM(str(model), dtype="float32", max_model_len=2048)
+    llm = LLM(str(model), dtype=dtype, max_model_len=2048)
     ours_ppl = engine_perplexity(llm, torch.tensor(windows), batch_size=len(windows), progress=False).ppl
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0,
                                                 logprobs=TOP))
@@ -80,13 +82,16 @@ def inputs(tokenizer, num_windows: int = 4, seq_len: int = 1024) -> tuple[list[l
     return windows, prompts
 
 
-def quantize_all(root: Path, source: Path) -> dict[str, Path]:
+def quantize_all(root: Path, source: Path, names: list[str] | None = None) -> dict[str, Path]:
     from click.testing import CliRunner
 
     from qtk.cli import main
 
-    dirs = {"float": source}
+    names = names or ["float", *SCHEMES]
+    dirs = {"float": source} if "float" in names else {}
     for name, args in SCHEMES.items():
+        if name not in names:
+            continue
         out = root / name
         if not (out / "config.json").is_file():
             r = CliRunner().invoke(main, ["quantize", str(source), *args, "-o", str(out)])
@@ -105,12 +110,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="build/vllm_referee", help="Where the checkpoints go.")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="Both engines' dtype (vLLM's CPU W4A16 kernel takes bfloat16 only).")
+    ap.add_argument("--schemes", default=",".join(["float", *SCHEMES]), help="Comma-separated, of: float, "
+                    + ", ".join(SCHEMES) + ".")
     args = ap.parse_args()
+    names = args.schemes.split(",")
+    if unknown := set(names) - {"float", *SCHEMES}:
+        ap.error(f"unknown --schemes {sorted(unknown)}")
     source = resolve(BUNDLED)
     windows, prompts = inputs(AutoTokenizer.from_pretrained(source))
-    results = {name: referee(d, windows, prompts) for name, d in quantize_all(Path(args.work), source).items()}
-    res = record({"model": BUNDLED, "dtype": "float32", "windows": f"{len(windows)} x {len(windows[0])}",
-                  "prompts": len(prompts), "new_tokens": NEW_TOKENS, "checkpoints": results}, args.out, "vllm_referee")
+    results = {name: referee(d, windows, prompts, args.dtype)
+               for name, d in quantize_all(Path(args.work), source, names).items()}
+    name = "vllm_referee" if args.dtype == "float32" else f"vllm_referee-{args.dtype}"
+    res = record({"model": BUNDLED, "dtype": args.dtype, "windows": f"{len(windows)} x {len(windows[0])}",
+                  "prompts": len(prompts), "new_tokens": NEW_TOKENS, "checkpoints": results}, args.out, name)
     print(json.dumps(res["checkpoints"], indent=2))
 
 
