@@ -2,8 +2,9 @@
 
 The layout calibration writes and the runtime reads (compressed-tensors' kv_cache_scheme): each
 attention module holds `k_scale` / `v_scale` buffers, [1] per tensor or [kv_heads, 1, 1] per head
-(strategy attn_head); a scale is absmax / qmax of the scheme's grid (448 for fp8 e4m3, 127 for
-int8), applied to K after RoPE and to V.
+(strategy attn_head); a scale is quant.qparams' symmetric scale of the observed absmax (absmax / 448
+for fp8 e4m3, absmax / 127.5 for int8: compressed-tensors' grid, -absmax is code -128), applied to
+K after RoPE and to V.
 """
 from __future__ import annotations
 
