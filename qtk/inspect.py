@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from safetensors import safe_open
 
 from . import hub_formats
 from .checkpoint import check_weight_files, parse_quantization_config, read_tensor_meta, weight_files
-from .models import config_dict, resolve
+from .models import BUNDLED, bundled_gguf, config_dict, resolve
 
 HUB_KEYS = ("qweight", "qzeros", "scales", "g_idx")
 LAYER_KEYS = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
@@ -16,6 +17,7 @@ LAYER_KEYS = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "w
 
 def inspect_checkpoint(model: str) -> dict:
     path = resolve(model)
+    gguf = bundled_gguf() if model == BUNDLED else Path(model) if Path(model).is_file() else None  # a .gguf
     cfg = config_dict(path)
     check_weight_files(path)
     meta = read_tensor_meta(path)  # name -> (dtype, shape, nbytes)
@@ -53,7 +55,8 @@ def inspect_checkpoint(model: str) -> dict:
             original += math.prod(shape) * 2
     on_disk = sum(f.stat().st_size for f in weight_files(path))
     described = (hub_formats.describe(qc) if hub else _describe(qc)) if qc else None
-    return {"path": str(path), "model_type": cfg.get("model_type"), "quantization": described,
+    source = None if gguf is None else {"path": str(gguf), "size_bytes": gguf.stat().st_size}
+    return {"path": str(path), "gguf": source, "model_type": cfg.get("model_type"), "quantization": described,
             "kv_cache": kv, "layers": layers, "size_bytes": on_disk, "bf16_size_bytes": original,
             "compression": original / on_disk if on_disk else None}
 
@@ -101,6 +104,10 @@ def _describe(qc: dict) -> list[dict]:
 def render(info: dict) -> str:
     mib = 1 / 2**20
     lines = [f"{info['path']} ({info['model_type']})"]
+    if info.get("gguf"):  # what follows is the conversion, not the GGUF's own quantization
+        g = info["gguf"]
+        lines.append(f"  bf16 conversion of {g['path']} ({g['size_bytes'] * mib:.1f} MiB in GGUF's own "
+                     "quantization); what follows describes the conversion")
     if info["quantization"] is None:
         lines.append("  not quantized")
     for g in info["quantization"] or []:

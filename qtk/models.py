@@ -5,6 +5,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,8 +123,13 @@ def _gguf_to_dir(gguf: Path, target: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a bf16 checkpoint in %s (once)", gguf, target)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, KeyError, IndexError, EOFError, struct.error) as e:  # what a bad GGUF raises there
+        raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({e}); give a whole GGUF of a "
+                              f"supported architecture ({', '.join(sorted(ARCHITECTURES))}) or an HF model "
+                              "directory") from e
     # the loaded model carries the gguf quantization_config; the weights are plain floats now
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -136,6 +142,11 @@ def _gguf_to_dir(gguf: Path, target: Path) -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+        log.info("%s was converted by another process meanwhile; using it", target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

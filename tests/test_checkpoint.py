@@ -443,3 +443,42 @@ def test_gguf_conversions_are_cached_per_file_not_per_name_and_size(tmp_path):
     a.write_bytes(b"\x03" * 1000)
     os.utime(a, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns + 10**9))
     assert _file_key(a) != before
+
+
+@pytest.mark.parametrize("content", [b"not a gguf " * 100, b"GGUF\x03\x00\x00\x00"], ids=["not-gguf", "cut-short"])
+def test_a_gguf_transformers_cannot_read_is_named(tmp_path, monkeypatch, content):
+    from qtk.models import resolve
+
+    monkeypatch.setenv("QTK_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "model.gguf"
+    f.write_bytes(content)
+    with pytest.raises(CheckpointError, match="model.gguf: transformers cannot read this GGUF file"):
+        resolve(str(f))
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing half-written
+
+
+def test_a_gguf_converted_meanwhile_by_another_process_is_used(tmp_path, monkeypatch):
+    """Two commands started together on one GGUF both convert it; the second to finish uses the
+    first's conversion instead of failing to rename its own over it."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import transformers
+
+    from qtk.models import _gguf_to_dir
+
+    target = tmp_path / "cache" / "gguf-model"
+
+    class Converted:
+        config = SimpleNamespace()
+
+        def save_pretrained(self, folder):
+            (Path(folder) / "config.json").write_text("{}")
+            target.mkdir(parents=True, exist_ok=True)  # the other process renames its copy into place
+            (target / "config.json").write_text('{"by": "the other process"}')
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: Converted())
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: Converted())
+    assert _gguf_to_dir(tmp_path / "model.gguf", target) == target
+    assert json.loads((target / "config.json").read_text()) == {"by": "the other process"}
+    assert [p.name for p in target.parent.iterdir()] == ["gguf-model"]  # this process's copy removed

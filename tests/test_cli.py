@@ -177,6 +177,19 @@ def test_inspect_unquantized_source(tiny_dir):
     assert re.fullmatch(r"  size on disk [0-9.]+ MiB vs [0-9.]+ MiB in bf16 \(0\.50x smaller\)", lines[-1])  # fp32 on disk
 
 
+def test_inspect_a_gguf_says_it_shows_the_conversion(bundled_dir):
+    """A Q4_1 GGUF is inspected as qtk runs it (its bf16 conversion), and says so with the file's size."""
+    from qtk.models import bundled_gguf
+
+    result = run("inspect", "smollm2-135m")
+    assert result.exit_code == 0, result.output
+    gguf = bundled_gguf()
+    assert result.stdout.splitlines()[1] == (f"  bf16 conversion of {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB in "
+                                             "GGUF's own quantization); what follows describes the conversion")
+    info = json.loads(run("inspect", "smollm2-135m", "--json").stdout)
+    assert info["gguf"] == {"path": str(gguf), "size_bytes": gguf.stat().st_size} and info["path"] == str(bundled_dir)
+
+
 def test_generate_chat(quantized):
     out, _ = quantized
     result = run("generate", out, "--prompt", "hi", "--max-tokens", 3, "--chat")

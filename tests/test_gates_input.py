@@ -177,6 +177,25 @@ def test_repeated_needle_cells_count_once(tokenizer):
     assert r.accuracy == 0.5 and len(r.answers) == 2
 
 
+def test_needle_depth_holds_where_no_sentence_ends_after_it(tokenizer):
+    """A haystack with no sentence end after d% puts the needle at the last one before it (or at
+    d%), never at the haystack's end, where it would score the 100% cell's recency as d%'s."""
+    from qtk.evals.needle import NEEDLE, _sentence_end, build_cases
+
+    text = "One sentence ends here. " + "then words run on without any end " * 20
+    assert _sentence_end(text, len(text) // 2) == len("One sentence ends here.")
+    assert _sentence_end("no end at all in this text", 10) == 10
+    assert (_sentence_end(text, 0), _sentence_end(text, len(text))) == (0, len(text))
+    filler = "一二三四五六七八九十" * 400  # no sentence end [.!?] + space anywhere
+    for c in build_cases(tokenizer, [64], [25, 50, 75], filler=filler):
+        body = tokenizer.decode(c.prompt)
+        hay = body[body.index("the pass key.") + len("the pass key."):body.index("What is the pass key?")]
+        at = hay.index(NEEDLE.format(key=c.key))
+        assert 0.1 < at / len(hay) < 0.9, (c.depth, at, len(hay))
+    with pytest.raises(InputError, match="at least one haystack length and one depth"):
+        build_cases(tokenizer, [64], [])
+
+
 # -- tasks files and request logs ---------------------------------------------------------------
 @pytest.mark.parametrize("kind, row, message", [
     ("tasks", {"prompt": "Hi", "answer": "x", "max_tokens": "8"}, "max_tokens must be an integer >= 1"),
@@ -190,6 +209,8 @@ def test_repeated_needle_cells_count_once(tokenizer):
     ("replay", {"prompt": {"text": "Hi"}}, "prompt must be text, token ids"),
     ("replay", {"prompt": [1, "x"]}, "prompt must be non-empty text or a list of token ids"),
     ("replay", {"request": {"prompt": []}}, "prompt must be text, token ids"),
+    ("replay", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     r"messages\[0\] must be an object with string role and content"),
 ])
 def test_bad_case_lines_are_named(tmp_path, kind, row, message):
     from qtk.evals.replay import load_requests
@@ -199,6 +220,16 @@ def test_bad_case_lines_are_named(tmp_path, kind, row, message):
     path.write_text('{"prompt": "fine", "answer": "ok"}\n' + json.dumps(row) + "\n")
     with pytest.raises(InputError, match=f"cases.jsonl:2: {message}"):
         (load_cases if kind == "tasks" else load_requests)(path)
+
+
+def test_a_tasks_file_without_cases_is_an_error(tmp_path):
+    """An accuracy over no cases is 0 for both models: 100% recovery, a gate passed on nothing."""
+    from qtk.evals.user_tasks import load_cases
+
+    path = tmp_path / "cases.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(InputError, match="cases.jsonl: no cases"):
+        load_cases(path)
 
 
 @pytest.mark.parametrize("prompt, message", [("word " * 100, "the prompt has 101 tokens"),

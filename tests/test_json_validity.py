@@ -38,13 +38,22 @@ def test_load_prompts_errors(tmp_path):
     bad.write_text("{oops\n")
     with pytest.raises(InputError, match="bad.jsonl:1: not valid JSON"):
         load_prompts(bad)
+    # a schema or prompt that could only fail after the model ran, and a set that would score nothing
+    for line, message in [('{"prompt": "x", "schema": {"type": "objekt"}}', "bad.jsonl:1: schema is not a valid JSON"),
+                          ('{"prompt": "x", "schema": "object"}', "bad.jsonl:1: schema must be a JSON Schema object"),
+                          ('{"prompt": 5, "schema": {"type": "object"}}', "bad.jsonl:1: prompt must be non-empty text"),
+                          ("", "bad.jsonl: no prompts")]:
+        bad.write_text(line + "\n")
+        with pytest.raises(InputError, match=message):
+            load_prompts(bad)
 
 
 def test_parse_answer_forgives_only_whitespace_and_a_fence():
     assert parse_answer(' {"a": 1}\n') == {"a": 1}
     assert parse_answer('```json\n{"a": 1}\n```') == {"a": 1}
     assert parse_answer('Here it is:\n```json\n{"a": 1}\n```\nThis JSON has ```two``` fences.') == {"a": 1}
-    for text in ('Sure! {"a": 1}', '{"a": 1} hope this helps', "{'a': 1}", "", '```json\n{"a": 1,}\n```'):
+    for text in ('Sure! {"a": 1}', '{"a": 1} hope this helps', "{'a': 1}", "", '```json\n{"a": 1,}\n```',
+                 '{"n": NaN}', '{"n": Infinity}', "-Infinity"):  # Python's extensions, not JSON
         with pytest.raises(ValueError):
             parse_answer(text)
 

@@ -39,7 +39,12 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
         missing = {"prompt", "schema"} - set(row)
         if missing:
             raise InputError(f"{path}:{n}: missing {', '.join(sorted(missing))} (each line needs prompt and schema)")
+        if not isinstance(row["prompt"], str) or not row["prompt"]:
+            raise InputError(f"{path}:{n}: prompt must be non-empty text, got {row['prompt']!r}"[:300])
+        _check_schema(f"{path}:{n}", row["schema"])
         rows.append({"id": row.get("id", f"line-{n}"), "category": row.get("category", "all"), **row})
+    if not rows:
+        raise InputError(f"{path}: no prompts (each line a JSON object with prompt and schema)")
     if limit is not None:
         by_cat: dict[str, list[dict]] = {}
         for r in rows:
@@ -48,10 +53,28 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
     return rows
 
 
+def _check_schema(where: str, schema) -> None:
+    """A JSON Schema object its draft's metaschema accepts (else every answer would fail to
+    validate only after the model ran)."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise InputError(f"{where}: schema must be a JSON Schema object, got {schema!r}"[:300])
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.exceptions.SchemaError as e:
+        raise InputError(f"{where}: schema is not a valid JSON Schema: {e.message}"[:300]) from e
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 def parse_answer(text: str):
-    """The JSON value of an answer (its first fenced block, if it has one), or raise ValueError."""
+    """The JSON value of an answer (its first fenced block, if it has one), or raise ValueError.
+    Standard JSON only: Python's NaN / Infinity extensions are not accepted."""
     fenced = FENCE.search(text)
-    return json.loads(fenced.group(1) if fenced else text.strip())
+    return json.loads(fenced.group(1) if fenced else text.strip(), parse_constant=_not_json)
 
 
 @dataclass

@@ -9,7 +9,8 @@ For each haystack length L (tokens of filler) and depth d (0% = the needle opens
   1. filler: L tokens of running text (the built-in corpus's evaluation split, or a given text),
      cut from a seeded offset, so each case reads different text;
   2. the needle, "The pass key is 48213. Remember it. 48213 is the pass key.", a fresh 5-digit
-     key per case, inserted at the first sentence end at or after d% of the filler;
+     key per case, inserted at the first sentence end at or after d% of the filler (where none
+     follows, the last one before it);
   3. the question after the haystack: "What is the pass key?", through the chat template when the
      model has one.
 Every case runs in one batch on qtk's runtime, greedily; a case is retrieved when the first
@@ -84,6 +85,9 @@ def build_cases(tokenizer, lengths: list[int], depths: list[int], samples: int =
     for d in depths:
         if not 0 <= d <= 100:
             raise InputError(f"needle depths are percents in [0, 100], got {d}")
+    if not lengths or not depths:
+        raise InputError(f"the needle needs at least one haystack length and one depth, got lengths {lengths}, "
+                         f"depths {depths}")
     if any(n < 16 for n in lengths):
         raise InputError(f"needle haystack lengths must be at least 16 tokens, got {sorted(lengths)}")
     text = filler if filler is not None else "\n\n".join(builtin_texts("evaluation"))
@@ -111,11 +115,15 @@ def build_cases(tokenizer, lengths: list[int], depths: list[int], samples: int =
 
 
 def _sentence_end(text: str, at: int) -> int:
-    """The first position at or after `at` just past a sentence end (or the text's end)."""
-    if at <= 0:
-        return 0
+    """The first position at or after `at` just past a sentence end; where no sentence ends after
+    `at`, the last one before it (else `at` itself), so a needle meant for 25% never lands at 100%."""
+    if at <= 0 or at >= len(text):
+        return max(0, min(at, len(text)))
     m = re.compile(r"[.!?]\s").search(text, at)
-    return m.start() + 1 if m else len(text)
+    if m:
+        return m.start() + 1
+    before = [e.start() + 1 for e in re.finditer(r"[.!?]\s", text[:at])]
+    return before[-1] if before else at
 
 
 def retrieved(answer: str, key: str) -> bool:

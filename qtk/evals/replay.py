@@ -59,9 +59,12 @@ def _messages(where: str, messages) -> list[dict]:
     return check_messages(where, [{"role": m.get("role"), "content": _text(m.get("content"))} for m in messages])
 
 
-def _text(content) -> str:
+def _text(content):
+    """Text content parts joined; content that is not text is returned as it is, for
+    check_messages to name."""
     if isinstance(content, list):  # content parts
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        return "".join(texts) if all(isinstance(t, str) for t in texts) else content
     return content if content is not None else ""
 
 

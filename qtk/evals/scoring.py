@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 3  # bump when a task's metrics change: cached baselines are recomputed
+CACHE_VERSION = 4  # bump when a task's metrics change: cached baselines are recomputed
 
 
 def run_task(llm, gate: Gate, seed: int = 0, reference: dict | None = None) -> dict:

@@ -20,6 +20,8 @@ KEYS = ("id", "prompt", "messages", "answer", "match", "max_tokens")
 
 def load_cases(path: str | Path, limit: int | None = None) -> list[dict]:
     rows = [_case(f"{path}:{n}", n, row) for n, row in jsonl_rows(path, "task file")]
+    if not rows:  # an accuracy over no cases would pass any gate
+        raise InputError(f"{path}: no cases (each line a JSON object with prompt or messages, and answer)")
     return rows[:limit] if limit is not None else rows
 
 
