@@ -101,6 +101,33 @@ def test_report_folder(tmp_path):
     assert json.loads((tmp_path / "r" / "report.json").read_text())["passed"] is False
 
 
+def test_report_draws_every_needle_gate_and_escapes_a_pipe_in_a_name(tmp_path, monkeypatch):
+    """needle.png holds a baseline/candidate pair of heatmaps per needle gate, not the first
+    gate's alone; a | in a gate's name stays inside its report.md cell."""
+    import re
+
+    import matplotlib.axes
+
+    from qtk.evals.report import write_report
+
+    drawn, imshow = [], matplotlib.axes.Axes.imshow
+    monkeypatch.setattr(matplotlib.axes.Axes, "imshow",
+                        lambda ax, grid, **kw: drawn.append(grid) or imshow(ax, grid, **kw))
+    cells = lambda n, acc: {"accuracy": acc, "lengths": [n], "depths": [0, 100],  # noqa: E731
+                            "cells": [{"length": n, "depth": d, "accuracy": acc} for d in (0, 100)]}
+    gates = GatesFile([Gate("short|needle", "needle", {}, None, {"min_recovery_pct": 80.0}, None),
+                       Gate("long", "needle", {}, None, {"min_recovery_pct": 80.0}, None)], None, "g.yaml")
+    base = {"short|needle": {"accuracy": 1.0, "_cells": cells(64, 1.0)},
+            "long": {"accuracy": 0.5, "_cells": cells(512, 0.5)}}
+    cand = {"short|needle": {"accuracy": 0.0, "_cells": cells(64, 0.0)},
+            "long": {"accuracy": 0.25, "_cells": cells(512, 0.25)}}
+    write_report(tmp_path / "r", verdict(gates, base, cand), "base", "cand", "g.yaml")
+    assert drawn == [[[1.0, 1.0]], [[0.0, 0.0]], [[0.5, 0.5]], [[0.25, 0.25]]]
+    row = next(line for line in (tmp_path / "r" / "report.md").read_text().splitlines() if line.startswith("| short"))
+    assert row.startswith(r"| short\|needle | accuracy | 1 | 0 |")
+    assert len(re.split(r"(?<!\\)\|", row)) == 9  # the table's 7 cells
+
+
 def test_cli_gates_bad_input_exits_2(tmp_path, tiny_dir):
     r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--gates", "ci"])
     assert r.exit_code == 2 and "--baseline" in r.output

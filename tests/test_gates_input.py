@@ -177,6 +177,38 @@ def test_repeated_needle_cells_count_once(tokenizer):
     assert r.accuracy == 0.5 and len(r.answers) == 2
 
 
+def test_default_needle_lengths_fit_the_filler_and_longer_ones_name_lengths(tokenizer, tiny_dir, caplog):
+    """A long context (128k) would have the default haystacks outgrow the filler text: they stop
+    at what the filler holds, and the log says so; lengths given past it name --lengths and the maximum."""
+    import logging
+
+    from qtk.data import builtin_texts
+    from qtk.evals.needle import needle
+
+    class LongContext:
+        max_model_len = 131072
+
+        def __init__(self):
+            self.tokenizer = tokenizer
+
+        def generate(self, prompts, params):
+            return [SimpleNamespace(outputs=[SimpleNamespace(text="no")]) for _ in prompts]
+
+    filler = "One more sentence of filler text. " * 100
+    available = len(tokenizer(filler, add_special_tokens=False).input_ids) - 1
+    assert 512 < available < 1024
+    with caplog.at_level(logging.INFO, logger="qtk.evals.needle"):
+        r = needle(LongContext(), depths=[50], filler=filler)
+    assert r.lengths == [256, 512]
+    assert (f"the filler text has {available + 1} tokens, so the default haystack lengths stop at 512 (the context "
+            "would take 65536)") in caplog.text
+    with pytest.raises(InputError, match=rf"--lengths 1024 is longer .* up to {available}, or a longer filler"):
+        needle(LongContext(), lengths=[256, 1024], depths=[50], filler=filler)
+    builtin = len(tokenizer("\n\n".join(builtin_texts("evaluation")), add_special_tokens=False).input_ids) - 1
+    r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--task", "needle", "--lengths", "64,100000"])
+    assert r.exit_code == 2 and f"give --lengths (a gates file: args.lengths) up to {builtin}" in r.output
+
+
 def test_needle_depth_holds_where_no_sentence_ends_after_it(tokenizer):
     """A haystack with no sentence end after d% puts the needle at the last one before it (or at
     d%), never at the haystack's end, where it would score the 100% cell's recency as d%'s."""
@@ -324,6 +356,32 @@ def test_report_is_written_whole_and_as_standard_json(tmp_path, monkeypatch):
         report.write_report(out, verdict(gates, {"needle": {"accuracy": 1.0}}, {"needle": {"accuracy": 0.0}}),
                             "b", "c", "g.yaml")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous report, untouched
+
+
+def test_a_json_write_cut_short_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch):
+    """--json's file and a baseline cache entry: a write that fails partway (a full disk) raises,
+    keeps the previous file and removes its temporary file."""
+    import errno
+    from pathlib import Path
+
+    import qtk.evals.report as report
+    import qtk.evals.scoring as scoring
+
+    real = Path.write_text
+
+    def cut_short(self, text, *args, **kwargs):
+        real(self, text[:len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for write_json in (report.write_json, scoring._write_json):
+        folder = tmp_path / write_json.__module__
+        write_json(folder / "out.json", {"before": 1})
+        monkeypatch.setattr(Path, "write_text", cut_short)
+        with pytest.raises(OSError, match="No space left"):
+            write_json(folder / "out.json", {"after": 2})
+        monkeypatch.setattr(Path, "write_text", real)
+        assert [p.name for p in folder.iterdir()] == ["out.json"]
+        assert json.loads((folder / "out.json").read_text()) == {"before": 1}
 
 
 @pytest.fixture

@@ -52,6 +52,9 @@ def test_parse_answer_forgives_only_whitespace_and_a_fence():
     assert parse_answer(' {"a": 1}\n') == {"a": 1}
     assert parse_answer('```json\n{"a": 1}\n```') == {"a": 1}
     assert parse_answer('Here it is:\n```json\n{"a": 1}\n```\nThis JSON has ```two``` fences.') == {"a": 1}
+    assert parse_answer('```JSON\n{"a": 1}\n```') == {"a": 1}
+    assert parse_answer('Here it is:\r\n```json\r\n{"a": 1}\r\n```\r\nDone.') == {"a": 1}
+    assert parse_answer('```Json \r\n{"a": 1}```') == {"a": 1}
     for text in ('Sure! {"a": 1}', '{"a": 1} hope this helps', "{'a': 1}", "", '```json\n{"a": 1,}\n```',
                  '{"n": NaN}', '{"n": Infinity}', "-Infinity"):  # Python's extensions, not JSON
         with pytest.raises(ValueError):

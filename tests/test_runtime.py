@@ -250,6 +250,22 @@ def test_extreme_sampling_values_draw_a_token_and_the_engine_goes_on(tiny_dir, e
         assert out[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
 
 
+@pytest.mark.parametrize("penalty", [1e38, 1e39, 1e300])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_huge_repetition_penalty_lowers_seen_tokens_never_excludes_them(penalty, temperature):
+    """vLLM bounds repetition_penalty only below (> 0, finite). Tokens 1-3, all in the prompt, are
+    the only ones a grammar allows (the others -inf): a penalty overflowing float32 used to send
+    them to -inf too, so the choice fell on a forbidden token and broke the grammar (a 500)."""
+    from qtk import SamplingParams
+    from qtk.runtime.sampler import Sampler
+    from qtk.runtime.sequence import Sequence
+
+    logits = torch.full((1, 8), float("-inf"))
+    logits[0, 1:4] = torch.tensor([-5.0, -4.0, -3.5])
+    seq = Sequence([1, 2, 3], SamplingParams(repetition_penalty=penalty, temperature=temperature, seed=0))
+    assert Sampler()(logits, [seq])[0] in (1, 2, 3)
+
+
 def test_incremental_detokenization_is_the_whole_decode_and_never_half_a_character(tokenizer):
     """Random token ids of the bundled byte-level BPE tokenizer (multi-byte characters split over
     several tokens included): the pieces add up to the full decode, and no piece ends inside a

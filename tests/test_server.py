@@ -402,6 +402,17 @@ def test_logit_bias_reaches_the_sampler(client, tokenizer):
     assert forced == tokenizer.decode([42] * 4) != plain
 
 
+def test_a_huge_repetition_penalty_keeps_the_grammar(client):
+    """A repetition penalty past float32's range (vLLM takes any finite one above 0) where the
+    grammar allows only a prompt token (whose logit is negative here): answered, not a 500."""
+    for temperature in (0, 1.0):
+        for penalty in (1e39, 1e300):
+            out = client.completions.create(model="tiny", prompt="x,", max_tokens=4, temperature=temperature, seed=0,
+                                            extra_body={"repetition_penalty": penalty,
+                                                        "structured_outputs": {"regex": "x"}})
+            assert out.choices[0].text == "x" and out.choices[0].finish_reason == "stop"
+
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
@@ -711,6 +722,7 @@ REASONING_TEXTS = [
     ("qwen3", "<think>\nLet me add: 2 + 2 = 4.\n</think>\n\nIt is 4.", "\nLet me add: 2 + 2 = 4.\n", "\n\nIt is 4."),
     ("qwen3", "It is 4, no thinking.", "", "It is 4, no thinking."),
     ("qwen3", "<think>still thinking when max_tokens", "still thinking when max_tokens", ""),
+    ("qwen3", "<think>a</think>\n\n", "a", "\n\n"),  # a whitespace answer is kept, as vLLM's and as streamed
     ("deepseek_r1", "Hmm, 2 + 2.</think>4", "Hmm, 2 + 2.", "4"),
     ("deepseek_r1", "<think>a</think>b </think> c", "a", "b </think> c"),
     ("deepseek_r1", "never closed <", "never closed <", ""),
@@ -729,7 +741,7 @@ def test_reasoning_splits_the_thought_streamed_as_whole(name, text, thought, ans
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
     msg = ChatChoices(body, None, PARSERS[name]()).message(CompletionOutput(0, text, [], "length"))["message"]
     assert (msg.get("reasoning", ""), msg["content"] or "") == (thought, answer)
-    assert msg["content"] is not None or thought  # null only when it all was thought
+    assert msg["content"] == (answer or None if thought else answer)  # null only when it all was thought
     assert msg.get("reasoning_content") == msg.get("reasoning")
     replies, got = ChatChoices(body, None, PARSERS[name]()), {"reasoning": "", "content": ""}
     for n in range(1, len(text) + 1):

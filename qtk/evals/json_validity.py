@@ -25,7 +25,7 @@ from ..data import jsonl_rows
 from ..errors import InputError
 
 PROMPTS = Path(__file__).parent / "data" / "json_prompts.jsonl"
-FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)```", re.S)
+FENCE = re.compile(r"```(?:json)?[ \t]*\r?\n(.*?)```", re.S | re.I)  # ```JSON too, and CRLF line ends
 
 
 def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[dict]:

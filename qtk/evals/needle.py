@@ -20,11 +20,14 @@ tokenizer, so a baseline and a candidate answer the same questions.
 """
 from __future__ import annotations
 
+import logging
 import random
 import re
 from dataclasses import dataclass, field
 
 from ..errors import InputError
+
+log = logging.getLogger(__name__)
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -78,10 +81,16 @@ def default_lengths(max_model_len: int) -> list[int]:
     return lengths or [max(16, max_model_len - 128)]
 
 
-def build_cases(tokenizer, lengths: list[int], depths: list[int], samples: int = 1, seed: int = 0,
-                filler: str | None = None) -> list[NeedleCase]:
+def filler_tokens(tokenizer, filler: str | None) -> list[int]:
+    """The filler text (the built-in corpus's evaluation split unless given) as token ids."""
     from ..data import builtin_texts
 
+    text = filler if filler is not None else "\n\n".join(builtin_texts("evaluation"))
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def build_cases(tokenizer, lengths: list[int], depths: list[int], samples: int = 1, seed: int = 0,
+                filler: str | None = None) -> list[NeedleCase]:
     for d in depths:
         if not 0 <= d <= 100:
             raise InputError(f"needle depths are percents in [0, 100], got {d}")
@@ -90,10 +99,10 @@ def build_cases(tokenizer, lengths: list[int], depths: list[int], samples: int =
                          f"depths {depths}")
     if any(n < 16 for n in lengths):
         raise InputError(f"needle haystack lengths must be at least 16 tokens, got {sorted(lengths)}")
-    text = filler if filler is not None else "\n\n".join(builtin_texts("evaluation"))
-    stream = tokenizer(text, add_special_tokens=False).input_ids
+    stream = filler_tokens(tokenizer, filler)
     if len(stream) < max(lengths) + 1:
-        raise InputError(f"the filler text has {len(stream)} tokens; the longest haystack needs {max(lengths)}")
+        raise InputError(f"--lengths {max(lengths)} is longer than the filler text allows ({len(stream)} tokens): "
+                         f"give --lengths (a gates file: args.lengths) up to {len(stream) - 1}, or a longer filler")
     chat = bool(getattr(tokenizer, "chat_template", None))
     rng = random.Random(seed)
     cases = []
@@ -136,7 +145,7 @@ def needle(llm, lengths: list[int] | None = None, depths: list[int] | None = Non
     """Every (length, depth, sample) case as one batch on the engine `llm` (qtk.LLM), greedily."""
     from ..runtime.sampling_params import SamplingParams
 
-    lengths = sorted(set(lengths or default_lengths(llm.max_model_len)))  # a repeated cell would count twice
+    lengths = sorted(set(lengths or _fitting_default_lengths(llm, filler)))  # a repeated cell would count twice
     depths = sorted(set(DEFAULT_DEPTHS if depths is None else depths))
     cases = build_cases(llm.tokenizer, lengths, depths, samples, seed, filler)
     too_long = [c for c in cases if len(c.prompt) + max_tokens > llm.max_model_len]
@@ -153,3 +162,13 @@ def needle(llm, lengths: list[int] | None = None, depths: list[int] | None = Non
         answers.append({"length": c.length, "depth": c.depth, "key": c.key, "answer": text, "retrieved": ok})
     cells = {(n, d): hits[n, d] / samples for n in lengths for d in depths}
     return NeedleResult(lengths, depths, cells, samples, answers)
+
+
+def _fitting_default_lengths(llm, filler: str | None) -> list[int]:
+    """default_lengths for llm's context, without those longer than the filler text provides."""
+    lengths, available = default_lengths(llm.max_model_len), len(filler_tokens(llm.tokenizer, filler)) - 1
+    fitting = [n for n in lengths if n <= available] or [available]
+    if fitting != lengths:
+        log.info("needle: the filler text has %d tokens, so the default haystack lengths stop at %d (the context "
+                 "would take %d); a longer filler gives longer haystacks", available + 1, fitting[-1], lengths[-1])
+    return fitting

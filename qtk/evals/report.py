@@ -58,8 +58,11 @@ def write_json(path: Path, value) -> None:
     """The file whole or not at all: written beside it, then renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(to_json(value))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(to_json(value))
+        os.replace(tmp, path)
+    finally:  # a write cut short (a full disk) leaves no temporary file behind
+        tmp.unlink(missing_ok=True)
 
 
 def write_report(out: Path, v: Verdict, baseline: str, candidate: str, gates_path: str) -> list[Path]:
@@ -93,14 +96,20 @@ def _write_files(out: Path, v: Verdict, baseline: str, candidate: str, gates_pat
           f"Candidate `{candidate}` against baseline `{baseline}`, gates `{gates_path}`.", "",
           "| gate | metric | baseline | candidate | recovery | threshold | verdict |", "|---|---|---|---|---|---|---|"]
     for r in v.rows:
-        md.append(f"| {r.gate} | {r.metric} | {r.baseline:.4g} | {r.candidate:.4g} | {r.recovery_pct:.1f}% | "
-                  f"{r.threshold} | {({True: 'pass', False: '**FAIL**', None: 'soft'})[r.passed]} |")
+        md.append(f"| {_cell(r.gate)} | {_cell(r.metric)} | {r.baseline:.4g} | {r.candidate:.4g} | "
+                  f"{r.recovery_pct:.1f}% | {r.threshold} | "
+                  f"{({True: 'pass', False: '**FAIL**', None: 'soft'})[r.passed]} |")
     if v.soft_score_pct is not None:
         md.append(f"| soft score | weighted recovery | | | {v.soft_score_pct:.1f}% | >= {v.min_score_pct:g}% | "
                   f"{'pass' if v.soft_passed else '**FAIL**'} |")
     md += [""] + [f"![{p.stem}]({p.name})" for p in pictures]
     (out / "report.md").write_text("\n".join(md) + "\n")
     return written
+
+
+def _cell(text: str) -> str:
+    """A Markdown table cell: a | in a name would end the cell."""
+    return text.replace("|", r"\|")
 
 
 def _pictures(out: Path, v: Verdict) -> list[Path]:
@@ -126,19 +135,19 @@ def _pictures(out: Path, v: Verdict) -> list[Path]:
     plt.close(fig)
 
     needles = [(name, m["_cells"]) for name, m in v.baseline.items() if isinstance(m, dict) and "_cells" in m]
-    if needles:
-        name, base = needles[0]
-        cand = v.candidate[name]["_cells"]
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-        for ax, cells, title in ((axes[0], base, "baseline"), (axes[1], cand, "candidate")):
-            grid = [[next(c["accuracy"] for c in cells["cells"] if c["length"] == n and c["depth"] == d)
-                     for d in cells["depths"]] for n in cells["lengths"]]
-            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-            ax.set_xticks(range(len(cells["depths"])), [f"{d}%" for d in cells["depths"]])
-            ax.set_yticks(range(len(cells["lengths"])), [str(n) for n in cells["lengths"]])
-            ax.set_xlabel("needle depth")
-            ax.set_title(f"{title}: {cells['accuracy']:.0%} retrieved")
-        axes[0].set_ylabel("haystack tokens")
+    if needles:  # one row per needle gate: baseline beside candidate
+        fig, axes = plt.subplots(len(needles), 2, figsize=(10, 3.8 * len(needles)), squeeze=False)
+        for row, (name, base) in zip(axes, needles):
+            cand = v.candidate[name]["_cells"]
+            for ax, cells, title in ((row[0], base, "baseline"), (row[1], cand, "candidate")):
+                grid = [[next(c["accuracy"] for c in cells["cells"] if c["length"] == n and c["depth"] == d)
+                         for d in cells["depths"]] for n in cells["lengths"]]
+                im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+                ax.set_xticks(range(len(cells["depths"])), [f"{d}%" for d in cells["depths"]])
+                ax.set_yticks(range(len(cells["lengths"])), [str(n) for n in cells["lengths"]])
+                ax.set_xlabel("needle depth")
+                ax.set_title(f"{name}, {title}: {cells['accuracy']:.0%} retrieved".replace("$", r"\$"))
+            row[0].set_ylabel("haystack tokens")
         fig.colorbar(im, ax=axes, label="retrieved")
         paths.append(out / "needle.png")
         fig.savefig(paths[-1], dpi=100)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 4  # bump when a task's metrics change: cached baselines are recomputed
+CACHE_VERSION = 5  # bump when a task's metrics change: cached baselines are recomputed
 
 
 def run_task(llm, gate: Gate, seed: int = 0, reference: dict | None = None) -> dict:
@@ -170,8 +170,11 @@ def _write_json(path: Path, value: dict) -> None:
     """Whole or not at all: a temporary file beside it, renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+    finally:  # a write cut short (a full disk) leaves no temporary file behind
+        tmp.unlink(missing_ok=True)
 
 
 def score_model(model: str, gates: list[Gate], engine_args: dict, seed: int, label: str, cache: bool,

@@ -65,7 +65,10 @@ class ChatChoices:
             return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
                     "finish_reason": "tool_calls" if c.finish_reason == "stop" else c.finish_reason}
         thought, content, calls = self._answer(c.text, final=True)
-        message = {"role": "assistant", "content": content if content.strip() or not (calls or thought) else None}
+        # null: no answer after the thought (vLLM's `content or None`: whitespace is kept, as streamed),
+        # or only whitespace beside tool calls
+        empty = not content.strip() if calls else not content and thought
+        message = {"role": "assistant", "content": None if empty else content}
         if thought:
             message["reasoning"] = message["reasoning_content"] = thought
         if calls:

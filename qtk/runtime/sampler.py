@@ -24,8 +24,12 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     p = seq.params
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-        x = logits[seen]
-        logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        x = logits[seen].double()  # a penalty past float32's range (1e39) must not become inf (0 * inf is NaN)
+        y = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        # a penalty lowers a token, never excludes it: where it overflows, the token keeps the lowest
+        # finite logit (-inf would leave a grammar that allows only seen tokens nothing to choose)
+        lo, hi = torch.finfo(logits.dtype).min, torch.finfo(logits.dtype).max
+        logits[seen] = torch.where(torch.isfinite(x), y.clamp(lo, hi), x).to(logits.dtype)
     if (p.presence_penalty or p.frequency_penalty) and seq.num_generated_tokens:
         out = torch.tensor(seq.generated_token_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(out, minlength=logits.numel()).to(logits.dtype)
