@@ -56,9 +56,19 @@ class BlockInputs:
 
     hidden: list[torch.Tensor]  # each [batch, seq, hidden], kept on CPU between blocks
     kwargs: list[dict]  # position embeddings, masks, ... (on the calibration device)
+    # per batch, the attention mask the model gives each block: models that mix full-attention and
+    # sliding-window layers (Qwen2/Qwen3 with max_window_layers) give each kind its own
+    masks: list[list] = field(default_factory=list)
 
     def __len__(self):
         return len(self.hidden)
+
+    def for_block(self, index: int) -> BlockInputs:
+        """These inputs with block `index`'s own attention mask."""
+        if not self.masks:
+            return self
+        kwargs = [{**kw, "attention_mask": m[index]} for kw, m in zip(self.kwargs, self.masks)]
+        return BlockInputs(self.hidden, kwargs, self.masks)
 
 
 @dataclass
@@ -120,33 +130,53 @@ class Block:
         set_module(self.layer, name, module)
 
 
+class _StandIn(nn.Module):
+    """Takes a decoder block's place while the calibration inputs are captured: keeps the call the
+    model makes to it (hidden states, rotary, the mask of the block's attention kind) and passes
+    the hidden states on; the last one ends the forward."""
+
+    def __init__(self, layer: nn.Module, calls: list[list], last: bool):
+        super().__init__()
+        if hasattr(layer, "attention_type"):  # transformers 4.x picks each block's mask by it
+            self.attention_type = layer.attention_type
+        self.calls, self.last = calls, last
+
+    def forward(self, *args, **kwargs):
+        self.calls[-1].append((args, kwargs))
+        if self.last:
+            raise _Stop
+        return args[0] if args else kwargs["hidden_states"]
+
+
 def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torch.device,
                    batch_size: int) -> BlockInputs:
-    """Run the model up to block 0 and keep what it receives, one entry per batch."""
+    """Run the model up to its blocks and keep what block 0 receives, one entry per batch, and the
+    attention mask each block receives. The blocks stand aside meanwhile: none of them runs."""
     layers = get_module(model, arch.layers)
     pre = [get_module(model, arch.embed), get_module(model, arch.rotary)]
     for m in pre:
         onload(m, device)
-    hidden, kwargs = [], []
-
-    def grab(_, args, kw):
-        hidden.append((args[0] if args else kw.pop("hidden_states")).to("cpu"))
-        kwargs.append({k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "past_key_value")})
-        raise _Stop
-
-    handle = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+    calls: list[list] = []  # per batch, (args, kwargs) of each block's call
+    set_module(model, arch.layers, nn.ModuleList(_StandIn(layer, calls, last=i + 1 == len(layers))
+                                                  for i, layer in enumerate(layers)))
     try:
         with torch.no_grad():
             for i in range(0, len(ids), batch_size):
+                calls.append([])
                 with contextlib.suppress(_Stop):
                     model(input_ids=ids[i:i + batch_size].to(device), use_cache=False)
     finally:
-        handle.remove()
+        set_module(model, arch.layers, layers)
         for m in pre:
             offload(m)
-    for kw in kwargs:
-        kw["use_cache"] = False
-    return BlockInputs(hidden, kwargs)
+    hidden, kwargs, masks = [], [], []
+    for batch in calls:
+        args, kw = batch[0]  # block 0's call
+        hidden.append((args[0] if args else kw["hidden_states"]).to("cpu"))
+        kwargs.append({k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "past_key_value")})
+        kwargs[-1]["use_cache"] = False
+        masks.append([block_kw.get("attention_mask") for _, block_kw in batch])
+    return BlockInputs(hidden, kwargs, masks)
 
 
 def targeted_linears(model: nn.Module, recipe: Recipe) -> dict[str, nn.Linear]:
@@ -185,7 +215,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
         for i in bar:
             prefix = f"{arch.layers}.{i}"
             rel = tuple(n[len(prefix) + 1:] for n in targets if n.startswith(prefix + "."))
-            block = Block(i, prefix, onload(layers[i], device), arch, inputs, device, rel)
+            own = None if inputs is None else inputs.for_block(i)  # with the mask of its attention kind
+            block = Block(i, prefix, onload(layers[i], device), arch, own, device, rel)
             inputs = quantize_block(model, block, recipe, last=i + 1 == len(layers))
             layers[i] = offload(block.layer)
             for name, err in block.errors.items():
@@ -216,7 +247,7 @@ def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -
         return None
     kv = recipe.kv_cache
     attn = start_observing(model, block.layer, block.arch, kv) if kv else None
-    outputs = BlockInputs(block.run(), block.inputs.kwargs)
+    outputs = BlockInputs(block.run(), block.inputs.kwargs, block.inputs.masks)
     if attn is not None:
         finish_observing(model, attn, kv, dtype=next(block.layer.parameters()).dtype)
     return outputs

@@ -9,6 +9,7 @@ module's k_scale/v_scale, plus the tokenizer, chat template and generation confi
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -99,25 +100,33 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, groups: lis
     out = Path(out_dir)
     if out.exists() and not force:
         raise OutputExistsError(f"{out} exists; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    old = None  # the replaced output, moved aside until the new one is in place
+    made = list(itertools.takewhile(lambda d: not d.exists(), (out.parent, *out.parent.parents)))  # deepest first
+    tmp = aside = None  # the new output while written; a fresh folder the replaced output is moved into
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
         _write(model, tokenizer, tmp, groups, ignore, kv, dtype, extra_files or {})
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
+        if out.exists():  # a unique name: one left behind by a killed earlier run cannot be in the way
+            aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+            os.replace(out, aside / out.name)
         os.replace(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out.exists():  # put the old output back: a failure loses nothing
-            os.replace(old, out)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None and not out.exists():  # put the old output back: a failure loses nothing
+            os.replace(aside / out.name, out)
+        _remove_empty([aside, *made])
         raise
-    if old is not None and old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    elif old is not None:  # --output was a file
-        old.unlink(missing_ok=True)
+    if aside is not None:  # the old output (a folder, a file or a link) inside it
+        shutil.rmtree(aside, ignore_errors=True)
     return out
+
+
+def _remove_empty(folders: list[Path | None]) -> None:
+    """Remove the folders a failed write made, deepest first; one something else wrote into stays."""
+    for d in folders:
+        if d is not None and d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
 
 
 def _write(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files):

@@ -60,10 +60,14 @@ def chunked_causal_attention(module, query, key, value, attention_mask, scaling=
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
-def register() -> None:
+def register(name: str = NAME, attention=chunked_causal_attention) -> None:
+    """Register `attention` under `name` with transformers, with sdpa's masks: transformers builds no
+    mask at all for an attention name it has no mask function for, so sliding windows would be lost."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    AttentionInterface.register(NAME, chunked_causal_attention)
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def set_implementation(model, name: str) -> str:

@@ -18,6 +18,11 @@ DTYPE_HELP = ("Compute dtype of qtk's runtime. auto: bfloat16 on CUDA; float32 o
               "them, bfloat16 where the CPU has bf16 units); the log says which and why.")
 
 
+# seeds the libraries take: torch.Generator.manual_seed 64 bits either sign; lm-eval seeds numpy, 0..2**32-1
+SEED = click.IntRange(-2 ** 63, 2 ** 64 - 1)
+EVAL_SEED = click.IntRange(0, 2 ** 32 - 1)
+
+
 class QtkGroup(click.Group):
     """Turns errors in the user's input (qtk.errors.QtkError) into one clear line and exit code 2;
     anything else is a bug or an environment failure and keeps its traceback."""
@@ -75,7 +80,7 @@ def _section(**kw):
 @click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample (512).")
 @click.option("--batch-size", type=int, default=None, help="Calibration samples per forward (8).")
 @click.option("--chat-template", is_flag=True, default=None, help="Wrap calibration samples in the chat template.")
-@click.option("--seed", type=int, default=None, help="Seed for picking calibration samples (0).")
+@click.option("--seed", type=SEED, default=None, help="Seed for picking calibration samples (0).")
 @click.option("--device", default=None, help="Calibration device: cpu or cuda[:N] (one block at a time goes there).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default=None,
               help="Model dtype while calibrating (auto: bfloat16 on CUDA and CPUs with bf16 units, float32 "
@@ -129,9 +134,11 @@ def inspect(model, json_out):
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help="At most N windows (ppl), prompts (json, spread over the categories) or examples per task (lm-eval).")
 @click.option("--lengths", default=None, help="needle: haystack lengths in tokens, comma-separated "
-                                                "(default: 256 doubling up to the context).")
+                                                "(default: 256 doubling up to the context, as far as the filler "
+                                                "text goes).")
 @click.option("--depths", default=None, help="needle: needle depths in percent, comma-separated (default 0,25,50,75,100).")
-@click.option("--seed", type=int, default=0, show_default=True, help="needle keys and positions; lm-eval's seeds.")
+@click.option("--seed", type=EVAL_SEED, default=0, show_default=True,
+              help="needle keys and positions; lm-eval's seeds.")
 @click.option("--batch-size", type=int, default=1, show_default=True,
               help="ppl: windows the runtime computes per step (its token budget is batch-size x seq-len).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
@@ -339,7 +346,7 @@ def engine_options(fn):
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k likeliest (0 = all).")
-@click.option("--seed", type=int, default=None, help="Seed of this request's sampling.")
+@click.option("--seed", type=SEED, default=None, help="Seed of this request's sampling.")
 @engine_options
 def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, device, dtype, **engine_args):
     """Generate a continuation of --prompt with MODEL (float or quantized) on qtk's runtime."""

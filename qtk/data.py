@@ -67,17 +67,28 @@ def file_texts(path: Path, text_key: str = "text") -> list[str]:
     raise InputError(f"dataset file {path} must be .txt or .jsonl")
 
 
+# the split a hub dataset gives each use: the first one it has (evaluation as lm-eval picks it)
+HF_SPLITS = {"calibration": ("train",), "evaluation": ("test", "validation")}
+
+
 def hf_texts(name: str, split: str, text_key: str = "text") -> list[str]:
     """`hf:NAME[:CONFIG]` via datasets (online users); offline, a clear error."""
     import datasets
 
     repo, _, config = name.partition(":")
-    hf_split = "train" if split == "calibration" else "test"
+    ds = None
     try:
-        ds = datasets.load_dataset(repo, config or None, split=hf_split)
+        have = datasets.get_dataset_split_names(repo, config or None)
+        hf_split = next((s for s in HF_SPLITS[split] if s in have), None)
+        if hf_split is not None:
+            ds = datasets.load_dataset(repo, config or None, split=hf_split)
     except Exception as e:
-        raise DataSourceError(f"could not load the Hugging Face dataset {repo!r} (split {hf_split}): {e}. "
-                           "Offline? Use --dataset builtin or a local .txt/.jsonl file") from e
+        raise DataSourceError(f"could not load the Hugging Face dataset {repo!r}: {e}. "
+                              "Offline? Use --dataset builtin or a local .txt/.jsonl file") from e
+    if ds is None:
+        raise InputError(f"dataset {repo!r} has no {' or '.join(HF_SPLITS[split])} split for {split} "
+                         f"(its splits: {have}); choose another dataset or a local .txt/.jsonl file")
+    log.info("%s text: hf:%s, split %s", split, name, hf_split)
     if text_key not in ds.column_names:
         raise InputError(f"dataset {repo!r} has no {text_key!r} column (columns: {ds.column_names})")
     return [t for t in ds[text_key] if t]

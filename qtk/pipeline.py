@@ -63,14 +63,17 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
 
 
 def check_output(output: Path, force: bool) -> None:
-    """Refuse an output that exists (without force) or whose folder cannot be written, before any work."""
+    """Refuse an output that exists (without force) or whose folder cannot be written, before any work.
+
+    Missing parent folders are not made here (a failed quantize would leave them): the nearest one
+    that exists is probed, where the write will make them."""
     if output.exists() and not force:
         raise OutputExistsError(f"output {output} exists; pass --force to replace it")
+    parent = next(p for p in (output.parent, *output.parent.parents) if p.exists())
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.probe-").cleanup()
+        tempfile.TemporaryDirectory(dir=parent, prefix=f".{output.name}.probe-").cleanup()
     except OSError as e:
-        raise OutputError(f"cannot write --output {output}: {e.strerror or e} ({output.parent}); "
+        raise OutputError(f"cannot write --output {output}: {e.strerror or e} ({parent}); "
                           "choose a folder you can write to") from e
 
 

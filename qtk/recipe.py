@@ -86,6 +86,8 @@ class CalibrationArgs:
         for k in ("num_samples", "seq_len", "batch_size"):
             if getattr(self, k) <= 0:
                 raise InputError(f"calibration.{k} must be positive, got {getattr(self, k)}")
+        if not -2 ** 63 <= self.seed < 2 ** 64:  # what torch.Generator.manual_seed takes
+            raise InputError(f"calibration.seed must fit in 64 bits (-2**63 <= seed < 2**64), got {self.seed}")
 
 
 CALIBRATION_DTYPES = ("auto", "bfloat16", "float32")
@@ -301,8 +303,9 @@ def to_yaml(recipe: Recipe) -> str:
     # a group size override is a group size, or -1 for a group preset made per-channel
     group_size = w.group_size if w.strategy == "group" else -1
     name = next((k for k, v in PRESETS.items() if v == recipe.scheme), None)
-    if name is None:
-        name = next((k for k, v in PRESETS.items() if v.input_activations is None and v.weights.type == "int"
+    if name is None:  # a preset regrouped (weight-only int) or made per-channel (any, e.g. fp8_static)
+        name = next((k for k, v in PRESETS.items()
+                     if (group_size == -1 or (v.input_activations is None and v.weights.type == "int"))
                      and v.with_group_size(group_size) == recipe.scheme), None)
     d = {"method": recipe.method, "scheme": name, "weights": recipe.weights, "ignore": list(recipe.ignore),
          "device": recipe.device, "dtype": recipe.dtype}

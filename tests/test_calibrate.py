@@ -219,6 +219,49 @@ def test_crash_mid_quantize_writes_nothing(tiny_dir, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("seq", [24, 160])  # 160: over chunked attention's CHUNK, in query chunks on CPU
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_each_block_gets_the_mask_of_its_attention_kind(monkeypatch, family, seq):
+    """Qwen2/Qwen3 with use_sliding_window and max_window_layers mix full-attention layers (the first)
+    with sliding-window ones; Mistral slides on every layer. With samples longer than the window,
+    every block's calibration inputs and outputs are the ones transformers' own forward gives it."""
+    import transformers
+    from interop import TINY
+
+    from test_model_families import CLASSES
+
+    config_cls, model_cls = (getattr(transformers, name) for name in CLASSES[family])
+    window = dict(sliding_window=8) if family == "mistral" else dict(use_sliding_window=True, sliding_window=8,
+                                                                      max_window_layers=1)
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**TINY, "num_hidden_layers": 3, **window})).eval()
+    ids = _ids(n=3, seq=seq)
+    ref = {}
+
+    def keep(i):
+        def hook(m, args, kw, out):
+            ref[i] = (args[0] if args else kw["hidden_states"], out)
+        return hook
+
+    handles = [layer.register_forward_hook(keep(i), with_kwargs=True) for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    for h in handles:
+        h.remove()
+    seen = {}
+
+    def method(block, recipe):  # the weights stay float: outputs are comparable with the forward's
+        seen[block.index] = (torch.cat(block.inputs.hidden), torch.cat(block.run()))
+
+    monkeypatch.setitem(WEIGHTS, "gptq", method)
+    quantize_model(model, from_flags("gptq", scheme="w8a16"), calib_ids=ids, progress=False)
+    kinds = getattr(model.config, "layer_types", None)
+    assert kinds is None or kinds == ["full_attention", "sliding_attention", "sliding_attention"]
+    for i in range(3):
+        torch.testing.assert_close(seen[i][0], ref[i][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(seen[i][1], ref[i][1], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("L,heads,kv_heads,masked", [(300, 6, 2, False), (300, 4, 4, True), (128, 2, 1, False)])
 def test_chunked_attention_matches_sdpa(L, heads, kv_heads, masked):
     """Causal attention in query chunks (qtk/chunked_sdpa.py) gives sdpa's output, with or without a mask."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -299,6 +300,39 @@ def test_a_failed_swap_puts_the_old_output_back_and_a_file_output_is_replaced(ti
     f.write_text("not a checkpoint")
     _save(model, recipe, f, force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "file"] and (f / "model.safetensors").is_file()
+
+
+def test_force_is_not_stopped_by_what_a_killed_run_left_aside(tiny_llama, tmp_path):
+    """A killed --force run can leave its moved-aside output behind; a later run (with the same pid,
+    as after a reboot or in a container) still replaces the output and leaves that copy alone."""
+    model, recipe = _quantized(tiny_llama, "w8a16")
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous checkpoint")
+    leftover = tmp_path / f".ck.old-{os.getpid()}"
+    leftover.mkdir()
+    (leftover / "stale.txt").write_text("from a killed run")
+    _save(model, recipe, out, force=True)
+    assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [leftover.name, "ck"]
+    assert [p.name for p in leftover.iterdir()] == ["stale.txt"]
+
+
+def test_a_failed_write_removes_the_folders_it_made(tiny_llama, tmp_path, monkeypatch):
+    model, recipe = _quantized(tiny_llama, "w8a16")
+
+    def failing_save(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "save_file", failing_save)
+    (tmp_path / "a").mkdir()
+    out = tmp_path / "a" / "b" / "c" / "ck"
+    with pytest.raises(OSError, match="disk full"):
+        _save(model, recipe, out)
+    assert [p.name for p in tmp_path.iterdir()] == ["a"] and list((tmp_path / "a").iterdir()) == []
+    monkeypatch.undo()
+    _save(model, recipe, out)
+    assert (out / "model.safetensors").is_file() and [p.name for p in out.parent.iterdir()] == ["ck"]
 
 
 def test_a_group_size_of_minus_one_without_a_strategy_is_per_channel():

@@ -210,6 +210,19 @@ def test_generate_chat(quantized):
     _one_line_error(run("generate", out, "--prompt", "hi", "--max-tokens", 0), r"--max-tokens must be positive, got 0")
 
 
+def test_generate_chat_without_a_template_says_drop_chat(tiny_dir, tmp_path):
+    """The CLI's wording (--chat), not the runtime API's (LLM.generate)."""
+    import shutil
+
+    plain = tmp_path / "no-template"
+    shutil.copytree(tiny_dir, plain, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    small = ["--max-tokens", 2, "--max-model-len", 64, "--kv-cache-memory", 2**21]
+    _one_line_error(run("generate", plain, "--prompt", "hi", "--chat", *small),
+                    rf"{re.escape(str(plain))} has no chat template: drop --chat to generate from the prompt as "
+                    r"written", after_load=True)
+    assert run("generate", plain, "--prompt", "hi", *small).exit_code == 0
+
+
 def test_serve_tool_flags_go_together(tiny_dir):
     for flags in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
         result = run("serve", tiny_dir, *flags)

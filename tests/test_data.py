@@ -108,31 +108,67 @@ def test_hf_offline_is_a_clear_error(monkeypatch):
 
     calls = []
 
-    def offline(repo, config=None, split=None, **kw):
-        calls.append((repo, config, split))
+    def offline(repo, config=None, **kw):
+        calls.append((repo, config))
         raise ConnectionError("Couldn't reach 'wikitext' on the Hub (LocalEntryNotFoundError)")
 
+    monkeypatch.setattr(datasets, "get_dataset_split_names", offline)
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(RuntimeError, match=r"could not load the Hugging Face dataset 'wikitext' \(split test\): "
+    with pytest.raises(RuntimeError, match=r"could not load the Hugging Face dataset 'wikitext': "
                                            r"Couldn't reach .*Offline\? Use --dataset builtin"):
         data.load_texts("hf:wikitext:wikitext-2-raw-v1", "evaluation")
-    assert calls == [("wikitext", "wikitext-2-raw-v1", "test")]
+    assert calls == [("wikitext", "wikitext-2-raw-v1")]
+
+
+class FakeSet:
+    def __init__(self, columns):
+        self.column_names = columns
+
+    def __getitem__(self, key):
+        return ["a", "", "b"]
+
+
+def fake_hub(monkeypatch, splits, columns=("text", "label")):
+    """datasets' loader over a dataset with these splits; the splits loaded are recorded."""
+    import datasets
+
+    loaded = []
+
+    def load(repo, config=None, split=None):
+        if split not in splits:  # as datasets says it
+            raise ValueError(f'Unknown split "{split}". Should be one of {list(splits)}.')
+        loaded.append(split)
+        return FakeSet(list(columns))
+
+    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda repo, config=None: list(splits))
+    monkeypatch.setattr(datasets, "load_dataset", load)
+    return loaded
 
 
 def test_hf_texts_column_and_empty_rows(monkeypatch):
-    import datasets
-
-    class Fake:
-        column_names = ["text", "label"]
-
-        def __getitem__(self, key):
-            return ["a", "", "b"]
-
-    monkeypatch.setattr(datasets, "load_dataset", lambda repo, config=None, split=None: Fake())
+    fake_hub(monkeypatch, ["train", "test"])
     assert data.load_texts("hf:some/set", "calibration") == ["a", "b"]
-    Fake.column_names = ["content"]
+    fake_hub(monkeypatch, ["train", "test"], columns=["content"])
     with pytest.raises(ValueError, match="dataset 'some/set' has no 'text' column"):
         data.load_texts("hf:some/set", "calibration")
+
+
+def test_hf_evaluation_reads_test_else_validation_and_says_which(monkeypatch, caplog):
+    """As lm-eval picks: the test split, else validation; a dataset with neither is named, not blamed
+    on the network."""
+    caplog.set_level("INFO", logger="qtk.data")
+    loaded = fake_hub(monkeypatch, ["train", "validation", "test"])
+    data.load_texts("hf:some/set", "evaluation")
+    assert loaded == ["test"]
+    loaded = fake_hub(monkeypatch, ["train", "validation"])
+    data.load_texts("hf:some/set", "evaluation")
+    assert loaded == ["validation"]
+    assert "evaluation text: hf:some/set, split validation" in caplog.text
+    fake_hub(monkeypatch, ["train"])
+    with pytest.raises(ValueError) as e:
+        data.load_texts("hf:some/set", "evaluation")
+    assert str(e.value) == ("dataset 'some/set' has no test or validation split for evaluation (its splits: "
+                            "['train']); choose another dataset or a local .txt/.jsonl file")
 
 
 # --- perplexity ----------------------------------------------------------------------------

@@ -142,6 +142,24 @@ def test_a_bug_keeps_its_traceback(tiny_dir, tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_failed_quantize_leaves_no_folders_it_made(tiny_dir, tmp_path, monkeypatch):
+    """Missing parents of --output are made only for the write, and removed again when it fails."""
+    from qtk import checkpoint, pipeline
+
+    def boom(*a, **k):
+        raise RuntimeError("an internal failure")
+
+    monkeypatch.setattr(pipeline, "quantize_model", boom)
+    result = run("quantize", tiny_dir, "--method", "rtn", "--group-size", 32, "-o", tmp_path / "a" / "b" / "out")
+    assert isinstance(result.exception, RuntimeError)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    monkeypatch.setattr(checkpoint, "save_file", boom)
+    result = run("quantize", tiny_dir, "--method", "rtn", "--group-size", 32, "-o", tmp_path / "a" / "b" / "out")
+    assert isinstance(result.exception, RuntimeError)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_default_group_size_fits_the_model_explicit_one_is_checked(tiny_dir, tmp_path, caplog):
     """No --group-size: the scheme's 128 becomes the largest power of two that divides every layer
     (the tiny model's hidden size is 64), and the log says so; --group-size 128 is refused."""
@@ -169,6 +187,8 @@ def test_default_group_size_fits_the_model_explicit_one_is_checked(tiny_dir, tmp
     ("method: rtn\ngroup_size: '64'\n", "recipe group_size must be an integer"),
     ("method: rtn\nignore: 're:.*mlp.*'\n", "recipe ignore must be a list"),
     ("method: rtn\ndevice: tpu\n", "device must be cpu or cuda[:N], got 'tpu'"),
+    ("method: gptq\ncalibration: {seed: 18446744073709551616}\n",
+     "calibration.seed must fit in 64 bits (-2**63 <= seed < 2**64), got 18446744073709551616"),
     (b"method: rtn\n# caf\xe9\n", "is not UTF-8 text"),
 ])
 def test_recipe_values_of_the_wrong_type(tiny_dir, tmp_path, recipe, message):
@@ -221,6 +241,14 @@ def test_method_options_are_taken_where_the_recipe_runs_the_method():
     (("serve", "{model}", "--port", "70000"), "Invalid value for '--port': 70000 is not in the range 0<=x<=65535"),
     (("serve", "{model}", "--chat-template", "{latin1}"), "error: --chat-template file {latin1} is not UTF-8 text"),
     (("bench", "kernels", "--device", "cpu", "--m", "1,x"), "error: --m takes comma-separated integers, got '1,x'"),
+    # seeds torch (64 bits) or numpy (lm-eval's, 32 bits unsigned) cannot take
+    (("quantize", "{model}", "--method", "gptq", "--seed", 2 ** 64, "-o", "{out}"),
+     "Invalid value for '--seed': 18446744073709551616 is not in the range -9223372036854775808<=x<="
+     "18446744073709551615"),
+    (("eval", "{model}", "--seed", 2 ** 32),
+     "Invalid value for '--seed': 4294967296 is not in the range 0<=x<=4294967295"),
+    (("eval", "{model}", "--seed", -1), "Invalid value for '--seed': -1 is not in the range 0<=x<=4294967295"),
+    (("generate", "{model}", "--prompt", "hi", "--seed", 2 ** 64), "Invalid value for '--seed': 18446744073709551616"),
 ])
 def test_bad_option_values_are_refused_before_a_model_loads(tiny_dir, tmp_path, monkeypatch, args, message):
     """Each of these was a traceback (ZeroDivisionError, OverflowError, UnicodeDecodeError, ...) or a
@@ -233,7 +261,7 @@ def test_bad_option_values_are_refused_before_a_model_loads(tiny_dir, tmp_path, 
     monkeypatch.setattr(engine_module, "LLM", must_not_load)
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("un caf\xe9 {{ messages }}".encode("latin-1"))
-    result = run(*[a.format(model=tiny_dir, latin1=latin1) for a in args])
+    result = run(*[str(a).format(model=tiny_dir, latin1=latin1, out=tmp_path / "out") for a in args])
     assert result.exit_code == 2, (result.output, result.exception)
     assert message.format(latin1=latin1) in result.stderr
 

@@ -200,6 +200,7 @@ def test_yaml_flags_override_file(tmp_path):
     dict(method="awq", awq={"grid": 5}),
     dict(method="smoothquant", scheme="w8a8", smoothquant={"alpha": 0.8}, kv_cache="int8"),
     dict(method="fp8", scheme="fp8_static", kv_cache="fp8", device="cuda:1"),
+    dict(method="fp8", scheme="fp8_static", group_size=-1),  # per-channel weights, static activations
     dict(method="fp8"),
 ])
 def test_to_yaml_build_round_trip(tmp_path, kwargs):

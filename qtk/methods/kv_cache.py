@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..chunked_sdpa import chunked_causal_attention, set_implementation
+from ..chunked_sdpa import chunked_causal_attention, register, set_implementation
 from ..kv_scales import kv_scale
 from ..models import Arch, get_module
 from ..quant import dequantize, quantize
@@ -50,10 +50,8 @@ def _quantized_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def _register():
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(OBSERVE, _observe_attention)
-    AttentionInterface.register(FAKE_QUANT, _quantized_attention)
+    register(OBSERVE, _observe_attention)
+    register(FAKE_QUANT, _quantized_attention)
 
 
 def enable_kv_quant(model: nn.Module) -> None:
