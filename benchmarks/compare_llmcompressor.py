@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -29,8 +28,10 @@ from qtk.checkpoint import save_quantized  # noqa: E402
 from qtk.data import calibration_ids  # noqa: E402
 from qtk.device import choose_dtype  # noqa: E402
 from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
+from qtk.kernels.bench import git_commit  # noqa: E402
 from qtk.models import BUNDLED, load_model, resolve  # noqa: E402
 from qtk.recipe import SmoothQuantArgs, build, from_flags, replace  # noqa: E402
+from qtk.runtime.bench import _cpu_name as cpu_name  # noqa: E402
 
 
 def qtk_recipes(group_size: int) -> dict:
@@ -103,7 +104,7 @@ def main():
     print(f"baseline ppl {baseline:.4f} ({len(windows)} windows x {args.eval_seq_len})", flush=True)
     recipes = {k: replace(r, dtype=args.dtype) for k, r in qtk_recipes(args.group_size).items()}
     record = {
-        "command": " ".join(sys.argv), "git_commit": _git(), "device": platform.processor() or platform.machine(),
+        "command": " ".join(sys.argv), "git_commit": git_commit(), "device": cpu_name(),
         "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
         "model": BUNDLED, "dtype": args.dtype, "calibration": {"dataset": "builtin", "samples": args.num_samples, "seq_len": args.seq_len,
                                           "seed": 0},
@@ -153,13 +154,6 @@ def table(r: dict) -> str:
 
 def _fmt(v, spec: str) -> str:
     return "" if v is None else spec.format(v)
-
-
-def _git() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

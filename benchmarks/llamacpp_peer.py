@@ -3,8 +3,9 @@ venv (scripts/peer_env.sh llamacpp ...).
 
     python benchmarks/llamacpp_peer.py JOB.json OUT.json
 JOB: {"gguf": FILE, "prompt": [token ids], "max_tokens": N, "threads": T (default: all cores)}
-OUT: {"tokens", "seconds" (decode of the output tokens after the prompt), "prompt_s",
-"load_s"}, or {"error": why}.
+OUT: {"tokens", "seconds" (the prompt's evaluation and the decode of all N output tokens, the
+span qtk's, vLLM's and transformers' batch-1 figures time), "prompt_s", "decode_s", "load_s",
+"threads"}, or {"error": why}. One warm-up request first, as llama-bench does.
 """
 import json
 import os
@@ -16,20 +17,25 @@ import traceback
 def run(job):
     from llama_cpp import Llama
 
+    threads = job.get("threads") or os.cpu_count()
     t = time.perf_counter()
-    llm = Llama(job["gguf"], n_ctx=2048, n_threads=job.get("threads") or os.cpu_count(), verbose=False)
+    # n_threads_batch too: llama-cpp-python's default for the prompt is every logical CPU
+    llm = Llama(job["gguf"], n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
     load_s = time.perf_counter() - t
+    llm.eval(job["prompt"])  # warm-up: pages the mmapped weights in, as the other engines' warm-ups do
+    llm.eval([llm.sample(top_k=1, temp=0.0)])
     llm.reset()
     t = time.perf_counter()
     llm.eval(job["prompt"])
     prompt_s = time.perf_counter() - t
-    t = time.perf_counter()
-    n = 0
-    for _ in range(job["max_tokens"]):  # greedy, EOS ignored: decode exactly max_tokens tokens
+    n = job["max_tokens"]
+    for i in range(1, n + 1):  # greedy, EOS ignored: n tokens, the first from the prompt's logits
         token = llm.sample(top_k=1, temp=0.0)
-        llm.eval([token])
-        n += 1
-    return {"tokens": n, "seconds": time.perf_counter() - t, "prompt_s": prompt_s, "load_s": load_s}
+        if i < n:  # the last token's forward would feed no one
+            llm.eval([token])
+    seconds = time.perf_counter() - t
+    return {"tokens": n, "seconds": seconds, "prompt_s": prompt_s, "decode_s": seconds - prompt_s,
+            "load_s": load_s, "threads": threads}
 
 
 if __name__ == "__main__":

@@ -42,8 +42,12 @@ def size_on_disk(path: Path) -> int:
 def quantize(name: str, args: list, num_samples: int, requantize: bool) -> Path:
     out = ROOT / "build" / "quality" / name
     if (out / "config.json").is_file() and not requantize:
-        print(f"[{name}] reusing {out}", flush=True)
-        return out
+        report = out / "qtk_report.json"
+        made_with = json.loads(report.read_text()).get("calibration_samples") if report.is_file() else None
+        if made_with in (0, num_samples):  # 0: a recipe without calibration data
+            print(f"[{name}] reusing {out}", flush=True)
+            return out
+        print(f"[{name}] {out} was calibrated on {made_with} samples, not {num_samples}: quantizing again", flush=True)
     cmd = ["qtk", "quantize", BASE, "--output", str(out), "--force", "--num-samples", str(num_samples),
            *map(str, args)]
     print("$", " ".join(cmd), flush=True)

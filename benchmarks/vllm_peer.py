@@ -3,14 +3,16 @@ own venv (scripts/peer_env.sh vllm ...): it imports neither qtk nor the test env
 
     python benchmarks/vllm_peer.py JOB.json OUT.json
 
-JOB: {"model": DIR, "dtype": "float32", "max_model_len": N, "tasks": [TASK, ...]} where a TASK is
+JOB: {"model": DIR, "dtype": "float32", "max_model_len": N, "threads": T (optional), "tasks": [TASK, ...]}
+where a TASK is
     {"kind": "generate", "name": ..., "prompts": [[token ids], ...], "max_tokens": N,
      "ignore_eos": true, "logprobs": K | null}      -> tokens, seconds, output ids (and top logprobs)
     {"kind": "ppl", "name": ..., "windows": [[token ids], ...]}
                                                     -> summed NLL and token count (prompt logprobs)
-OUT gets {"startup_s": process start to the first token of a 1-token request, "tasks": {name:
-result}}, or {"error": vLLM's own message} when vLLM refuses the model (e.g. a scheme its CPU
-build has no kernel for), so the caller can record vLLM's reason instead of failing.
+OUT gets {"startup_s": process start to the first token of a 1-token request, "omp_threads_bind":
+the CPUs of the worker's OpenMP threads ("auto": vLLM's choice), "tasks": {name: result}}, or
+{"error": vLLM's own message} when vLLM refuses the model (e.g. a scheme its CPU build has no
+kernel for), so the caller can record vLLM's reason instead of failing.
 """
 import json
 import math
@@ -26,6 +28,10 @@ def run(job):
 
     # the KV cache on CPU: the same bytes as qtk's (2 GiB by default), not a fraction of the RAM
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 2)))
+    if job.get("threads"):  # the worker's OpenMP threads on T CPUs, as many as qtk's torch threads; vLLM's
+        # "auto" keeps one core of the node for its scheduler process (1 thread of 2 on a 2-core machine)
+        cpus = sorted(os.sched_getaffinity(0))[:job["threads"]]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -34,7 +40,8 @@ def run(job):
               seed=0)
     first = job["tasks"][0]["prompts"][0] if job["tasks"] and "prompts" in job["tasks"][0] else [1, 2, 3]
     llm.generate([TokensPrompt(prompt_token_ids=first)], SamplingParams(max_tokens=1), use_tqdm=False)
-    out = {"startup_s": time.perf_counter() - T0, "tasks": {}}
+    out = {"startup_s": time.perf_counter() - T0,
+           "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"), "tasks": {}}
     for task in job["tasks"]:
         if task["kind"] == "generate":
             params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0,

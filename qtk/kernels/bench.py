@@ -147,12 +147,15 @@ def bench_shape(shape, k, n, ms, dtype, device, hbm, peak) -> list[Row]:
     return rows
 
 
-def git_commit() -> str:
+def git_commit(cwd: Path = Path(__file__).parent) -> str:
+    """HEAD's hash, with "-dirty" when tracked files differ from it (the numbers are not HEAD's)."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=cwd).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, cwd=cwd).returncode
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("-dirty" if dirty else "")
 
 
 def table(rows: list[Row]) -> str:

@@ -9,8 +9,10 @@ llama.cpp on the same weights and requests, in one run (docs/benchmarks.md, Engi
     start-up     process start to the first token of a first request (a fresh process)
 Peers run in venvs of their own (scripts/peer_env.sh vllm | llamacpp): vLLM's CPU build reads the
 same HF directory or qtk checkpoint; llama.cpp reads a GGUF (the bundled Q4_1 file by default),
-its batch-1 figure is the 4-bit CPU anchor. A peer that refuses the model is recorded with its
-own reason. Writes JSON (command, commit, CPU, versions, date, figures) and prints a table.
+its batch-1 figure is the 4-bit CPU anchor. Every engine computes on torch's thread count (vLLM's
+worker OpenMP threads bound to that many CPUs, llama.cpp's n_threads). A peer that refuses the
+model is recorded with its own reason. Writes JSON (command, commit, CPU, versions, date,
+figures) and prints a table.
 """
 from __future__ import annotations
 
@@ -179,14 +181,16 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         hf_generate(hf, prompts[:2], 8, 2, pad)  # warm-up
         res["engines"]["transformers"] = {
-            "sequential": {**rate(*hf_generate(hf, prompts[:sequential], output_len, 1, pad)), "requests": sequential},
+            "sequential": {**rate(*hf_generate(hf, prompts[:sequential], output_len, 1, pad)),
+                           "requests": len(prompts[:sequential])},
             "static_16": rate(*hf_generate(hf, prompts, output_len, 16, pad)),
             "batch1": rate(*hf_generate(hf, [batch1], batch1_output_len, 1, pad))}
         del hf
 
     if "vllm" in peers:
         log.info("vLLM (CPU build, own venv): start-up, throughput, batch 1")
-        job = {"model": str(resolve(model)), "dtype": dtype_name, "max_model_len": 2048, "tasks": [
+        job = {"model": str(resolve(model)), "dtype": dtype_name, "max_model_len": 2048,
+               "threads": torch.get_num_threads(), "tasks": [
             {"kind": "generate", "name": "warmup", "prompts": prompts[:min(16, num_prompts)], "max_tokens": 8,
              "ignore_eos": True},
             {"kind": "generate", "name": "throughput", "prompts": prompts, "max_tokens": output_len, "ignore_eos": True},
@@ -196,14 +200,15 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
         res["engines"]["vllm"] = v if "error" in v else {
             "throughput": rate(v["tasks"]["throughput"]["tokens"], v["tasks"]["throughput"]["seconds"]),
             "batch1": rate(v["tasks"]["batch1"]["tokens"], v["tasks"]["batch1"]["seconds"]),
-            "startup_s": round(v["startup_s"], 2)}
+            "startup_s": round(v["startup_s"], 2), "omp_threads_bind": v.get("omp_threads_bind")}
 
     if "llama.cpp" in peers:
         gguf_path = str(gguf or bundled_gguf())
         log.info("llama.cpp (own venv) on %s: batch 1", gguf_path)
         v = run_peer("llamacpp", "llamacpp_peer.py", {"gguf": gguf_path, "prompt": batch1,
-                                                       "max_tokens": batch1_output_len})
-        res["engines"]["llama.cpp"] = v if "error" in v else {"gguf": gguf_path,
+                                                       "max_tokens": batch1_output_len,
+                                                       "threads": torch.get_num_threads()})
+        res["engines"]["llama.cpp"] = v if "error" in v else {"gguf": gguf_path, "threads": v.get("threads"),
                                                               "batch1": rate(v["tokens"], v["seconds"])}
     res["qtk_engine_args"] = engine_args
     return record(res, out, name), summary(res)

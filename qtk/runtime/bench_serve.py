@@ -113,10 +113,10 @@ async def _run(url: str, model: str | None, convs: list[list[dict]], max_tokens:
 
         t0 = time.perf_counter()
         tasks = []
-        for conv in convs:
-            tasks.append(asyncio.create_task(send(conv)))
-            if rate != float("inf"):
+        for i, conv in enumerate(convs):
+            if i and rate != float("inf"):  # a gap between arrivals, none after the last (the wall time's)
                 await asyncio.sleep(rng.expovariate(rate))
+            tasks.append(asyncio.create_task(send(conv)))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - t0, model
 

@@ -1,0 +1,213 @@
+"""The benchmarks' bookkeeping, with fakes standing in for the engines: the same work and the same
+threads for every engine, the same span timed, labels that say what ran (docs/benchmarks.md)."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llamacpp_peer_times_the_prompt_and_every_output_token_after_a_warm_up(monkeypatch):
+    """llama.cpp's batch-1 seconds cover the prompt's evaluation, as qtk's, vLLM's and transformers'
+    do: N tokens are the prompt's forward and N - 1 decode steps, after one warm-up request, on the
+    threads asked for (prompt batches included)."""
+    calls = []
+
+    class Llama:
+        def __init__(self, path, n_ctx, n_threads, n_threads_batch=None, verbose=True):
+            calls.append(("init", n_threads, n_threads_batch))
+
+        def reset(self):
+            calls.append(("reset",))
+
+        def eval(self, tokens):
+            calls.append(("eval", len(tokens)))
+            time.sleep(0.05 if len(tokens) > 1 else 0.0)  # the prompt costs 50 ms, a decode step nothing
+
+        def sample(self, top_k, temp):
+            return 7
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    peer = load_script("llamacpp_peer")
+    res = peer.run({"gguf": "x.gguf", "prompt": list(range(16)), "max_tokens": 4, "threads": 3})
+    assert calls[0] == ("init", 3, 3) and res["threads"] == 3
+    warm = calls.index(("reset",))
+    assert calls[1:warm] == [("eval", 16), ("eval", 1)]  # a warm-up request before the timed one
+    assert calls[warm + 1:] == [("eval", 16)] + [("eval", 1)] * 3
+    assert res["tokens"] == 4 and res["seconds"] >= 0.05 and res["seconds"] == pytest.approx(
+        res["prompt_s"] + res["decode_s"])
+
+
+def test_vllm_peer_binds_its_workers_threads_to_the_count_asked_for(monkeypatch):
+    """vLLM's CPU build binds its worker's OpenMP threads itself ("auto": all cores of a node but
+    one, kept for its scheduler: 1 thread on a 2-core machine). With "threads" in the job it gets as
+    many CPUs as qtk's torch threads; a binding set by the caller wins; the binding is recorded."""
+    seen = []
+
+    class LLM:
+        def __init__(self, model, **kw):
+            seen.append(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+
+        def generate(self, prompts, params, use_tqdm=False):
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1] * params.max_tokens)])
+                    for _ in prompts]
+
+    class SamplingParams:
+        def __init__(self, max_tokens, **kw):
+            self.max_tokens = max_tokens
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+    monkeypatch.setitem(sys.modules, "vllm.inputs", types.SimpleNamespace(TokensPrompt=lambda **kw: kw))
+    for var in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):  # restored after the test
+        monkeypatch.setenv(var, "0")
+        monkeypatch.delenv(var)
+    peer = load_script("vllm_peer")
+    task = {"kind": "generate", "name": "t", "prompts": [[1, 2]], "max_tokens": 3}
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))[:2]))
+
+    out = peer.run({"model": "m", "threads": 2, "tasks": [task]})
+    assert seen[-1] == cpus and out["omp_threads_bind"] == cpus and out["tasks"]["t"]["tokens"] == 3
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-5")
+    assert peer.run({"model": "m", "threads": 2, "tasks": [task]})["omp_threads_bind"] == "0-5"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    assert peer.run({"model": "m", "tasks": [task]})["omp_threads_bind"] == "auto" and seen[-1] is None
+
+
+def test_bench_engine_gives_every_peer_qtks_threads_and_labels_what_ran(monkeypatch, tmp_path):
+    """`qtk bench engine` with every engine faked: vLLM and llama.cpp are told torch's thread count
+    (what the JSON's "threads" says), llama.cpp's batch-1 rate is over the whole span it reports,
+    and transformers' one-at-a-time row counts the requests it ran (fewer than --sequential here)."""
+    from qtk import models
+    from qtk.runtime import bench, engine
+
+    jobs = {}
+
+    def run_peer(kind, script, job, timeout=1800):
+        jobs[kind] = job
+        if kind == "vllm":
+            return {"startup_s": 9.0, "omp_threads_bind": "0", "tasks": {
+                t["name"]: {"tokens": len(t["prompts"]) * t["max_tokens"], "seconds": 1.0} for t in job["tasks"]}}
+        return {"tokens": job["max_tokens"], "seconds": 2.0, "prompt_s": 0.5, "decode_s": 1.5,
+                "threads": job["threads"]}
+
+    monkeypatch.setattr(engine, "LLM", lambda *a, **k: types.SimpleNamespace(tokenizer=None))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, types.SimpleNamespace(pad_token_id=0)))
+    monkeypatch.setattr(models, "resolve", lambda m: m)
+    monkeypatch.setattr(bench, "chat_prompts", lambda tok, n: [[1, 2, 3]] * n)
+    monkeypatch.setattr(bench, "text_prompt", lambda tok, n: list(range(n)))
+    monkeypatch.setattr(bench, "qtk_generate", lambda llm, prompts, m: (len(prompts) * m, 1.0))
+    monkeypatch.setattr(bench, "qtk_startup", lambda *a: 1.0)
+    monkeypatch.setattr(bench, "hf_generate", lambda model, prompts, m, batch, pad: (len(prompts) * m, 1.0))
+    monkeypatch.setattr(bench, "run_peer", run_peer)
+    res, text = bench.run("m", num_prompts=4, output_len=5, batch1_output_len=8, dtype="float32",
+                          peers=("transformers", "vllm", "llama.cpp"), sequential=16, gguf="x.gguf",
+                          out=tmp_path, name="t")
+    threads = torch.get_num_threads()
+    assert res["threads"] == threads and jobs["vllm"]["threads"] == threads and jobs["llamacpp"]["threads"] == threads
+    e = res["engines"]
+    assert e["llama.cpp"]["batch1"] == {"tokens": 8, "seconds": 2.0, "tok_s": 4.0}
+    assert e["llama.cpp"]["threads"] == threads
+    assert e["vllm"]["omp_threads_bind"] == "0"
+    assert e["transformers"]["sequential"]["requests"] == 4 and e["transformers"]["sequential"]["tokens"] == 4 * 5
+    assert json.loads((tmp_path / "t.json").read_text())["engines"] == e
+
+
+def test_bench_serve_sleeps_between_arrivals_not_after_the_last(monkeypatch):
+    """Poisson arrivals: a gap between consecutive requests, none after the last one, which would
+    only add idle time to the wall clock the throughput is divided by."""
+    from qtk.runtime import bench_serve
+
+    async def one_request(client, url, body):
+        return bench_serve.Result(ok=True, ttft=0.01, e2e=0.02, tokens=body["max_tokens"])
+
+    gaps, sleep = [], asyncio.sleep
+
+    async def recording_sleep(delay, *a, **k):
+        if delay > 0:  # an arrival gap (the event loop's own sleep(0)s are not)
+            gaps.append(delay)
+        await sleep(0)
+
+    monkeypatch.setattr(bench_serve, "one_request", one_request)
+    monkeypatch.setattr(asyncio, "sleep", recording_sleep)
+    convs = bench_serve.load_prompts("builtin", 3)
+    results, wall, _ = asyncio.run(bench_serve._run("http://127.0.0.1:9", "m", convs, 4, 5.0, None, None, 0))
+    assert len(results) == 3 and len(gaps) == 2
+    gaps.clear()
+    asyncio.run(bench_serve._run("http://127.0.0.1:9", "m", convs, 4, float("inf"), None, None, 0))
+    assert gaps == []
+
+
+def test_git_commit_says_when_the_tree_is_not_heads(tmp_path):
+    """A result measured with uncommitted changes must not carry HEAD's hash alone."""
+    from qtk.kernels.bench import git_commit
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "a"], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert git_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head + "-dirty"
+    assert git_commit(tmp_path / "nowhere") == "unknown"
+
+
+def test_compare_llmcompressor_records_the_cpu_it_ran_on(monkeypatch, tmp_path):
+    """The JSON's device is the CPU's model name (platform.processor() is "x86_64" or empty on
+    Linux) and its commit is the benchmarks' git_commit, with the same method rows as the table."""
+    from qtk.kernels.bench import git_commit
+    from qtk.runtime.bench import _cpu_name
+
+    cmp = load_script("compare_llmcompressor")
+    monkeypatch.setattr(cmp, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(cmp, "calibration_ids", lambda *a, **k: torch.zeros(2, 4, dtype=torch.long))
+    monkeypatch.setattr(cmp, "eval_windows", lambda *a, **k: torch.zeros(3, 8, dtype=torch.long))
+    monkeypatch.setattr(cmp, "perplexity", lambda *a, **k: types.SimpleNamespace(ppl=10.0))
+    monkeypatch.setattr(cmp, "run_qtk", lambda *a: 1.0)
+    monkeypatch.setattr(cmp, "run_peer", lambda *a: 2.0)
+    monkeypatch.setattr(cmp, "ppl_of", lambda *a: 11.0)
+    monkeypatch.setattr(sys, "argv", ["compare_llmcompressor.py", "--methods", "rtn", "--dtype", "float32",
+                                      "--eval-seq-len", "8", "--work", str(tmp_path / "work"),
+                                      "--out", str(tmp_path)])
+    cmp.main()
+    rec = json.loads((tmp_path / "compare_llmcompressor.json").read_text())
+    assert rec["device"] == _cpu_name() and rec["git_commit"] == git_commit()
+    assert rec["evaluation"]["scored_tokens"] == 3 * 7
+    assert [r["method"] for r in rec["rows"]] == ["rtn"] and rec["rows"][0]["peer_seconds"] == 2.0
+
+
+def test_quality_table_reuses_a_checkpoint_only_if_calibrated_as_the_table_says(monkeypatch, tmp_path):
+    """The table states one calibration sample count for every scheme: a kept checkpoint made with
+    another count is quantized again, not reused under the new label."""
+    qt = load_script("quality_table")
+    runs = []
+    monkeypatch.setattr(qt, "ROOT", tmp_path)
+    monkeypatch.setattr(qt, "subprocess", types.SimpleNamespace(run=lambda cmd, check: runs.append(cmd)))
+    out = tmp_path / "build" / "quality" / "gptq"
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    (out / "qtk_report.json").write_text(json.dumps({"calibration_samples": 32}))
+    assert qt.quantize("gptq", [], 32, False) == out and runs == []
+    assert qt.quantize("gptq", [], 64, False) == out and "--num-samples" in runs[0] and "64" in runs[0]
+    (out / "qtk_report.json").write_text(json.dumps({"calibration_samples": 0}))  # a recipe without data
+    runs.clear()
+    assert qt.quantize("gptq", [], 64, False) == out and runs == []
