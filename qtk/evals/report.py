@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import OutputError
 from .gates import Verdict
+from .scoring import write_whole
 
 REPORT_FILES = ("report.json", "metrics.png", "needle.png", "report.md")  # moved into place in this order
 
@@ -55,14 +56,8 @@ def check_output_file(path: Path) -> None:
 
 
 def write_json(path: Path, value) -> None:
-    """The file whole or not at all: written beside it, then renamed over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(to_json(value))
-        os.replace(tmp, path)
-    finally:  # a write cut short (a full disk) leaves no temporary file behind
-        tmp.unlink(missing_ok=True)
+    """The file whole or not at all (scoring.write_whole)."""
+    write_whole(path, to_json(value))
 
 
 def write_report(out: Path, v: Verdict, baseline: str, candidate: str, gates_path: str) -> list[Path]:

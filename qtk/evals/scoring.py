@@ -166,15 +166,19 @@ def _read_json(path: Path) -> dict | None:
     return value
 
 
-def _write_json(path: Path, value: dict) -> None:
-    """Whole or not at all: a temporary file beside it, renamed over it."""
+def write_whole(path: Path, text: str) -> None:
+    """The file whole or not at all: written beside it, then renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps(value))
+        tmp.write_text(text)
         os.replace(tmp, path)
     finally:  # a write cut short (a full disk) leaves no temporary file behind
         tmp.unlink(missing_ok=True)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    write_whole(path, json.dumps(value))
 
 
 def score_model(model: str, gates: list[Gate], engine_args: dict, seed: int, label: str, cache: bool,
