@@ -84,3 +84,32 @@ def test_held_back_is_the_longest_suffix_that_could_start_a_stop_string():
     assert held_back("Hello wor", ("world",)) == 3
     assert held_back("Hello", ("lo!", "xyz")) == 2
     assert held_back("Hello", ("abc",)) == 0 and held_back("Hello", ()) == 0
+
+
+
+RELEASE = """
+import os, torch
+from qtk.runtime.async_engine import release_openmp_team
+torch.set_num_threads(2)
+x = torch.randn(512, 512, dtype=torch.float64)
+want = x @ x  # a parallel region: this thread's team is up
+before = len(os.listdir("/proc/self/task"))
+released = release_openmp_team()
+print(released, before, len(os.listdir("/proc/self/task")), torch.equal(x @ x, want))
+"""
+
+
+def test_release_openmp_team_frees_this_threads_workers():
+    """The thread that built the model gives up its OpenMP workers, so the engine thread's team
+    is the only one (two teams on few cores made every op wake its workers through the kernel):
+    the calling thread's worker exits, and the next parallel op makes a team again and is right.
+    In a process of its own with 2 torch threads (the suite runs with 1)."""
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("counts threads in Linux's /proc")
+    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True).stdout
+    released, before, after, same = out.split()
+    assert released == "True" and same == "True"
+    assert int(after) == int(before) - 1
