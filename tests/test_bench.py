@@ -155,6 +155,38 @@ def test_bench_serve_sleeps_between_arrivals_not_after_the_last(monkeypatch):
     assert gaps == []
 
 
+def test_bench_serve_times_a_reasoning_models_thought_and_tool_calls_as_tokens(monkeypatch):
+    """A server with a reasoning parser streams the thought first (reasoning_content, vLLM's newer
+    reasoning), then content, then a tool call: TTFT ends at the first of any of them and every
+    chunk that carries one is an inter-token gap; the role-only chunk and the usage chunk are not."""
+    import httpx
+
+    from qtk.runtime import bench_serve
+
+    now = [0.0]
+    monkeypatch.setattr(bench_serve, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    deltas = [{"role": "assistant", "content": ""}, {"reasoning_content": "Let"}, {"reasoning": " me"},
+              {"reasoning": " see", "reasoning_content": " see"}, {"content": "Yes"},
+              {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}]
+
+    async def stream():
+        for i, delta in enumerate(deltas):
+            now[0] = 0.1 * (i + 1)  # chunk i arrives at 0.1 (i + 1) s
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n".encode()
+        now[0] = 1.0
+        yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 5}})}\n\ndata: [DONE]\n\n".encode()
+
+    async def measure():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=stream()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            return await bench_serve.one_request(client, "/v1/chat/completions", {})
+
+    res = asyncio.run(measure())
+    assert res.ok and res.tokens == 5
+    assert res.ttft == pytest.approx(0.2) and res.e2e == pytest.approx(1.0)
+    assert res.itl == pytest.approx([0.1] * 4)
+
+
 def test_git_commit_says_when_the_tree_is_not_heads(tmp_path):
     """A result measured with uncommitted changes must not carry HEAD's hash alone."""
     from qtk.kernels.bench import git_commit
@@ -169,6 +201,29 @@ def test_git_commit_says_when_the_tree_is_not_heads(tmp_path):
     (tmp_path / "a.py").write_text("x = 2\n")
     assert git_commit(tmp_path) == head + "-dirty"
     assert git_commit(tmp_path / "nowhere") == "unknown"
+
+
+def test_kernels_limit_fraction_is_against_the_peak_of_each_kernels_math(monkeypatch):
+    """A weight-only kernel runs bf16 math, W8A8 int8 and FP8 their own (twice bf16's dense ops on
+    an H100): at a compute-bound M each row's fraction of the limit is FLOPs / its math's peak, and a
+    math whose peak is unknown gets no fraction (None, "-" in the table), never bf16's."""
+    from qtk.kernels import bench
+
+    dense = torch.randn(64, 64)
+    monkeypatch.setattr(bench, "cases", lambda n, k, dtype, device: [
+        bench.Case(name, lambda x: x @ dense, 64 * 64, dense, math)
+        for name, math in (("w4a16_g128", "bf16"), ("w8a8_int8", "int8"), ("fp8_triton", "fp8"))])
+    monkeypatch.setattr(bench, "median_us", lambda fn: 100.0)
+    peaks = {"bf16": 1e12, "int8": 2e12}  # op/s; no fp8 peak here
+    rows = bench.bench_shape("t", 64, 64, [4096], torch.float32, "cpu", hbm=1e18, peaks=peaks)
+    fraction = {r.kernel: r.limit_fraction for r in rows}
+    flops_us = 2 * 4096 * 64 * 64 * 1e6
+    assert fraction["w4a16_g128"] == pytest.approx(flops_us / 1e12 / 100)
+    assert fraction["w8a8_int8"] == pytest.approx(flops_us / 2e12 / 100)
+    assert fraction["fp8_triton"] is None
+    assert bench.table(rows).splitlines()[3].split()[8] == "-"  # the fp8 row's limit column
+    with pytest.raises(ValueError, match="int4"):
+        bench.matmul_peak("cpu", "int4")
 
 
 def test_compare_llmcompressor_records_the_cpu_it_ran_on(monkeypatch, tmp_path):

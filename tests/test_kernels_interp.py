@@ -377,7 +377,8 @@ def test_bench_rows_on_tiny_shapes(monkeypatch):
     from qtk.kernels import bench
 
     monkeypatch.setattr(bench, "median_us", lambda fn: (fn(), 10.0)[1])
-    rows = bench.bench_shape("tiny", 128, 48, [1, 17], torch.float16, torch.device("cpu"), hbm=1e12, peak=1e14)
+    rows = bench.bench_shape("tiny", 128, 48, [1, 17], torch.float16, torch.device("cpu"), hbm=1e12,
+                             peaks={"fp16": 1e14, "int8": 2e14})
     assert {r.kernel for r in rows} == {"w4a16_g128", "w4a16_asym_g128", "w4a16_channel", "w8a16", "w8a8_int8"}
     for r in rows:
         assert r.us == 10.0 and r.speedup_vs_matmul == 1.0 and r.max_rel_err < 2e-2

@@ -3,9 +3,11 @@ docs/benchmarks.md (Kernels).
 
 For each layer shape (K x N) and M: median time of triton.testing.do_bench, GB/s (weights +
 scales + zero points + activations read once, output written once), TFLOP/s (2*M*N*K), the
-fraction of the hardware limit max(bytes / HBM bandwidth, FLOPs / matmul peak), both measured in
-the same run (a device-to-device copy, a bf16 8192^3 matmul), and the speedup over torch.matmul
-in the activation dtype on the dequantized weight. Inputs are random and never all zero. The
+fraction of the hardware limit max(bytes / HBM bandwidth, FLOPs / peak of the kernel's math), both
+measured in the same run (a device-to-device copy; an 8192^3 cuBLAS matmul in each math: the
+activation dtype for weight-only kernels, int8 for W8A8, fp8 for FP8, whose tensor cores do twice
+bf16's dense ops on sm_89/sm_90; "-" where that peak cannot be measured), and the speedup over
+torch.matmul in the activation dtype on the dequantized weight. Inputs are random and never all zero. The
 W8A8 / FP8 rows time what a layer runs: activation quantization plus the GEMM. Writes JSON
 (command, git commit, device, versions, date, figures) into the out dir and prints a table.
 """
@@ -37,6 +39,7 @@ SHAPES = {
     "llama3-8b": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)],
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MATH = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass
@@ -49,7 +52,7 @@ class Row:
     us: float
     gbps: float
     tflops: float
-    limit_fraction: float
+    limit_fraction: float | None  # None: the peak of the kernel's math is unknown here
     speedup_vs_matmul: float
     matmul_us: float
     max_rel_err: float
@@ -57,11 +60,13 @@ class Row:
 
 @dataclass
 class Case:
-    """One kernel on one weight: fn(x) -> y, the bytes of its weight side, the dense twin."""
+    """One kernel on one weight: fn(x) -> y, the bytes of its weight side, the dense twin, and the
+    math its GEMM runs in (a key of the run's peaks: "bf16", "fp16", "int8", "fp8")."""
     name: str
     fn: Callable[[torch.Tensor], torch.Tensor]
     weight_bytes: int
     dense: torch.Tensor  # W^T [K, N] in the activation dtype
+    math: str
 
 
 def median_us(fn: Callable[[], object]) -> float:
@@ -75,11 +80,37 @@ def hbm_bandwidth(device) -> float:
     return 2 * src.numel() * src.element_size() / (median_us(lambda: dst.copy_(src)) * 1e-6)
 
 
-def matmul_peak(device, dtype) -> float:
-    """FLOP/s of an 8192^3 matmul in `dtype` (cuBLAS)."""
-    a = torch.randn(8192, 8192, device=device, dtype=dtype)
-    b = torch.randn(8192, 8192, device=device, dtype=dtype)
-    return 2 * 8192**3 / (median_us(lambda: a @ b) * 1e-6)
+def matmul_peak(device, math: str) -> float | None:
+    """Op/s of an 8192^3 cuBLAS matmul in `math`: a @ b for "bf16" / "fp16", torch._int_mm (int32
+    accumulation) for "int8", torch._scaled_mm (e4m3, unit per-tensor scales, bf16 out) for "fp8".
+    Each math is its own peak: int8 (sm_80+) and fp8 (sm_89+) tensor cores do twice bf16's dense
+    ops (H100 SXM: 1979 vs 989 T), so bf16's would overstate those kernels' fraction of the limit 2x.
+    None (logged) where torch or the GPU cannot run that matmul: no row gets a made-up fraction."""
+    n = 8192
+    if math in DTYPES:
+        a, b = (torch.randn(n, n, device=device, dtype=DTYPES[math]) for _ in range(2))
+
+        def mm():
+            return a @ b
+    elif math == "int8":  # w [N, K] as a layer's weight, a @ w^T as the W8A8 / FP8 kernels
+        a, w = (torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device) for _ in range(2))
+
+        def mm():
+            return torch._int_mm(a, w.t())
+    elif math == "fp8":
+        a, w = (torch.randn(n, n, device=device).to(torch.float8_e4m3fn) for _ in range(2))
+        one = torch.ones((), device=device)
+
+        def mm():
+            return torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    else:
+        raise ValueError(f"unknown math {math!r}; choose one of {sorted(DTYPES)}, int8, fp8")
+    try:
+        mm()
+    except RuntimeError as e:
+        log.warning("no %s matmul peak on this GPU (%s): its kernels' limit fraction is left out", math, e)
+        return None
+    return 2 * n**3 / (median_us(mm) * 1e-6)
 
 
 def nbytes(*tensors) -> int:
@@ -87,6 +118,7 @@ def nbytes(*tensors) -> int:
 
 
 def woq_case(name, n, k, bits, group, asym, dtype, device) -> Case:
+    """A weight-only kernel: the weight decoded in registers, the GEMM in the activation dtype."""
     half = 1 << (bits - 1)
     groups = 1 if group is None else k // group
     codes = torch.randint(-half, half, (n, k), dtype=torch.int8, device=device)
@@ -95,7 +127,7 @@ def woq_case(name, n, k, bits, group, asym, dtype, device) -> Case:
     w = pack_woq(codes, scale, zp, bits, group, dtype)
     dense = dequant_woq(w.qweight, w.scales, w.zeros, bits, group, k).to(dtype)
     return Case(name, lambda x: woq_gemm(x, w.qweight, w.scales, w.zeros, None, bits, group),
-                nbytes(w.qweight, w.scales, w.zeros), dense)
+                nbytes(w.qweight, w.scales, w.zeros), dense, MATH[dtype])
 
 
 def w8a8_case(name, n, k, codes_dtype, dtype, device, backend=Fp8Backend.AUTO) -> Case:
@@ -112,7 +144,7 @@ def w8a8_case(name, n, k, codes_dtype, dtype, device, backend=Fp8Backend.AUTO) -
         return fp8_gemm(q, w_q, s, w_scale, None, dtype, backend=backend)
 
     dense = (w_q.float() * w_scale.float()).t().to(dtype)
-    return Case(name, fn, nbytes(w_q, w_scale), dense)
+    return Case(name, fn, nbytes(w_q, w_scale), dense, "int8" if codes_dtype == torch.int8 else "fp8")
 
 
 def cases(n, k, dtype, device) -> list[Case]:
@@ -129,7 +161,7 @@ def cases(n, k, dtype, device) -> list[Case]:
     return out
 
 
-def bench_shape(shape, k, n, ms, dtype, device, hbm, peak) -> list[Row]:
+def bench_shape(shape, k, n, ms, dtype, device, hbm, peaks: dict[str, float | None]) -> list[Row]:
     rows = []
     for case in cases(n, k, dtype, device):
         for m in ms:
@@ -141,8 +173,9 @@ def bench_shape(shape, k, n, ms, dtype, device, hbm, peak) -> list[Row]:
             t = median_us(lambda: case.fn(x))
             moved = case.weight_bytes + nbytes(x) + m * n * torch.finfo(dtype).bits // 8
             flops = 2 * m * n * k
-            limit_us = max(moved / hbm, flops / peak) * 1e6
-            rows.append(Row(shape, k, n, m, case.name, t, moved / t * 1e-3, flops / t * 1e-6, limit_us / t,
+            peak = peaks.get(case.math)
+            limit = None if peak is None else max(moved / hbm, flops / peak) * 1e6 / t
+            rows.append(Row(shape, k, n, m, case.name, t, moved / t * 1e-3, flops / t * 1e-6, limit,
                             t_mm / t, t_mm, err))
     return rows
 
@@ -158,11 +191,15 @@ def git_commit(cwd: Path = Path(__file__).parent) -> str:
     return head + ("-dirty" if dirty else "")
 
 
+def _fraction(x: float | None) -> str:
+    return f"{'-':>6}" if x is None else f"{x:6.2f}"
+
+
 def table(rows: list[Row]) -> str:
     head = f"{'shape':8} {'K':>6} {'N':>6} {'M':>5} {'kernel':16} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8} " \
            f"{'limit':>6} {'vs mm':>6} {'err':>8}"
     lines = [head] + [f"{r.shape:8} {r.k:6d} {r.n:6d} {r.m:5d} {r.kernel:16} {r.us:9.1f} {r.gbps:7.0f} "
-                      f"{r.tflops:8.1f} {r.limit_fraction:6.2f} {r.speedup_vs_matmul:6.2f} {r.max_rel_err:8.1e}"
+                      f"{r.tflops:8.1f} {_fraction(r.limit_fraction)} {r.speedup_vs_matmul:6.2f} {r.max_rel_err:8.1e}"
                       for r in rows]
     return "\n".join(lines)
 
@@ -182,23 +219,28 @@ def run(shapes: str = "llama3-8b", ms: list[int] | None = None, out: str = "benc
     device = torch.device("cuda", torch.cuda.current_device())
     act = DTYPES[dtype]
     torch.manual_seed(0)
-    hbm, peak = hbm_bandwidth(device), matmul_peak(device, act)
-    log.info("HBM %.0f GB/s, %s matmul %.0f TFLOP/s", hbm * 1e-9, dtype, peak * 1e-12)
+    hbm = hbm_bandwidth(device)
+    maths = [dtype, "int8"] + (["fp8"] if fp8_supported(device) else [])
+    peaks = {math: matmul_peak(device, math) for math in maths}
+    peaks_text = ", ".join(f"{math} {'unknown' if p is None else f'{p * 1e-12:.0f}'}" for math, p in peaks.items())
+    log.info("HBM %.0f GB/s, matmul peaks (T op/s) %s", hbm * 1e-9, peaks_text)
     rows = []
     for name, k, n in SHAPES[shapes]:
-        rows += bench_shape(name, k, n, ms, act, device, hbm, peak)
+        rows += bench_shape(name, k, n, ms, act, device, hbm, peaks)
         torch.cuda.empty_cache()
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "command": " ".join(sys.argv), "git_commit": git_commit(), "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "date": now.isoformat(timespec="seconds"), "shapes": shapes, "dtype": dtype, "ms": ms,
-        "hbm_gbps": hbm * 1e-9, "matmul_peak_tflops": peak * 1e-12, "rows": [asdict(r) for r in rows],
+        "hbm_gbps": hbm * 1e-9,  # each math's peak, T op/s (int8: TOP/s); null: unknown, no fraction
+        "matmul_peaks_tops": {math: None if p is None else p * 1e-12 for math, p in peaks.items()},
+        "rows": [asdict(r) for r in rows],
     }
     slug = torch.cuda.get_device_name(device).replace(" ", "-")
     path = Path(out) / f"kernels-{shapes}-{dtype}-{slug}-{now:%Y%m%dT%H%M%S}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
-    summary = (f"{result['device']}: HBM {hbm * 1e-9:.0f} GB/s, {dtype} matmul {peak * 1e-12:.0f} TFLOP/s "
+    summary = (f"{result['device']}: HBM {hbm * 1e-9:.0f} GB/s, matmul peaks (T op/s) {peaks_text} "
                f"(torch {torch.__version__}, triton {triton.__version__})\n{table(rows)}\nwrote {path}")
     return path, summary

@@ -3,11 +3,14 @@ the serving protocol of docs/benchmarks.md.
 
 Requests are streamed chat completions (EOS ignored, so every request asks for the same work)
 sent with Poisson arrivals at --request-rate (exponential gaps; inf: all at once), at most
---max-concurrency in flight. Per request: TTFT (send to the first content), the gaps between
-content chunks (inter-token latency), TPOT = (end - first content) / (output tokens - 1), end to
-end latency; the server's usage chunk gives the token count. Reported: p50 / p99 of each,
-request and output-token throughput over the run's wall time, and errors (anything but a
-complete stream). Writes JSON and prints a table.
+--max-concurrency in flight. Per request: TTFT (send to the first token), the gaps between
+chunks that carry tokens (inter-token latency), TPOT = (end - first token) / (output tokens - 1),
+end to end latency; the server's usage chunk gives the token count. A token is any generated text:
+content, a reasoning parser's thought (reasoning_content, or vLLM's newer reasoning) or a tool
+call, as vLLM's serving benchmark counts the thought (content alone would put a reasoning model's
+whole thought into its TTFT). Reported: p50 / p99 of each, request and output-token throughput
+over the run's wall time, and errors (anything but a complete stream). Writes JSON and prints a
+table.
 """
 from __future__ import annotations
 
@@ -33,6 +36,15 @@ class Result:
     tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+
+
+# the delta fields that carry generated tokens (qtk serve and vLLM send a thought in both reasoning fields)
+TOKEN_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls")
+
+
+def has_tokens(chunk: dict) -> bool:
+    """Whether a streamed chat-completion chunk carries generated tokens (not only a role or usage)."""
+    return any((c.get("delta") or {}).get(f) for c in chunk.get("choices", []) for f in TOKEN_FIELDS)
 
 
 def load_prompts(dataset: str, n: int) -> list[list[dict]]:
@@ -72,7 +84,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
                     return res
                 if chunk.get("usage"):
                     res.tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                if has_tokens(chunk):
                     now = time.perf_counter()
                     if last is None:
                         res.ttft = now - t0
@@ -82,7 +94,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
         res.e2e = time.perf_counter() - t0
         res.ok = last is not None and res.tokens > 0
         if not res.ok:
-            res.error = "the stream ended without content or usage"
+            res.error = "the stream ended without tokens or usage"
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
