@@ -51,7 +51,9 @@ def release_openmp_team() -> bool:
         except (OSError, AttributeError):
             continue
         pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        return pause(2) == 0  # omp_pause_hard: the threads themselves go
+        # omp_pause_soft: libgomp frees the calling thread's team for either kind, where LLVM's
+        # hard pause would shut its whole runtime down under any other thread's parallel region
+        return pause(1) == 0
     return False
 
 
