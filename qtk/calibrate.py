@@ -256,4 +256,4 @@ def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -
 def checkpoint_groups(model: nn.Module, recipe: Recipe) -> tuple[list, list[str]]:
     """(config groups, ignore list) describing a quantized model: every Linear left float is ignored."""
     ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear)]
-    return [(recipe.scheme, ["Linear"])], ignore
+    return [(recipe.stored_scheme, ["Linear"])], ignore

@@ -144,6 +144,18 @@ class Recipe:
                     raise InputError(f"ignore pattern {pattern!r} is not a valid regular expression ({e})") from e
 
     @property
+    def stored_scheme(self) -> Scheme:
+        """The scheme as the checkpoint states it. GPTQ's act-order on groups is compressed-tensors'
+        actorder "static" (alias "weight", llm-compressor's default): columns solved by descending
+        diag(H), groups kept in column order, so no weight_g_idx ("group" would make readers expect
+        one). Per channel or tensor it changes nothing stored, and compressed-tensors before 0.16
+        (vLLM has pinned 0.13) refuses any actorder there, so it stays null."""
+        w = self.scheme.weights
+        if self.weights != "gptq" or not self.gptq.act_order or w.strategy != "group":
+            return self.scheme
+        return dataclasses.replace(self.scheme, weights=dataclasses.replace(w, actorder="static"))
+
+    @property
     def needs_data(self) -> bool:
         a = self.scheme.input_activations
         return (self.weights == "gptq" or self.smoothing is not None or self.kv_cache is not None
@@ -243,19 +255,30 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
 
 
 def _check_applies(recipe: Recipe, kv_strategy: str | None, section_overrides: dict) -> None:
-    """Refuse a setting the recipe would ignore (a GPTQ option without GPTQ weights, ...): it would
-    be written into recipe.yaml as if it had been used."""
+    """Refuse a setting the recipe would ignore (a GPTQ option without GPTQ weights, a calibration
+    option for a recipe that reads no data, ...): it would be written into recipe.yaml as if it had
+    been used."""
     if kv_strategy is not None and recipe.kv_cache is None:
         raise InputError(f"kv_strategy {kv_strategy!r} (--kv-strategy) applies to KV-cache scales; "
                          "add --kv-cache fp8|int8")
     used = {"gptq": recipe.weights == "gptq", "awq": recipe.smoothing == "awq",
             "smoothquant": recipe.smoothing == "smoothquant"}
     for section, applies in used.items():
-        given = sorted(k for k, v in (section_overrides.get(section) or {}).items() if v is not None)
-        if given and not applies:
-            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        flags = _given_flags(section_overrides, section)
+        if flags and not applies:
             raise InputError(f"{flags}: {section} option(s), but this recipe (method {recipe.method}, "
                              f"{recipe.weights} weights) does not run {section}")
+    flags = _given_flags(section_overrides, "calibration")
+    if flags and not recipe.needs_data:
+        raise InputError(f"{flags}: calibration option(s), but this recipe (method {recipe.method}, "
+                         f"{recipe.weights} weights) takes no calibration data; only gptq weights, awq, smoothquant, "
+                         "static activation scales and --kv-cache scales calibrate")
+
+
+def _given_flags(section_overrides: dict, section: str) -> str:
+    """The section's options given explicitly (not None), as the CLI spells them: '--seq-len, --seed'."""
+    given = sorted(k for k, v in (section_overrides.get(section) or {}).items() if v is not None)
+    return ", ".join("--" + k.replace("_", "-") for k in given)
 
 
 def _check_top(data: dict) -> None:

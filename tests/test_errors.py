@@ -10,6 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from qtk.cli import main
+from qtk.errors import InputError
+from qtk.recipe import CalibrationArgs, build
 
 
 def run(*args):
@@ -213,6 +215,15 @@ def test_recipe_values_of_the_wrong_type(tiny_dir, tmp_path, recipe, message):
                                                  "weights) does not run gptq"),
     (("--method", "awq", "--no-act-order"), "--act-order: gptq option(s), but this recipe (method awq, rtn weights)"),
     (("--method", "gptq", "--alpha", "0.8"), "--alpha: smoothquant option(s), but this recipe (method gptq"),
+    # calibration options where nothing calibrates (RTN weights, dynamic or no activation scales, no KV scales)
+    (("--method", "rtn", "--dataset", "nonexistent.txt", "--num-samples", "999"),
+     "--dataset, --num-samples: calibration option(s), but this recipe (method rtn, rtn weights) takes no "
+     "calibration data"),
+    (("--method", "rtn", "--scheme", "w8a16", "--chat-template"), "--chat-template: calibration option(s), but this "
+                                                                  "recipe (method rtn, rtn weights) takes no"),
+    (("--method", "fp8", "--seq-len", "64", "--batch-size", "2", "--seed", "3"),
+     "--batch-size, --seed, --seq-len: calibration option(s), but this recipe (method fp8, rtn weights) takes no "
+     "calibration data; only gptq weights, awq, smoothquant, static activation scales and --kv-cache scales calibrate"),
 ])
 def test_quantize_options_that_cannot_work(tiny_dir, tmp_path, args, message):
     assert message in error_line(run("quantize", tiny_dir, *args, "-o", tmp_path / "out"))
@@ -220,13 +231,34 @@ def test_quantize_options_that_cannot_work(tiny_dir, tmp_path, args, message):
 
 
 def test_method_options_are_taken_where_the_recipe_runs_the_method():
-    from qtk.recipe import build
-
     assert build(gptq={"dampening": 0.05}).gptq.dampening == 0.05  # the default recipe: awq + gptq
     assert build(method="awq", weights="gptq", gptq={"act_order": False}).gptq.act_order is False
     assert build(method="smoothquant", smoothquant={"alpha": 0.8}).smoothquant.alpha == 0.8
     assert build(recipe_file="calibration/recipes/fp8-static-fp8kv.yaml", kv_strategy="head").kv_cache.strategy \
         == "attn_head"
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(method="gptq"), dict(method="awq"), dict(method="smoothquant"), dict(),  # the default recipe: awq + gptq
+    dict(method="fp8", scheme="fp8_static"),  # static activation scales
+    dict(method="rtn", kv_cache="fp8"), dict(method="fp8", kv_cache="fp8"),  # KV-cache scales
+])
+def test_calibration_options_are_taken_where_the_recipe_reads_data(kwargs):
+    c = {"dataset": "calib.txt", "num_samples": 3, "seq_len": 32, "batch_size": 2, "chat_template": True, "seed": 5}
+    r = build(**kwargs, calibration=c)
+    assert r.needs_data and r.calibration == CalibrationArgs(**c)
+
+
+def test_calibration_options_left_unset_or_in_a_recipe_file_are_not_refused(tmp_path):
+    from qtk.recipe import to_yaml
+
+    unset = dict.fromkeys(("dataset", "num_samples", "seq_len", "batch_size", "chat_template", "seed"))
+    assert not build(method="rtn", calibration=unset).needs_data  # the CLI's flags, none given
+    f = tmp_path / "rtn.yaml"  # a recipe.yaml qtk wrote always holds a calibration section
+    f.write_text(to_yaml(build(method="rtn")))
+    assert build(recipe_file=str(f)).calibration == CalibrationArgs()
+    with pytest.raises(InputError, match="--num-samples: calibration option"):
+        build(recipe_file=str(f), calibration={"num_samples": 8})
 
 
 @pytest.mark.parametrize("args,message", [

@@ -201,6 +201,60 @@ def test_static_activation_scheme_gets_input_scales(tiny):
     assert ((logits - ref).norm() / ref.norm()).item() < 0.1
 
 
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")  # only `dequantize` is ours
+@pytest.mark.parametrize("scheme,group_size,act_order,actorder", [
+    ("w4a16", 32, True, "static"), ("w4a16_asym", 32, True, "static"), ("w4a16", 32, False, None),
+    ("w8a16", -1, True, None),  # per channel: nothing stored changes; compressed-tensors < 0.16 refuses any actorder
+])
+def test_checkpoint_states_the_act_order_it_used(tiny, tmp_path, scheme, group_size, act_order, actorder):
+    """qtk's act-order is compressed-tensors' "static" (llm-compressor's default, alias "weight"):
+    columns solved by descending diag(H), groups in column order, no weight_g_idx. config.json says
+    so (it said null), and compressed-tensors, transformers and qtk read the checkpoint as written."""
+    import json
+
+    from compressed_tensors.quantization import ActivationOrdering, QuantizationArgs
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaForCausalLM
+
+    from qtk.calibrate import checkpoint_groups
+    from qtk.checkpoint import load_quantized, read_tensors, save_quantized
+    from qtk.quant_linear import QuantLinear
+
+    state, cfg, calib, _, _ = tiny
+    model = LlamaForCausalLM(cfg).eval()
+    model.load_state_dict(state)
+    recipe = from_flags("gptq", scheme=scheme, group_size=group_size, gptq=GPTQArgs(act_order=act_order))
+    quantize_model(model, recipe, calib, progress=False)
+    d = tmp_path / "ckpt"
+    save_quantized(model, None, d, *checkpoint_groups(model, recipe), None, dtype=torch.float32)
+
+    weights = json.loads((d / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert weights["actorder"] == actorder
+    parsed = QuantizationArgs.model_validate(weights).actorder  # what vLLM and transformers validate with
+    assert parsed == (ActivationOrdering.WEIGHT if actorder else None) and parsed != ActivationOrdering.GROUP
+    assert not [k for k in read_tensors(d) if k.endswith("g_idx")]
+    ours = {n: m.dequantized_weight() for n, m in load_quantized(d).named_modules() if isinstance(m, QuantLinear)}
+    made = {n: m.dequantized_weight() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    hf, info = AutoModelForCausalLM.from_pretrained(d, quantization_config=CompressedTensorsConfig(dequantize=True),
+                                                    dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert len(ours) == len(made) == 14
+    for name, w in made.items():
+        torch.testing.assert_close(ours[name], w, rtol=0, atol=0)
+        torch.testing.assert_close(hf.get_submodule(name).weight, w, rtol=2 ** -20, atol=0)
+
+
+def test_only_gptq_weights_with_act_order_are_stored_as_static():
+    from qtk.recipe import build
+
+    assert build().stored_scheme.weights.actorder == "static"  # the default recipe: awq, then gptq with act-order
+    assert build(method="awq", weights="gptq", gptq={"act_order": False}).stored_scheme.weights.actorder is None
+    assert build(method="awq").stored_scheme.weights.actorder is None  # rtn weights
+    assert build(method="smoothquant", weights="gptq").stored_scheme.weights.actorder is None  # per channel
+    recipe = build(method="gptq")
+    assert recipe.stored_scheme.weights == replace(recipe.scheme.weights, actorder="static")
+    assert recipe.scheme.weights.actorder is None  # the recipe (recipe.yaml) keeps naming its preset
+
+
 def test_hessian_of_bf16_activations_is_float32_exact():
     """Banded upper-triangle accumulation on oneDNN's bf16 path: for bf16 activations every product
     is exact in float32, so H matches a float64 reference to float32 rounding (not bf16's 4e-3)."""
