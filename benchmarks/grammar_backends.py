@@ -44,7 +44,7 @@ import torch
 
 warnings.filterwarnings("ignore")
 
-DEFAULT_TOKENIZER = os.path.expanduser("~/.cache/qtk/smollm2-135m")
+DEFAULT_TOKENIZER = "smollm2-135m"  # the bundled model (its bf16 conversion's folder); or any HF folder
 
 # --------------------------------------------------------------------------------------------- schemas
 S = {"type": "string", "maxLength": 12}   # bounded so that uniform random sampling ends strings
@@ -517,8 +517,11 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
 
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    with open(os.path.join(args.tokenizer, "config.json")) as f:
+
+    from qtk.models import resolve
+    folder = str(resolve(args.tokenizer))
+    tok = AutoTokenizer.from_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     results = {"python": platform.python_version(), "torch": torch.__version__,
                "transformers": importlib.metadata.version("transformers"),

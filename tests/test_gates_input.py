@@ -209,6 +209,40 @@ def test_default_needle_lengths_fit_the_filler_and_longer_ones_name_lengths(toke
     assert r.exit_code == 2 and f"give --lengths (a gates file: args.lengths) up to {builtin}" in r.output
 
 
+def test_default_needle_lengths_tokenize_the_filler_once(tokenizer):
+    """The default lengths (which stop at the filler's size) and the cases read one tokenization of
+    the filler text, and the prompts are build_cases' own for those lengths."""
+    from qtk.data import builtin_texts
+    from qtk.evals.needle import _fitting_default_lengths, build_cases, filler_tokens, needle
+
+    filler = "\n\n".join(builtin_texts("evaluation"))
+    fillers = []
+
+    class Counting:  # the tokenizer, counting the calls that tokenize the filler text
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, text, **kwargs):
+            fillers.append(text == filler)
+            return tokenizer(text, **kwargs)
+
+    class Engine:
+        max_model_len = 2048
+        tokenizer = Counting()
+        prompts = []
+
+        def generate(self, prompts, params):
+            self.prompts += prompts
+            return [SimpleNamespace(outputs=[SimpleNamespace(text="no")]) for _ in prompts]
+
+    engine = Engine()
+    r = needle(engine, depths=[0, 100], samples=2, seed=4)
+    assert sum(fillers) == 1
+    lengths = _fitting_default_lengths(2048, len(filler_tokens(tokenizer, None)))
+    assert r.lengths == lengths == [256, 512, 1024]
+    assert engine.prompts == [c.prompt for c in build_cases(tokenizer, lengths, [0, 100], samples=2, seed=4)]
+
+
 def test_needle_depth_holds_where_no_sentence_ends_after_it(tokenizer):
     """A haystack with no sentence end after d% puts the needle at the last one before it (or at
     d%), never at the haystack's end, where it would score the 100% cell's recency as d%'s."""

@@ -85,7 +85,7 @@ def kv_checkpoint(tiny_dir, tmp_path_factory):
 
 def test_engine_takes_the_checkpoints_kv_scales(kv_checkpoint, caplog):
     """kv_cache_dtype=int8 uses the calibrated per-head scales as they are; fp8 rescales them to
-    its grid (absmax = scale * qmax); auto keeps the model dtype (vLLM's meaning of auto)."""
+    its grid (absmax = scale * 127.5 = fp8 scale * 448); auto keeps the model dtype (vLLM's meaning of auto)."""
     from qtk import LLM
     from qtk.models import load_model
 
@@ -96,11 +96,52 @@ def test_engine_takes_the_checkpoints_kv_scales(kv_checkpoint, caplog):
     assert "no KV-cache scales" not in caplog.text
     for cache, scale in zip(llm.runner.kv_caches, want):
         assert cache.k.dtype == torch.int8 and cache.k_scale.shape == (2, 1, 1)
-        torch.testing.assert_close(cache.k_scale, scale)
+        torch.testing.assert_close(cache.k_scale, scale, atol=0, rtol=0)
     fp8 = LLM(str(kv_checkpoint), dtype="float32", kv_cache_dtype="fp8", kv_cache_memory=2**20, max_model_len=128)
-    torch.testing.assert_close(fp8.runner.kv_caches[0].k_scale, want[0] * 127 / 448)
+    torch.testing.assert_close(fp8.runner.kv_caches[0].k_scale, want[0] * 127.5 / 448, atol=0, rtol=1e-6)
     auto = LLM(str(kv_checkpoint), dtype="float32", kv_cache_memory=2**20, max_model_len=128)
     assert auto.runner.kv_caches[0].k.dtype == torch.float32 and auto.runner.kv_caches[0].k_scale is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_measured_kv_scales_are_the_calibrated_formula(tiny_dir, dtype):
+    """Scales measured at load are kv_scale of the float cache's absmax per head, as calibration
+    writes them (int8: absmax / 127.5, not / 127; rounded to bf16 as a checkpoint stores them)."""
+    from qtk import LLM
+    from qtk.kv_scales import cache_scheme, grid_absmax, kv_scale
+    from qtk.runtime.model_runner import ModelRunner, measure_kv_scales
+    from qtk.runtime.scheduler import Batch
+    from qtk.runtime.sequence import Sequence
+
+    model = LLM(str(tiny_dir), dtype="float32", kv_cache_memory=2**20, max_model_len=128).model
+    ids = list(range(300, 340))
+    runner = ModelRunner(model, 3, 16)
+    seq = Sequence(ids, block_size=16)
+    seq.block_table = [0, 1, 2]
+    runner.run(Batch([seq], [len(ids)]))
+    measured = measure_kv_scales(model, ids, dtype, "cpu")
+    kv = cache_scheme(dtype)
+    for cache, scales in zip(runner.kv_caches, measured):
+        for t, scale in zip((cache.k, cache.v), scales):
+            absmax = t.abs().amax(dim=(1, 2)).view(-1, 1, 1)
+            torch.testing.assert_close(scale, kv_scale(absmax, kv), atol=0, rtol=0)
+            torch.testing.assert_close(scale * grid_absmax(kv), absmax, atol=0, rtol=2**-8)  # bf16-rounded scale
+
+
+def test_kv_grid_is_the_one_kv_scale_rounds_onto():
+    """grid_absmax (the engine's rescale between grids) and kv_scale (calibration) agree: absmax =
+    scale * grid_absmax, 448 for fp8 and 127.5 for int8, up to the scale's bf16 rounding. On the
+    int8 grid -absmax is code -128 and +absmax (127.5, rounded to 128) saturates at 127."""
+    from qtk.kv_scales import cache_scheme, grid_absmax, kv_scale
+
+    absmax = torch.rand(4, 1, 1, generator=torch.Generator().manual_seed(0)) * 10 + 0.1
+    for dtype, span in ((torch.float8_e4m3fn, 448.0), (torch.int8, 127.5)):
+        kv = cache_scheme(dtype)
+        assert grid_absmax(kv) == span
+        torch.testing.assert_close(kv_scale(absmax, kv) * span, absmax, atol=0, rtol=2**-8)
+    edges = torch.cat([absmax, -absmax], dim=1)  # [4, 2, 1]
+    codes = quantize_kv(edges, absmax / grid_absmax(cache_scheme(torch.int8)), torch.int8)
+    assert codes.flatten().tolist() == [127, -128] * 4
 
 
 @pytest.mark.parametrize("kv", ["fp8", "int8"])

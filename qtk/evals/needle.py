@@ -90,7 +90,8 @@ def filler_tokens(tokenizer, filler: str | None) -> list[int]:
 
 
 def build_cases(tokenizer, lengths: list[int], depths: list[int], samples: int = 1, seed: int = 0,
-                filler: str | None = None) -> list[NeedleCase]:
+                filler: str | None = None, stream: list[int] | None = None) -> list[NeedleCase]:
+    """stream: filler_tokens(tokenizer, filler), where the caller has it already."""
     for d in depths:
         if not 0 <= d <= 100:
             raise InputError(f"needle depths are percents in [0, 100], got {d}")
@@ -99,7 +100,8 @@ def build_cases(tokenizer, lengths: list[int], depths: list[int], samples: int =
                          f"depths {depths}")
     if any(n < 16 for n in lengths):
         raise InputError(f"needle haystack lengths must be at least 16 tokens, got {sorted(lengths)}")
-    stream = filler_tokens(tokenizer, filler)
+    if stream is None:
+        stream = filler_tokens(tokenizer, filler)
     if len(stream) < max(lengths) + 1:
         raise InputError(f"--lengths {max(lengths)} is longer than the filler text allows ({len(stream)} tokens): "
                          f"give --lengths (a gates file: args.lengths) up to {len(stream) - 1}, or a longer filler")
@@ -145,9 +147,11 @@ def needle(llm, lengths: list[int] | None = None, depths: list[int] | None = Non
     """Every (length, depth, sample) case as one batch on the engine `llm` (qtk.LLM), greedily."""
     from ..runtime.sampling_params import SamplingParams
 
-    lengths = sorted(set(lengths or _fitting_default_lengths(llm, filler)))  # a repeated cell would count twice
+    stream = filler_tokens(llm.tokenizer, filler)  # once: the default lengths and the cases both read it
+    # sorted sets: a repeated cell would count twice
+    lengths = sorted(set(lengths or _fitting_default_lengths(llm.max_model_len, len(stream))))
     depths = sorted(set(DEFAULT_DEPTHS if depths is None else depths))
-    cases = build_cases(llm.tokenizer, lengths, depths, samples, seed, filler)
+    cases = build_cases(llm.tokenizer, lengths, depths, samples, seed, stream=stream)
     too_long = [c for c in cases if len(c.prompt) + max_tokens > llm.max_model_len]
     if too_long:
         raise InputError(f"a needle prompt of {len(too_long[0].prompt)} tokens (haystack {too_long[0].length}) does "
@@ -164,9 +168,9 @@ def needle(llm, lengths: list[int] | None = None, depths: list[int] | None = Non
     return NeedleResult(lengths, depths, cells, samples, answers)
 
 
-def _fitting_default_lengths(llm, filler: str | None) -> list[int]:
-    """default_lengths for llm's context, without those longer than the filler text provides."""
-    lengths, available = default_lengths(llm.max_model_len), len(filler_tokens(llm.tokenizer, filler)) - 1
+def _fitting_default_lengths(max_model_len: int, filler_len: int) -> list[int]:
+    """default_lengths for the context, without those longer than the filler text (filler_len tokens) provides."""
+    lengths, available = default_lengths(max_model_len), filler_len - 1
     fitting = [n for n in lengths if n <= available] or [available]
     if fitting != lengths:
         log.info("needle: the filler text has %d tokens, so the default haystack lengths stop at %d (the context "

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..quant import FP8_MAX
+
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
-QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 
 
 @dataclass
@@ -92,11 +93,12 @@ class AttentionMetadata:
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [kv_heads, T, D] onto the FP8 / INT8 grid of `scale` (round to nearest, saturate)."""
+    """x [kv_heads, T, D] onto the FP8 / INT8 grid of `scale` (round to nearest, saturate). With
+    kv_scales' int8 scale absmax / 127.5, -absmax is code -128 and +absmax rounds to 128, saturated to 127."""
     y = x.float() / scale
     if dtype == torch.int8:
         return y.round().clamp(-128, 127).to(dtype)
-    return y.clamp(-QMAX[dtype], QMAX[dtype]).to(dtype)
+    return y.clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

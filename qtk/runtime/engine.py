@@ -19,7 +19,8 @@ import torch
 
 from ..device import check_device, choose_dtype
 from ..errors import InputError
-from .attention import KV_DTYPES, QMAX
+from ..kv_scales import cache_scheme, grid_absmax
+from .attention import KV_DTYPES
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, find_stop, held_back
 from .model_runner import ModelRunner, kv_bytes_per_token, measure_kv_scales
@@ -163,9 +164,9 @@ class LLM:
                              "Ada, Hopper); use kv_cache_dtype int8 on this one")
         attns = [layer.self_attn for layer in self.model.layers]
         if all(hasattr(a, "k_scale") and hasattr(a, "kv_scheme") for a in attns):
-            scales = []
+            scales, asked = [], grid_absmax(cache_scheme(dtype))
             for a in attns:
-                rescale = (448.0 if a.kv_scheme.type == "float" else 127.0) / QMAX[dtype]  # absmax = scale * qmax
+                rescale = grid_absmax(a.kv_scheme) / asked  # absmax = scale * grid_absmax on either grid
                 scales.append(tuple((getattr(a, n).float() * rescale).reshape(-1, 1, 1).to(device)
                                     for n in ("k_scale", "v_scale")))
             return dtype, scales

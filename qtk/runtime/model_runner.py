@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import QMAX, AttentionMetadata, KVCache, PrefillChunk
+from ..kv_scales import cache_scheme, kv_scale
+from .attention import AttentionMetadata, KVCache, PrefillChunk
 from .cuda_graphs import DecodeGraphs, Record, capture_sizes, cuda_record
 from .sampler import logprob_entry
 from .scheduler import Batch
@@ -19,16 +20,18 @@ def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
 
 @torch.inference_mode()
 def measure_kv_scales(model, ids: list[int], dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_scale, v_scale) [kv_heads, 1, 1] = absmax / qmax of K (after RoPE) and V over
-    the prompt `ids`, read from a float cache that its prefill filled."""
+    """Per layer (k_scale, v_scale) [kv_heads, 1, 1] float32 of K (after RoPE) and V over the prompt
+    `ids`, read from a float cache that its prefill filled: kv_scale of their absmax, the formula of
+    calibrated checkpoints (absmax / 448 for fp8, absmax / 127.5 for int8)."""
     block_size = 16
     num_blocks = -(-len(ids) // block_size)
     runner = ModelRunner(model, num_blocks, block_size, device=device)
     seq = Sequence(ids, block_size=block_size)
     seq.block_table = list(range(num_blocks))
     runner.run(Batch([seq], [len(ids)]))
-    qmax = QMAX[dtype]
-    return [tuple((t.float().abs().amax(dim=(1, 2)).clamp_min(1e-8) / qmax).view(-1, 1, 1) for t in (c.k, c.v))
+    kv = cache_scheme(dtype)
+    # cache [kv_heads, slots, D] -> absmax [kv_heads, 1, 1]
+    return [tuple(kv_scale(t.float().abs().amax(dim=(1, 2)).view(-1, 1, 1), kv) for t in (c.k, c.v))
             for c in runner.kv_caches]
 
 
