@@ -70,10 +70,10 @@ def build_model(shape: str, path: Path, device: str) -> Path:
 
 
 def quantize_w4a16(src: Path, dst: Path, device: str) -> Path:
-    """RTN W4A16, group 128, through `qtk quantize` (one block at a time on `device`)."""
+    """RTN W4A16, group 128, through `qtk quantize` (one block at a time on `device`; RTN reads no
+    calibration data)."""
     subprocess.run([sys.executable, "-m", "qtk.cli", "quantize", str(src), "--method", "rtn", "--scheme", "w4a16",
-                    "--group-size", "128", "--num-samples", "4", "--seq-len", "64", "--device", device,
-                    "--dataset", "builtin", "-o", str(dst)], check=True, cwd=REPO)
+                    "--group-size", "128", "--device", device, "-o", str(dst)], check=True, cwd=REPO)
     return dst
 
 
