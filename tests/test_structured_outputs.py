@@ -94,6 +94,25 @@ def test_unsupported_or_malformed_grammars_are_input_errors(llm):
     assert not llm.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+def test_an_overlapping_one_of_is_refused_with_the_way_to_ask_for_any_of(llm):
+    """llguidance cannot enforce a oneOf whose branches overlap: a 400 that says how a schema asks
+    for anyOf instead, and with that option each output matches a branch."""
+    shape = {"type": "object", "properties": {"v": {"oneOf": [{"type": "string", "maxLength": 4},
+                                                              {"type": "string", "pattern": "^[a-c]{1,3}$"},
+                                                              {"type": "integer", "minimum": 0, "maximum": 99}]}},
+             "required": ["v"], "additionalProperties": False}
+    with pytest.raises(InputError, match=r'"x-guidance": \{"coerce_one_of": true\}'):
+        llm.grammars.check(StructuredOutputsParams(json=shape))
+    spec = StructuredOutputsParams(json={**shape, "x-guidance": {"coerce_one_of": True}})
+    llm.grammars.check(spec)
+    outs = llm.generate(["Reply in JSON:"] * 3, [SamplingParams(max_tokens=60, temperature=1.0, seed=i,
+                                                                structured_outputs=spec) for i in range(3)])
+    as_any = json.loads(json.dumps(shape).replace('"oneOf"', '"anyOf"'))
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), as_any)
+
+
 def test_mask_forbids_exactly_the_disallowed_tokens(llm):
     g: GrammarEngine = llm.grammars
     m = g.matcher(StructuredOutputsParams(choice=["yes", "no"]))

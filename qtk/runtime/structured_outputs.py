@@ -20,6 +20,9 @@ One step, for the rows whose sequence has a grammar (the others are untouched):
 JSON is compiled with compact separators and no free whitespace by default: a small model
 allowed free whitespace can loop on newlines until max_tokens and never close the document. A
 schema can override this, as llguidance documents, with "x-guidance": {"whitespace_flexible": true}.
+A oneOf whose branches llguidance cannot prove disjoint is refused (a 400) rather than enforced as
+anyOf, which xgrammar (vLLM's default) does silently; "x-guidance": {"coerce_one_of": true} in the
+schema asks for anyOf, and the 400 says so.
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ import torch
 from ..errors import InputError
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
+# llguidance's own message names its option, not where a request sets it
+ONE_OF_HINT = (' (a schema may carry "x-guidance": {"coerce_one_of": true} to have its oneOf enforced as anyOf, '
+               "as xgrammar does: the output then matches at least one branch)")
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,8 @@ class GrammarEngine:
 
         error = LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error and not error.startswith("WARNING"):
-            raise InputError(f"structured outputs: {short(error)}")
+            hint = ONE_OF_HINT if "coerce_one_of" in error else ""
+            raise InputError(f"structured outputs: {short(error)}{hint}")
         probe = self._matcher(grammar)  # some grammars fail only when run: a left-recursive rule, an empty regex
         allowed = probe.compute_bitmask()
         if probe.is_error():
