@@ -169,7 +169,7 @@ def kv_attention(shape: str, device: str, contexts: tuple[int, ...]) -> dict:
     scales): median ms of the Triton kernel (triton.testing.do_bench)."""
     import triton
 
-    from qtk.runtime import triton_attention as ta
+    from qtk.kernels import attention as ta
 
     s = SHAPES[shape]
     heads, kv_heads = s["num_attention_heads"], s["num_key_value_heads"]

@@ -1,4 +1,4 @@
-"""The paged-attention Triton kernels (qtk.runtime.triton_attention), no GPU needed.
+"""The paged-attention Triton kernels (qtk.kernels.attention), no GPU needed.
 
 Interpreter tests: each kernel against a plain torch twin written here (gather the context through
 the block table, dequantize, masked softmax in fp32) on small random caches with shuffled block
@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from test_kernels_interp import OUTER_INTERPRET, assert_close, exact_interpretation  # noqa: E402
-from qtk.runtime import triton_attention as ta  # noqa: E402
+from qtk.kernels import attention as ta  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 BLOCK_SIZE = 16

@@ -3,7 +3,8 @@
 Modules: layout (run-time weight layout), w4a16 (weight-only int4/int8 GEMM), act_quant
 (per-token / static activation quantization), w8a8 (int8 and fp8 scaled GEMM), fp8
 (torch._scaled_mm or Triton), ops (torch.ops.qtk.* custom ops), dispatch (which one runs a
-layer), reference (pure-torch twins), bench (GPU benchmark).
+layer), reference (pure-torch twins), attention (the runtime's paged KV-cache
+attention in Triton).
 """
 from __future__ import annotations
 

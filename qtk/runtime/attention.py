@@ -1,5 +1,5 @@
 """Attention over the paged KV cache: the CPU path in torch, below; on CUDA the Triton kernels of
-triton_attention.py over the same layout (`_triton_attention`), and on a CPU with qtk's C++ ops
+qtk.kernels.attention over the same layout (`_triton_attention`), and on a CPU with qtk's C++ ops
 (float32 activations) the fused store and decode of kernels/csrc/cpu_layers.cpp (`_cpu_attention`,
 prefills still in torch): chosen by AttentionMetadata.backend.
 
@@ -198,9 +198,9 @@ def _prefill(q: torch.Tensor, cache: KVCache, chunk: PrefillChunk, scale: float,
 
 
 def _triton_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The same step through triton_attention's kernels: fused quantize-and-store, split-K decode
+    """The same step through kernels/attention.py's kernels: fused quantize-and-store, split-K decode
     over the decodes' block tables, one varlen prefill launch over all prefill chunks."""
-    from . import triton_attention as ta
+    from ..kernels import attention as ta
 
     ta.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
 

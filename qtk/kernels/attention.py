@@ -45,9 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qtk.kernels.act_quant import _quantize
-from qtk.kernels.common import check, check_same_device, pick_split_k, sm_count
-from qtk.kernels.fp8 import fp8_supported
+from .act_quant import _quantize
+from .common import check, check_same_device, pick_split_k, sm_count
+from .fp8 import fp8_supported
 
 LOG2E = tl.constexpr(1.4426950408889634)
 NO_SCORE = tl.constexpr(-1.0e30)  # the running max before any key: finite, so 2^(m - m') is never NaN
