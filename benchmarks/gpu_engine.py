@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from qtk import LLM, SamplingParams  # noqa: E402
-from qtk.kernels.bench import git_commit  # noqa: E402
+from qtk.bench import git_commit  # noqa: E402
 
 log = logging.getLogger("gpu_engine")
 

@@ -48,7 +48,7 @@ def close_until_parting(ours: list[dict], theirs: list[dict], ours_ids: list[int
 def referee(model: Path, windows: list[list[int]], prompts: list[list[int]], dtype: str = "float32") -> dict:
     from qtk import LLM, SamplingParams
     from qtk.evals.perplexity import engine_perplexity
-    from qtk.runtime.bench import run_peer
+    from qtk.bench.engine import run_peer
 
     import torch
 
@@ -105,7 +105,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from qtk.models import BUNDLED, resolve
-    from qtk.runtime.bench import record
+    from qtk.bench.engine import record
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="build/vllm_referee", help="Where the checkpoints go.")
@@ -124,7 +124,8 @@ def main() -> None:
                for name, d in quantize_all(Path(args.work), source, names).items()}
     name = "vllm_referee" if args.dtype == "float32" else f"vllm_referee-{args.dtype}"
     res = record({"model": BUNDLED, "dtype": args.dtype, "windows": f"{len(windows)} x {len(windows[0])}",
-                  "prompts": len(prompts), "new_tokens": NEW_TOKENS, "checkpoints": results}, args.out, name)
+                  "prompts": len(prompts), "new_tokens": NEW_TOKENS, "checkpoints": results}, args.out, name,
+                 " ".join(["python", *sys.argv]))
     print(json.dumps(res["checkpoints"], indent=2))
 
 

@@ -421,6 +421,12 @@ def serve(model, host, port, served_model_name, api_key, max_queue, log_requests
         engine.shutdown()
 
 
+def _command_line() -> str:
+    """The command line as a user typed it (`qtk ...`, however the CLI was started), for the JSON
+    a benchmark writes."""
+    return " ".join(["qtk", *sys.argv[1:]])
+
+
 @main.group()
 def bench():
     """Benchmarks that print and record numbers (protocols: docs/benchmarks.md)."""
@@ -443,14 +449,14 @@ def bench_kernels(device, shapes, ms, out, dtype):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     m_list = _ints(ms, "--m")
     if device == "cpu":
-        from .kernels.bench_cpu import run as run_cpu
+        from .bench.kernels_cpu import run as run_cpu
 
-        _, summary = run_cpu(shapes=shapes or "smollm2-135m", ms=m_list, out=out)
+        _, summary = run_cpu(shapes=shapes or "smollm2-135m", ms=m_list, out=out, command=_command_line())
     else:
-        from .kernels.bench import run
+        from .bench.kernels_gpu import run
 
         _, summary = run(shapes=shapes or "llama3-8b", ms=m_list or [1, 16, 64, 256, 1024, 4096], out=out,
-                         dtype=dtype)
+                         dtype=dtype, command=_command_line())
     click.echo(summary)
 
 
@@ -474,11 +480,11 @@ def bench_kernels(device, shapes, ms, out, dtype):
 def bench_engine(model, num_prompts, output_len, input_len, batch1_output_len, peers, sequential, gguf, dtype,
                  out, name, device, enforce_eager):
     """qtk's runtime against transformers generate, vLLM's CPU build and llama.cpp (CPU protocol)."""
-    from .runtime.bench import run
+    from .bench.engine import run
 
     _, text = run(model, num_prompts=num_prompts, output_len=output_len, batch1_input_len=input_len,
                   batch1_output_len=batch1_output_len, dtype=dtype, peers=peers, sequential=sequential, gguf=gguf,
-                  out=out, name=name, device=device, enforce_eager=enforce_eager)
+                  out=out, name=name, device=device, enforce_eager=enforce_eager, command=_command_line())
     click.echo(text)
 
 
@@ -497,10 +503,10 @@ def bench_engine(model, num_prompts, output_len, input_len, batch1_output_len, p
 @click.option("--name", default=None, help="JSON file name.")
 def bench_serve(url, model, num_prompts, request_rate, max_concurrency, dataset, max_tokens, api_key, out, name):
     """TTFT, TPOT, inter-token latency p50/p99 and throughput of a server under load."""
-    from .runtime.bench_serve import run
+    from .bench.serve import run
 
     _, text = run(url, model, num_prompts, request_rate, max_concurrency, dataset, max_tokens, api_key, out=out,
-                  name=name)
+                  name=name, command=_command_line())
     click.echo(text)
 
 

@@ -96,7 +96,8 @@ def test_bench_engine_gives_every_peer_qtks_threads_and_labels_what_ran(monkeypa
     (what the JSON's "threads" says), llama.cpp's batch-1 rate is over the whole span it reports,
     and transformers' one-at-a-time row counts the requests it ran (fewer than --sequential here)."""
     from qtk import models
-    from qtk.runtime import bench, engine
+    from qtk.bench import engine as bench
+    from qtk.runtime import engine
 
     jobs = {}
 
@@ -133,7 +134,7 @@ def test_bench_engine_gives_every_peer_qtks_threads_and_labels_what_ran(monkeypa
 def test_bench_serve_sleeps_between_arrivals_not_after_the_last(monkeypatch):
     """Poisson arrivals: a gap between consecutive requests, none after the last one, which would
     only add idle time to the wall clock the throughput is divided by."""
-    from qtk.runtime import bench_serve
+    from qtk.bench import serve as bench_serve
 
     async def one_request(client, url, body):
         return bench_serve.Result(ok=True, ttft=0.01, e2e=0.02, tokens=body["max_tokens"])
@@ -161,7 +162,7 @@ def test_bench_serve_times_a_reasoning_models_thought_and_tool_calls_as_tokens(m
     chunk that carries one is an inter-token gap; the role-only chunk and the usage chunk are not."""
     import httpx
 
-    from qtk.runtime import bench_serve
+    from qtk.bench import serve as bench_serve
 
     now = [0.0]
     monkeypatch.setattr(bench_serve, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
@@ -189,7 +190,7 @@ def test_bench_serve_times_a_reasoning_models_thought_and_tool_calls_as_tokens(m
 
 def test_git_commit_says_when_the_tree_is_not_heads(tmp_path):
     """A result measured with uncommitted changes must not carry HEAD's hash alone."""
-    from qtk.kernels.bench import git_commit
+    from qtk.bench import git_commit
 
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
@@ -207,7 +208,7 @@ def test_kernels_limit_fraction_is_against_the_peak_of_each_kernels_math(monkeyp
     """A weight-only kernel runs bf16 math, W8A8 int8 and FP8 their own (twice bf16's dense ops on
     an H100): at a compute-bound M each row's fraction of the limit is FLOPs / its math's peak, and a
     math whose peak is unknown gets no fraction (None, "-" in the table), never bf16's."""
-    from qtk.kernels import bench
+    from qtk.bench import kernels_gpu as bench
 
     dense = torch.randn(64, 64)
     monkeypatch.setattr(bench, "cases", lambda n, k, dtype, device: [
@@ -229,8 +230,8 @@ def test_kernels_limit_fraction_is_against_the_peak_of_each_kernels_math(monkeyp
 def test_compare_llmcompressor_records_the_cpu_it_ran_on(monkeypatch, tmp_path):
     """The JSON's device is the CPU's model name (platform.processor() is "x86_64" or empty on
     Linux) and its commit is the benchmarks' git_commit, with the same method rows as the table."""
-    from qtk.kernels.bench import git_commit
-    from qtk.runtime.bench import _cpu_name
+    from qtk.bench import git_commit
+    from qtk.bench.engine import _cpu_name
 
     cmp = load_script("compare_llmcompressor")
     monkeypatch.setattr(cmp, "load_model", lambda *a, **k: (None, None))

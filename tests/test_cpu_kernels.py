@@ -482,7 +482,7 @@ def test_fused_forward_equals_the_torch_forward():
 def test_bench_kernels_cpu_records_each_shape(tmp_path, monkeypatch):
     """`qtk bench kernels --device cpu` on a tiny stand-in model: every shape and M gets its times,
     GB/s against copy and a plain read, and the per-token sums as separate and as joined layers."""
-    from qtk.kernels import bench_cpu
+    from qtk.bench import kernels_cpu as bench_cpu
 
     if cpu.ops() is None:
         pytest.skip("qtk's CPU kernel is not built here")

@@ -306,7 +306,7 @@ def test_act_quant_rejects():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
 def test_bench_needs_cuda(tmp_path):
-    from qtk.kernels import bench
+    from qtk.bench import kernels_gpu as bench
 
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         bench.run("llama3-8b", [1], str(tmp_path), "bf16")

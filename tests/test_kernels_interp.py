@@ -374,7 +374,7 @@ def test_quant_linear_w8a8_runtime(static):
 def test_bench_rows_on_tiny_shapes(monkeypatch):
     """The benchmark's cases and figures, with the interpreter standing in for a GPU and a fixed
     clock standing in for do_bench (which needs CUDA)."""
-    from qtk.kernels import bench
+    from qtk.bench import kernels_gpu as bench
 
     monkeypatch.setattr(bench, "median_us", lambda fn: (fn(), 10.0)[1])
     rows = bench.bench_shape("tiny", 128, 48, [1, 17], torch.float16, torch.device("cpu"), hbm=1e12,

@@ -530,7 +530,7 @@ def assert_fusing_keeps_the_logits(model):
 def test_a_peers_root_cause_is_read_from_its_workers_stderr():
     """vLLM's front end says only that a worker failed; under torch.compile the worker's traceback
     names the exception without its message, after the user code that raised it."""
-    from qtk.runtime.bench import root_causes
+    from qtk.bench.engine import root_causes
 
     stderr = """Process EngineCore:
 Traceback (most recent call last):

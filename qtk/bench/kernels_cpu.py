@@ -28,18 +28,17 @@ import datetime
 import json
 import logging
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ..runtime.bench import _cpu_name as cpu_name
-from . import cpu
-from .bench import git_commit
-from .dispatch import cpu_packed_weight, packed_linear
-from .reference import act_quant_ref
+from ..kernels import cpu
+from ..kernels.dispatch import cpu_packed_weight, packed_linear
+from ..kernels.reference import act_quant_ref
+from . import git_commit
+from .engine import _cpu_name as cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +141,8 @@ def bench_shape(k: int, n: int, ms: list[int], lib, repeats: int) -> list[dict]:
 
 
 def run(shapes: str = "smollm2-135m", ms: list[int] | None = None, out: str | Path = "benchmarks/results",
-        repeats: int = 30) -> tuple[dict, str]:
+        repeats: int = 30, command: str | None = None) -> tuple[dict, str]:
+    """command: the command line the JSON records (default: the equivalent `qtk bench kernels`)."""
     ms = ms or [1, 2, 4, 8, 16, 64, 256]
     name = cpu.variant()
     lib = cpu.ops()
@@ -172,8 +172,7 @@ def run(shapes: str = "smollm2-135m", ms: list[int] | None = None, out: str | Pa
                  for a in ("fp32", "int4", "int8", "w8a8") if a in rows[0]["us"]}
     per_token["int4_engine"] = sum(r["us"]["int4"] * r["engine_count"] * layers for r in rows if r["m"] == 1) / 1e3
     result = {
-        "command": " ".join(["qtk", *sys.argv[1:]]) if Path(sys.argv[0]).name == "qtk" else
-        f"qtk bench kernels --device cpu --shapes {shapes} --m {','.join(map(str, ms))}",
+        "command": command or f"qtk bench kernels --device cpu --shapes {shapes} --m {','.join(map(str, ms))}",
         "commit": git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(), "variant": name,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "shapes": shapes,

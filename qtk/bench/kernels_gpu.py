@@ -16,8 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -26,11 +24,12 @@ import torch
 import triton
 import triton.testing
 
-from .act_quant import act_quant
-from .fp8 import Fp8Backend, fp8_gemm, fp8_supported, scaled_mm_applies
-from .layout import dequant_woq, pack_woq
-from .w4a16 import woq_gemm
-from .w8a8 import int8_gemm
+from ..kernels.act_quant import act_quant
+from ..kernels.fp8 import Fp8Backend, fp8_gemm, fp8_supported, scaled_mm_applies
+from ..kernels.layout import dequant_woq, pack_woq
+from ..kernels.w4a16 import woq_gemm
+from ..kernels.w8a8 import int8_gemm
+from . import git_commit
 
 log = logging.getLogger(__name__)
 
@@ -180,17 +179,6 @@ def bench_shape(shape, k, n, ms, dtype, device, hbm, peaks: dict[str, float | No
     return rows
 
 
-def git_commit(cwd: Path = Path(__file__).parent) -> str:
-    """HEAD's hash, with "-dirty" when tracked files differ from it (the numbers are not HEAD's)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=cwd).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, cwd=cwd).returncode
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("-dirty" if dirty else "")
-
-
 def _fraction(x: float | None) -> str:
     return f"{'-':>6}" if x is None else f"{x:6.2f}"
 
@@ -205,9 +193,9 @@ def table(rows: list[Row]) -> str:
 
 
 def run(shapes: str = "llama3-8b", ms: list[int] | None = None, out: str = "benchmarks/results",
-        dtype: str = "bf16") -> tuple[Path, str]:
+        dtype: str = "bf16", command: str | None = None) -> tuple[Path, str]:
     """Benchmark every kernel on `shapes` for each M; returns the JSON path and a printable summary
-    (needs CUDA)."""
+    (needs CUDA). command: the command line the JSON records."""
     if not torch.cuda.is_available():
         raise RuntimeError("qtk bench kernels needs a CUDA GPU: torch.cuda.is_available() is False "
                            f"(torch {torch.__version__}); run it on a machine with an NVIDIA GPU")
@@ -230,7 +218,7 @@ def run(shapes: str = "llama3-8b", ms: list[int] | None = None, out: str = "benc
         torch.cuda.empty_cache()
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {
-        "command": " ".join(sys.argv), "git_commit": git_commit(), "device": torch.cuda.get_device_name(device),
+        "command": command, "git_commit": git_commit(), "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "date": now.isoformat(timespec="seconds"), "shapes": shapes, "dtype": dtype, "ms": ms,
         "hbm_gbps": hbm * 1e-9,  # each math's peak, T op/s (int8: TOP/s); null: unknown, no fraction

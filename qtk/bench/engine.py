@@ -30,7 +30,7 @@ import torch
 
 from ..device import choose_dtype
 from ..errors import InputError, NotFoundError
-from ..kernels.bench import git_commit
+from . import git_commit
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def text_prompt(tokenizer, length: int) -> list[int]:
 
 # -- qtk -------------------------------------------------------------------------------------------
 def qtk_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
-    from .sampling_params import SamplingParams
+    from ..runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t = time.perf_counter()
@@ -148,11 +148,12 @@ def rate(tokens: int, seconds: float) -> dict:
 def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_len: int = 128,
         batch1_output_len: int = 256, dtype: str = "auto", peers: tuple[str, ...] = ("transformers",),
         sequential: int = 16, gguf: str | None = None, out: str | Path = "benchmarks/results",
-        name: str | None = None, device: str = "cpu", enforce_eager: bool = False) -> tuple[dict, str]:
+        name: str | None = None, device: str = "cpu", enforce_eager: bool = False,
+        command: str | None = None) -> tuple[dict, str]:
     """device: where qtk and transformers run (vLLM's CPU build and llama.cpp are CPU peers);
-    enforce_eager: qtk without its CUDA graphs."""
+    enforce_eager: qtk without its CUDA graphs; command: the command line the JSON records."""
     from ..models import bundled_gguf, load_model, resolve
-    from .engine import LLM
+    from ..runtime.engine import LLM
 
     if num_prompts < 1 or output_len < 1:
         raise InputError("--num-prompts and --output-len must be at least 1")
@@ -211,12 +212,13 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
         res["engines"]["llama.cpp"] = v if "error" in v else {"gguf": gguf_path, "threads": v.get("threads"),
                                                               "batch1": rate(v["tokens"], v["seconds"])}
     res["qtk_engine_args"] = engine_args
-    return record(res, out, name), summary(res)
+    return record(res, out, name, command), summary(res)
 
 
-def record(res: dict, out: str | Path, name: str | None) -> dict:
-    via_cli = Path(sys.argv[0]).name in ("qtk", "cli.py", "__main__.py")
-    res.update(command=" ".join(["qtk", *sys.argv[1:]] if via_cli else sys.argv), commit=git_commit(), date=datetime.datetime.now().isoformat(),
+def record(res: dict, out: str | Path, name: str | None, command: str | None) -> dict:
+    """Add the run's provenance (command line, commit, date, device, versions) to `res` and write it
+    to OUT/NAME.json."""
+    res.update(command=command, commit=git_commit(), date=datetime.datetime.now().isoformat(),
                device=_device_name(res.get("qtk_engine_args", {}).get("device", "cpu")), cpu_capability=torch.backends.cpu.get_cpu_capability(),
                threads=torch.get_num_threads(), torch=torch.__version__)
     out = Path(out)

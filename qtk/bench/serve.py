@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from ..errors import InputError
-from .bench import QUESTIONS, record
+from .engine import QUESTIONS, record
 
 
 @dataclass
@@ -159,7 +159,7 @@ def summarize(results: list[Result], wall: float) -> dict:
 def run(url: str, model: str | None = None, num_prompts: int = 64, request_rate: float = float("inf"),
         max_concurrency: int | None = None, dataset: str = "builtin", max_tokens: int = 128,
         api_key: str | None = None, seed: int = 0, out: str | Path = "benchmarks/results",
-        name: str | None = None) -> tuple[dict, str]:
+        name: str | None = None, command: str | None = None) -> tuple[dict, str]:
     if num_prompts < 1 or max_tokens < 1 or request_rate <= 0 or (max_concurrency is not None and max_concurrency < 1):
         raise InputError("--num-prompts, --max-tokens, --request-rate and --max-concurrency must be positive")
     convs = load_prompts(dataset, num_prompts)
@@ -168,7 +168,7 @@ def run(url: str, model: str | None = None, num_prompts: int = 64, request_rate:
     res = {"url": url, "model": model, "num_prompts": num_prompts, "request_rate": str(request_rate),
            "max_concurrency": max_concurrency, "dataset": dataset, "max_tokens": max_tokens,
            "dtype": "-", **summarize(results, wall)}
-    res = record(res, out, name or f"serve-{model.replace('/', '_')}-c{max_concurrency or 'inf'}")
+    res = record(res, out, name or f"serve-{model.replace('/', '_')}-c{max_concurrency or 'inf'}", command)
     return res, table(res)
 
 
