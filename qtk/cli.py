@@ -387,9 +387,9 @@ def serve(model, host, port, served_model_name, api_key, max_queue, log_requests
     import uvicorn
 
     from .data import read_text
+    from .entrypoints.openai.api_server import build_app
     from .runtime.async_engine import AsyncLLM
     from .runtime.engine import LLM
-    from .runtime.server import build_app
 
     template = None
     if chat_template is not None:

@@ -19,7 +19,7 @@ def serving(engine, name: str, **app_args):
     server stops and the engine shuts down on exit."""
     import uvicorn
 
-    from qtk.runtime.server import build_app
+    from qtk.entrypoints.openai.api_server import build_app
 
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(engine, name, **app_args), host="127.0.0.1", port=port,

@@ -264,7 +264,7 @@ def test_user_tasks_file_and_its_gate(tiny_dir, tmp_path):
 def test_replaying_served_traffic_tells_sound_from_broken(checkpoints, tmp_path):
     """A request log in `qtk serve --log-requests`'s format (written by its own RequestLog): a
     sound checkpoint agrees with the baseline, a broken one does not."""
-    from qtk.runtime.request_log import RequestLog
+    from qtk.entrypoints.openai.request_log import RequestLog
 
     log = RequestLog(tmp_path / "traffic.jsonl")
     questions = ["What is the capital of France?", "Name three colors.", "Write one sentence about the sea.",
@@ -297,7 +297,7 @@ def test_replaying_served_traffic_tells_sound_from_broken(checkpoints, tmp_path)
 def test_replay_reads_logs_and_scores_agreement(tiny_dir, tmp_path):
     from qtk import LLM
     from qtk.evals.replay import load_requests, replay
-    from qtk.runtime.request_log import RequestLog
+    from qtk.entrypoints.openai.request_log import RequestLog
 
     log = RequestLog(tmp_path / "log.jsonl")
     log.write("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],

@@ -217,7 +217,7 @@ def test_request_log_appends_whole_lines_from_threads_and_rotates(tmp_path):
     import json
     from concurrent.futures import ThreadPoolExecutor
 
-    from qtk.runtime.request_log import RequestLog
+    from qtk.entrypoints.openai.request_log import RequestLog
 
     log = RequestLog(tmp_path / "r.jsonl", max_bytes=4000, backups=2)
     with ThreadPoolExecutor(8) as pool:
@@ -604,9 +604,9 @@ HERMES_TEXTS = [
 def test_hermes_calls_stream_as_they_complete_and_match_the_whole_parse(text):
     """Fed the text at every length, the stream's deltas reassemble to the non-streamed message."""
     from qtk.runtime.engine import CompletionOutput
-    from qtk.runtime.protocol import ChatCompletionRequest
-    from qtk.runtime.chat_choices import ChatChoices
-    from qtk.runtime.tool_calls import HermesToolParser
+    from qtk.entrypoints.openai.protocol import ChatCompletionRequest
+    from qtk.entrypoints.openai.chat_choices import ChatChoices
+    from qtk.entrypoints.openai.tool_calls import HermesToolParser
 
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
     whole = ChatChoices(body, HermesToolParser()).message(CompletionOutput(0, text, [], "stop"))
@@ -663,7 +663,7 @@ def test_auto_tool_choice_reads_the_models_calls(tiny_dir):
         ids = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
         assert engine.tokenizer.decode(ids) == "<user>Hi<assistant>"  # --chat-template replaces the model's
     with pytest.raises(Exception, match="no tool-call parser 'nope'"):
-        from qtk.runtime.server import build_app
+        from qtk.entrypoints.openai.api_server import build_app
         build_app(engine, "tiny", tool_call_parser="nope")
 
 
@@ -733,10 +733,10 @@ REASONING_TEXTS = [
 def test_reasoning_splits_the_thought_streamed_as_whole(name, text, thought, answer):
     """The thought goes to `reasoning` (and `reasoning_content`), the answer to `content`; fed the
     text at every length, the stream's deltas reassemble to the same split."""
-    from qtk.runtime.chat_choices import ChatChoices
+    from qtk.entrypoints.openai.chat_choices import ChatChoices
     from qtk.runtime.engine import CompletionOutput
-    from qtk.runtime.protocol import ChatCompletionRequest
-    from qtk.runtime.reasoning import PARSERS
+    from qtk.entrypoints.openai.protocol import ChatCompletionRequest
+    from qtk.entrypoints.openai.reasoning import PARSERS
 
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
     msg = ChatChoices(body, None, PARSERS[name]()).message(CompletionOutput(0, text, [], "length"))["message"]
@@ -758,7 +758,7 @@ def test_reasoning_and_hermes_calls_through_the_server(tiny_dir, monkeypatch):
     from openai import OpenAI
 
     from qtk import LLM
-    from qtk.runtime import server as server_module
+    from qtk.entrypoints.openai import api_server as server_module
     from qtk.runtime.async_engine import AsyncLLM
 
     seen = []
@@ -790,10 +790,10 @@ def test_reasoning_and_hermes_calls_through_the_server(tiny_dir, monkeypatch):
 
 
 def test_parallel_tool_calls_false_keeps_the_first_auto_call():
-    from qtk.runtime.chat_choices import ChatChoices
+    from qtk.entrypoints.openai.chat_choices import ChatChoices
     from qtk.runtime.engine import CompletionOutput
-    from qtk.runtime.protocol import ChatCompletionRequest
-    from qtk.runtime.tool_calls import HermesToolParser
+    from qtk.entrypoints.openai.protocol import ChatCompletionRequest
+    from qtk.entrypoints.openai.tool_calls import HermesToolParser
 
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS, parallel_tool_calls=False)
     msg = ChatChoices(body, HermesToolParser()).message(CompletionOutput(0, HERMES_TEXTS[1], [], "stop"))["message"]
@@ -805,10 +805,10 @@ def test_auto_calls_with_a_lone_surrogate_escape_still_render():
     UTF-8 cannot carry, and the non-streamed response failed to render (a 500 after generating)."""
     from fastapi.responses import JSONResponse
 
-    from qtk.runtime.chat_choices import ChatChoices
+    from qtk.entrypoints.openai.chat_choices import ChatChoices
     from qtk.runtime.engine import CompletionOutput
-    from qtk.runtime.protocol import ChatCompletionRequest
-    from qtk.runtime.tool_calls import HermesToolParser
+    from qtk.entrypoints.openai.protocol import ChatCompletionRequest
+    from qtk.entrypoints.openai.tool_calls import HermesToolParser
 
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
     text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "\\ud800"}}\n</tool_call>'
@@ -825,7 +825,7 @@ def test_a_failing_prompt_cancels_its_siblings():
     close, which aborts their requests) instead of generating on, holding KV blocks."""
     import asyncio
 
-    from qtk.runtime.server import all_or_none, merged
+    from qtk.entrypoints.openai.api_server import all_or_none, merged
 
     closed = []
 

@@ -29,9 +29,9 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
-from .engine import LLM, RequestOutput
-from .metrics import Metrics, RequestStats
+from .engine import LLM, EngineStats, RequestOutput
 from .sampling_params import SamplingParams
+from .structured_outputs import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,10 @@ class RequestFailedError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, llm: LLM, metrics: Metrics | None = None):
+    def __init__(self, llm: LLM, metrics=None):
+        """metrics: told of each output as it reaches its request's stream: `metrics.observer()`
+        is called once per request and returns a callable that takes each RequestOutput (a
+        server's /metrics: entrypoints/openai/metrics.py)."""
         self.llm = llm
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -79,9 +82,41 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="qtk-engine", daemon=True)
         self._thread.start()
 
+    # -- what a server asks of the engine -----------------------------------------------------------
     @property
     def tokenizer(self):
         return self.llm.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.vocab_size
+
+    def prompt_ids(self, prompt: str | list[int] | dict) -> list[int]:
+        """The prompt's token ids, checked against the vocabulary (InputError)."""
+        return self.llm.prompt_ids(prompt)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """InputError where params exceed this engine's limits (logprobs, n, token ids)."""
+        self.llm.check_params(params)
+
+    def check_structured(self, structured: StructuredOutputsParams) -> None:
+        """InputError where the grammar engine cannot take this constraint."""
+        self.llm.grammars.check(structured)
+
+    def load_grammar_tokenizer(self) -> None:
+        """Build the grammar engine's view of the tokenizer now (~0.4 s) rather than on a request;
+        InputError where structured outputs are unavailable."""
+        self.llm.grammars.tokenizer
+
+    def num_waiting_requests(self) -> int:
+        return self.llm.num_waiting_requests()
+
+    def stats(self) -> EngineStats:
+        return self.llm.stats()
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -98,7 +133,7 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine stopped: {self.dead!r}")
         self._post(("add", request_id, prompt, params))
         finished = False
-        stats = RequestStats()
+        observe = self.metrics.observer() if self.metrics is not None else None
         try:
             while not finished:
                 item = await stream.get()
@@ -108,8 +143,8 @@ class AsyncLLM:
                     finished = True
                     raise RequestFailedError(item.error)
                 finished = item.finished
-                if self.metrics is not None:
-                    self.metrics.on_output(stats, item)
+                if observe is not None:
+                    observe(item)
                 yield item
         finally:
             self._streams.pop(request_id, None)

@@ -68,6 +68,18 @@ class RequestOutput:
         return replace(self, outputs=outs)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's gauges and counters at one moment (what a server's /metrics reports)."""
+
+    num_running: int  # sequences in the batch
+    num_waiting: int  # sequences waiting for admission
+    kv_cache_usage: float  # fraction of KV blocks in use (1 = full)
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # prompt tokens found there
+
+
 class LLM:
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
@@ -263,6 +275,17 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def num_waiting_requests(self) -> int:
+        """Requests (not their n sequences) waiting for admission. Safe from another thread:
+        tuple() copies the deque in one C call, which the stepping thread cannot interleave
+        (iterating it in Python could meet it mid-change)."""
+        return len({s.request_id for s in tuple(self.scheduler.waiting)})
+
+    def stats(self) -> EngineStats:
+        sched, bm = self.scheduler, self.block_manager
+        return EngineStats(len(sched.running), len(sched.waiting), 1 - bm.num_free_blocks / bm.num_blocks,
+                           sched.num_preemptions, bm.prefix_queries, bm.prefix_hits)
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

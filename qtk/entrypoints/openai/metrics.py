@@ -12,6 +12,7 @@ AsyncLLM fills as outputs reach a request's stream. One registry per server, not
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -35,27 +36,28 @@ class RequestStats:
 
 
 class _EngineCollector:
-    def __init__(self, llm):
-        self.llm = llm
+    def __init__(self, engine):
+        self.engine = engine
 
     def collect(self):
-        sched, bm = self.llm.scheduler, self.llm.block_manager
-        for name, doc, value in (("num_requests_running", "Sequences running (in the batch).", len(sched.running)),
-                                 ("num_requests_waiting", "Sequences waiting for admission.", len(sched.waiting)),
+        s = self.engine.stats()
+        for name, doc, value in (("num_requests_running", "Sequences running (in the batch).", s.num_running),
+                                 ("num_requests_waiting", "Sequences waiting for admission.", s.num_waiting),
                                  ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
-                                  1 - bm.num_free_blocks / bm.num_blocks)):
+                                  s.kv_cache_usage)):
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        for name, doc, value in (("num_preemptions", "Preemptions (recompute).", sched.num_preemptions),
+        for name, doc, value in (("num_preemptions", "Preemptions (recompute).", s.num_preemptions),
                                  ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  bm.prefix_queries),
-                                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", bm.prefix_hits)):
+                                  s.prefix_cache_queries),
+                                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
 class Metrics:
-    def __init__(self, llm):
+    def __init__(self, engine):
+        """engine: an AsyncLLM (its stats() are read at each scrape)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(llm))
+        self.registry.register(_EngineCollector(engine))
         r = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)
@@ -71,6 +73,10 @@ class Metrics:
                              registry=r)
         self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled step.",
                                buckets=LATENCY_BUCKETS, registry=r)
+
+    def observer(self):
+        """A new request's observer (AsyncLLM calls it with each output that reaches its stream)."""
+        return functools.partial(self.on_output, RequestStats())
 
     def on_output(self, stats: RequestStats, out) -> None:
         """An output reached the request's stream: new tokens (inter-token latency), maybe its end."""

@@ -1,7 +1,7 @@
 """The OpenAI API's request shapes as vLLM accepts them (pydantic), and their SamplingParams.
 
 Unknown fields are ignored, as OpenAI's and vLLM's servers do; a field of the wrong type or out of
-range is a 400 that names it (server.py turns pydantic's and SamplingParams' errors into OpenAI's
+range is a 400 that names it (api_server.py turns pydantic's and SamplingParams' errors into OpenAI's
 error shape). vLLM's extensions are accepted under their names: top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, skip_special_tokens, include_stop_str_in_output, cache_salt,
 structured_outputs (json, json_object, regex, choice, grammar). response_format {"type": "json_object"} or {"type": "json_schema", "json_schema":
@@ -18,9 +18,9 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..errors import InputError
-from .sampling_params import SamplingParams
-from .structured_outputs import StructuredOutputsParams
+from ...errors import InputError
+from ...runtime.sampling_params import SamplingParams
+from ...runtime.structured_outputs import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -247,7 +247,7 @@ class ChatCompletionRequest(_Sampling, _Messages):
     chat template; tool_choice "none" answers in text, a named function or "required" is forced by
     the grammar (the arguments always parse and match the function's parameters schema) and comes
     back as tool_calls; "auto" (OpenAI's default when tools are given) needs a model-specific
-    parser to tell a call from text (server.py's --tool-call-parser): without one, a 400 that says
+    parser to tell a call from text (api_server.py's --tool-call-parser): without one, a 400 that says
     what to send instead."""
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None

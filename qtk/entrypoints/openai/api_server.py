@@ -31,15 +31,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
-from ..errors import InputError
-from .async_engine import AsyncLLM, EngineDeadError, RequestFailedError
-from .engine import CompletionOutput, RequestOutput
+from ... import __version__
+from ...errors import InputError
+from ...runtime.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
+from ...runtime.engine import CompletionOutput, RequestOutput
+from .chat_choices import ChatChoices
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .request_log import RequestLog
-from .chat_choices import ChatChoices
 from .reasoning import PARSERS as REASONING_PARSERS
+from .request_log import RequestLog
 from .tool_calls import PARSERS
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class Server:
         self.model_name = served_model_name
         self.api_key = api_key
         self.max_queue = max_queue
-        self.max_model_len = engine.llm.max_model_len
+        self.max_model_len = engine.max_model_len
 
     # -- checks at the edge ------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -150,9 +150,7 @@ class Server:
 
     def admit(self, body) -> None:
         self.check_model(body)
-        # requests, not their n sequences; tuple() copies the deque in one C call, which the engine's
-        # thread cannot interleave (iterating it here in Python could meet it mid-change)
-        waiting = len({s.request_id for s in tuple(self.engine.llm.scheduler.waiting)})
+        waiting = self.engine.num_waiting_requests()
         if self.max_queue is not None and waiting >= self.max_queue:
             raise ApiError(503, f"{waiting} requests are waiting (--max-queue {self.max_queue}); retry shortly",
                            headers={"Retry-After": "1"})
@@ -161,7 +159,7 @@ class Server:
 
     def token_ids(self, prompt: str | list[int]) -> list[int]:
         try:  # the engine's own check (token ids inside the vocabulary), before any stream starts
-            ids = self.engine.llm.prompt_ids(prompt)
+            ids = self.engine.prompt_ids(prompt)
         except InputError as e:
             raise ApiError(400, str(e), "prompt") from e
         if not ids:
@@ -406,7 +404,7 @@ class Server:
     def detokenize(self, body: DetokenizeRequest) -> dict:
         self.check_model(body)
         try:
-            ids = self.engine.llm.prompt_ids(body.tokens)
+            ids = self.engine.prompt_ids(body.tokens)
         except InputError as e:
             raise ApiError(400, str(e).replace("of the prompt", "of tokens"), "tokens") from e
         return {"prompt": self.engine.tokenizer.decode(ids)}
@@ -414,7 +412,7 @@ class Server:
     def tokenizer_info(self) -> dict:
         tok = self.engine.tokenizer
         return {"tokenizer_class": type(tok).__name__, "model_max_length": self.max_model_len,
-                "vocab_size": self.engine.llm.vocab_size, "chat_template": getattr(tok, "chat_template", None),
+                "vocab_size": self.engine.vocab_size, "chat_template": getattr(tok, "chat_template", None),
                 **{name: getattr(tok, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}}
 
     # -- plumbing ----------------------------------------------------------------------------------
@@ -429,12 +427,12 @@ class Server:
         try:  # an unsupported schema is a 400 before the engine sees it
             structured = forced_tools or body.structured()
             if structured is not None:
-                self.engine.llm.grammars.check(structured)
+                self.engine.check_structured(structured)
         except InputError as e:
             raise ApiError(400, str(e), field) from e
         try:  # SamplingParams' checks, then the engine's (limits of this model), before any stream starts
             params = body.sampling_params(max_tokens, logprobs, structured, prompt_logprobs)
-            self.engine.llm.check_params(params)
+            self.engine.check_params(params)
             return params
         except (InputError, ValueError) as e:
             name = str(e).split(" ", 1)[0].split("=", 1)[0]  # the messages start with the field's name
@@ -503,9 +501,9 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
                     None if tool_call_parser is None else PARSERS[tool_call_parser](),
                     None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser]())
     if engine.metrics is None:
-        engine.metrics = Metrics(engine.llm)
-    try:  # the grammar engine's view of the tokenizer, built now (~0.4 s) rather than on a request
-        engine.llm.grammars.tokenizer
+        engine.metrics = Metrics(engine)
+    try:
+        engine.load_grammar_tokenizer()
     except InputError as e:
         log.warning("structured outputs are unavailable: %s", e)
     app = FastAPI(title="qtk", version=__version__)
