@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,16 +73,17 @@ def main():
         return write_tables(saved["rows"], Path(saved["gates"]), saved["num_samples"], args.readme)
 
     from qtk.evals.gates import load_gates, score_model, verdict
+    from qtk.runtime.config import EngineConfig
     from qtk.evals.report import write_report
 
     gates = load_gates(args.gates)
-    engine = {"dtype": "float32", "device": "cpu"}
+    engine = EngineConfig(BASE, dtype="float32", device="cpu")
     results_dir = ROOT / "benchmarks" / "results"
     out_json = results_dir / "quality.json"
     previous = {r["name"]: r for r in json.loads(out_json.read_text())["rows"]} if out_json.exists() else {}
     only = set(args.only.split(",")) if args.only else None
 
-    base = score_model(BASE, gates.gates, engine, 0, "baseline", cache=True)
+    base = score_model(engine, gates.gates, 0, "baseline", cache=True)
     rows = []
     for name, label, qargs, kv in ROWS:
         if only is not None and name not in only:
@@ -93,7 +95,7 @@ def main():
         if name == "baseline":
             cand = base
         else:
-            cand = score_model(model, gates.gates, {**engine, "kv_cache_dtype": kv}, 0, name, cache=False,
+            cand = score_model(replace(engine, model=model, kv_cache_dtype=kv), gates.gates, 0, name, cache=False,
                                reference=base)
         v = verdict(gates, base, cand)
         report = results_dir / "quality" / name

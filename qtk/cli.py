@@ -4,11 +4,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import fields, replace
 from pathlib import Path
 
 import click
 
 from .errors import InputError, NotFoundError
+from .runtime.config import EngineConfig
 
 MODEL_HELP = "an HF model directory, a .gguf file, a qtk/compressed-tensors checkpoint, or 'smollm2-135m' (bundled)"
 
@@ -287,10 +289,10 @@ def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device,
         resolve(m)  # a missing model fails now, before any work
     if report_dir:
         check_output_dir(Path(report_dir))
-    engine = {"dtype": dtype, "device": device}
-    base = score_model(baseline, gates.gates, engine, seed, "baseline", cache=not no_cache, echo=click.echo)
+    engine = EngineConfig(baseline, dtype=dtype, device=device)
+    base = score_model(engine, gates.gates, seed, "baseline", cache=not no_cache, echo=click.echo)
     check_directions(gates, base)  # an lm-eval metric's direction is known now, before the candidate runs
-    cand = score_model(model, gates.gates, {**engine, "kv_cache_dtype": kv_cache_dtype}, seed, "candidate",
+    cand = score_model(replace(engine, model=model, kv_cache_dtype=kv_cache_dtype), gates.gates, seed, "candidate",
                        cache=False, echo=click.echo, reference=base)
     v = verdict(gates, base, cand)
     click.echo("\n" + v.table())
@@ -305,34 +307,38 @@ def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device,
         raise SystemExit(1)
 
 
-ENGINE_OPTIONS = [
-    click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N]."),
-    click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
-                 help=DTYPE_HELP),
-    click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
+ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+ENGINE_OPTIONS = [  # EngineConfig's fields as flags (vLLM's names: --max-num-seqs sets max_num_seqs)
+    click.option("--device", default=ENGINE_DEFAULTS["device"], show_default=True, help="cpu or cuda[:N]."),
+    click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default=ENGINE_DEFAULTS["dtype"],
+                 show_default=True, help=DTYPE_HELP),
+    click.option("--block-size", type=click.IntRange(min=1), default=ENGINE_DEFAULTS["block_size"], show_default=True,
                  help="Tokens per KV-cache block."),
-    click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True,
-                 help="Sequences per step at most."),
-    click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
+    click.option("--max-num-seqs", type=click.IntRange(min=1), default=ENGINE_DEFAULTS["max_num_seqs"],
+                 show_default=True, help="Sequences per step at most."),
+    click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
+                 default=ENGINE_DEFAULTS["max_num_batched_tokens"], show_default=True,
                  help="Tokens per step at most (longer prompts are prefilled in chunks)."),
-    click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+    click.option("--max-model-len", type=click.IntRange(min=1), default=ENGINE_DEFAULTS["max_model_len"],
                  help="Context length (default: the model's)."),
-    click.option("--kv-cache-memory", type=click.IntRange(min=1), default=None,
+    click.option("--kv-cache-memory", type=click.IntRange(min=1), default=ENGINE_DEFAULTS["kv_cache_memory"],
                  help="Bytes for the KV cache on CPU (default 2 GiB)."),
-    click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
+    click.option("--gpu-memory-utilization", type=float, default=ENGINE_DEFAULTS["gpu_memory_utilization"],
+                 show_default=True,
                  help="CUDA: the fraction of the GPU's memory the engine may use (weights + KV cache)."),
-    click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
-                 help="KV cache: the model dtype, or FP8 e4m3 / INT8 with the checkpoint's scales (measured at "
-                      "load when it has none)."),
-    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
-                 help="Reuse the KV blocks of a prompt prefix already computed."),
-    click.option("--enforce-eager", is_flag=True,
+    click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default=ENGINE_DEFAULTS["kv_cache_dtype"],
+                 show_default=True, help="KV cache: the model dtype, or FP8 e4m3 / INT8 with the checkpoint's scales "
+                                         "(measured at load when it has none)."),
+    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=ENGINE_DEFAULTS["enable_prefix_caching"],
+                 show_default=True, help="Reuse the KV blocks of a prompt prefix already computed."),
+    click.option("--enforce-eager", is_flag=True, default=ENGINE_DEFAULTS["enforce_eager"],
                  help="CUDA: run every step eagerly, without the decode steps' CUDA graphs."),
 ]
 
 
 def engine_options(fn):
-    """The engine's flags (vLLM's names), shared by generate and serve."""
+    """The engine's flags, shared by generate and serve: each command gets them as keyword
+    arguments named as EngineConfig's fields (EngineConfig(model, **options))."""
     for option in reversed(ENGINE_OPTIONS):
         fn = option(fn)
     return fn
@@ -348,12 +354,12 @@ def engine_options(fn):
 @click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k likeliest (0 = all).")
 @click.option("--seed", type=SEED, default=None, help="Seed of this request's sampling.")
 @engine_options
-def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, device, dtype, **engine_args):
+def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, **engine_options):
     """Generate a continuation of --prompt with MODEL (float or quantized) on qtk's runtime."""
     from .generate import generate as gen
 
-    click.echo(gen(model, prompt, max_tokens=max_tokens, chat=chat, temperature=temperature, top_p=top_p, top_k=top_k,
-                   seed=seed, device=device, dtype=dtype, **engine_args))
+    click.echo(gen(EngineConfig(model, **engine_options), prompt, max_tokens=max_tokens, chat=chat,
+                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))
 
 
 @main.command()
@@ -376,7 +382,7 @@ def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, d
               help="Split a thinking model's thought (<think>...</think>) into the message's `reasoning`.")
 @engine_options
 def serve(model, host, port, served_model_name, api_key, max_queue, log_requests, chat_template,
-          enable_auto_tool_choice, tool_call_parser, reasoning_parser, device, dtype, **engine_args):
+          enable_auto_tool_choice, tool_call_parser, reasoning_parser, **engine_options):
     """Serve MODEL over the OpenAI API (/v1/completions, /v1/chat/completions) on qtk's runtime."""
     import signal
 
@@ -408,7 +414,7 @@ def serve(model, host, port, served_model_name, api_key, max_queue, log_requests
             _compile_jinja_template(template)
         except jinja2.TemplateSyntaxError as e:
             raise click.BadParameter(f"line {e.lineno}: {e.message}", param_hint="--chat-template") from None
-    engine = AsyncLLM(LLM(model, dtype=dtype, device=device, **engine_args))
+    engine = AsyncLLM(LLM(config=EngineConfig(model, **engine_options)))
     app = build_app(engine, served_model_name or model, api_key=api_key, max_queue=max_queue,
                     log_requests=log_requests, tool_call_parser=tool_call_parser, chat_template=template,
                     reasoning_parser=reasoning_parser)

@@ -252,3 +252,20 @@ def test_serve_chat_template_must_be_a_file_or_a_template(tiny_dir, tmp_path, mo
                    "{{ m.content }}{% endfor %}")  # no file name (too long), and transformers' loop controls
     result = CliRunner().invoke(main, ["serve", str(tiny_dir), "--chat-template", long_inline])
     assert reached == [True], result.output
+
+
+def test_engine_flags_are_engine_config_fields_with_its_defaults():
+    """`qtk generate` and `qtk serve` build an EngineConfig from their engine flags: each flag is a
+    field of it, defaulting to the field's default."""
+    from dataclasses import fields
+
+    from qtk.cli import engine_options
+    from qtk.errors import InputError
+    from qtk.runtime.config import EngineConfig
+
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    params = engine_options(lambda **kw: None).__click_params__
+    assert {p.name for p in params} == set(defaults) - {"model", "max_logprobs"}
+    assert all(p.default == defaults[p.name] for p in params)
+    with pytest.raises(InputError, match="gpu_memory_utilization must be in"):
+        EngineConfig("m", gpu_memory_utilization=1.5)

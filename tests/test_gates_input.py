@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from qtk.cli import main
 from qtk.errors import InputError, QtkError
 from qtk.evals.gates import Gate, GatesFile, check_directions, load_gates, recovery, verdict
+from qtk.runtime.config import EngineConfig
 
 NEEDLE = "task: needle, args: {lengths: [32], depths: [0]}"
 
@@ -351,21 +352,21 @@ def test_a_corrupt_cache_entry_is_recomputed(tmp_path, monkeypatch, tiny_dir, ca
     import qtk.runtime.engine
 
     monkeypatch.setenv("QTK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(qtk.runtime.engine, "LLM", lambda model, **kw: object())
+    monkeypatch.setattr(qtk.runtime.engine, "LLM", lambda *a, **kw: object())
     runs = []
     monkeypatch.setattr(scoring, "run_task", lambda llm, gate, seed, ref: runs.append(gate) or {"accuracy": 0.5})
     gates = [Gate("n", "needle", {}, None, {"min": 0.0}, None)]
-    engine = {"dtype": "float32", "device": "cpu"}
-    assert scoring.score_model(str(tiny_dir), gates, engine, 0, "b", cache=True, echo=lambda s: None) == \
+    engine = EngineConfig(str(tiny_dir), dtype="float32", device="cpu")
+    assert scoring.score_model(engine, gates, 0, "b", cache=True, echo=lambda s: None) == \
         {"n": {"accuracy": 0.5}}
     (entry,) = (tmp_path / "cache" / "gates").iterdir()
     entry.write_text("")  # a write cut short
-    assert scoring.score_model(str(tiny_dir), gates, engine, 0, "b", cache=True, echo=lambda s: None) == \
+    assert scoring.score_model(engine, gates, 0, "b", cache=True, echo=lambda s: None) == \
         {"n": {"accuracy": 0.5}}
     assert len(runs) == 2 and "unreadable cache entry" in caplog.text
     assert json.loads(entry.read_text()) == {"accuracy": 0.5}
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temporary file left
-    scoring.score_model(str(tiny_dir), gates, engine, 0, "b", cache=True, echo=lambda s: None)
+    scoring.score_model(engine, gates, 0, "b", cache=True, echo=lambda s: None)
     assert len(runs) == 2  # read from the cache
 
 

@@ -28,6 +28,7 @@ import logging
 import sys
 import sysconfig
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import jinja2
 import lm_eval.models  # noqa: F401  (see below)
@@ -39,13 +40,13 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 
 from .. import __version__
 from ..errors import InputError
+from ..runtime.config import ENGINE_OPTIONS, EngineConfig
 
 log = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).parent / "data" / "lm_eval"
-ENGINE_ARGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-               "kv_cache_memory", "enable_prefix_caching", "enforce_eager", "gpu_memory_utilization")
-INTEGER_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
+ENGINE_ARGS = tuple(name for name in ENGINE_OPTIONS if name != "device")  # EngineConfig's (device apart)
+INTEGER_ARGS = tuple(name for name, hint in get_type_hints(EngineConfig).items() if int in (hint, *get_args(hint)))
 # lm-eval's CLI always passes the batch sizes (the engine forms its own batches), and `lm_eval
 # --trust_remote_code` adds trust_remote_code (qtk runs its own model code, never a checkpoint's)
 IGNORED_ARGS = ("batch_size", "max_batch_size", "trust_remote_code")
@@ -60,9 +61,8 @@ DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 class QtkLM(TemplateLM):
     """lm-eval's LM on qtk.LLM. model_args: pretrained (any model qtk reads, or a built qtk.LLM
     to share one engine, as HFLM takes a loaded model), device (default: cuda when available, as
-    HFLM), and the engine's dtype, kv_cache_dtype, max_model_len (or lm-eval's name for it,
-    max_length, as HFLM and lm-eval's vLLM model take it), max_num_seqs, max_num_batched_tokens,
-    kv_cache_memory, enable_prefix_caching, enforce_eager, gpu_memory_utilization."""
+    HFLM), and EngineConfig's other fields (dtype, kv_cache_dtype, max_model_len or lm-eval's name
+    for it, max_length, as HFLM and lm-eval's vLLM model take it, ...)."""
 
     def __init__(self, pretrained=None, device: str | None = None, **args):
         super().__init__()
@@ -82,7 +82,8 @@ class QtkLM(TemplateLM):
                 raise InputError(f"{', '.join(given)} set how qtk loads a model, but pretrained is an engine already")
             self.llm, name = pretrained, pretrained.tokenizer.name_or_path
         else:
-            self.llm, name = LLM(str(pretrained), device=_device(device), **engine_args), str(pretrained)
+            config = EngineConfig(str(pretrained), device=_device(device), **engine_args)
+            self.llm, name = LLM(config=config), str(pretrained)
         self.tokenizer = self.llm.tokenizer
         self.info = {"pretrained": name, **engine_args, "qtk_version": __version__}
 

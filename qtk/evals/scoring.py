@@ -15,10 +15,12 @@ import json
 import logging
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..data import read_text
+from ..runtime.config import EngineConfig
 from .gate_args import input_files
 
 if TYPE_CHECKING:
@@ -181,13 +183,15 @@ def _write_json(path: Path, value: dict) -> None:
     write_whole(path, json.dumps(value))
 
 
-def score_model(model: str, gates: list[Gate], engine_args: dict, seed: int, label: str, cache: bool,
+def score_model(engine: EngineConfig, gates: list[Gate], seed: int, label: str, cache: bool,
                 echo=print, reference: dict[str, dict] | None = None) -> dict[str, dict]:
-    """{gate name: metrics} for one model, each task once (gates sharing a task share its run);
+    """{gate name: metrics} for engine.model, each task once (gates sharing a task share its run);
     cached results are used when `cache` (the baseline); `reference` is the baseline's results,
     given when scoring the candidate."""
     from ..models import cache_dir
 
+    model = engine.model
+    engine_args = {k: v for k, v in asdict(engine).items() if k != "model"}  # what the cache key holds
     gates_cache = cache_dir() / "gates"
     fingerprint = model_fingerprint(model) if cache else None
     results, llm = {}, None
@@ -206,7 +210,7 @@ def score_model(model: str, gates: list[Gate], engine_args: dict, seed: int, lab
                 from ..runtime.engine import LLM
 
                 echo(f"[{label}] loading {model}")
-                llm = LLM(model, **engine_args)
+                llm = LLM(config=engine)
             echo(f"[{label}] {gate.task} ...")
             t0 = time.perf_counter()
             metrics = run_task(llm, gate, seed, None if reference is None else reference[gate.name])

@@ -22,6 +22,7 @@ from ..errors import InputError
 from ..kv_scales import cache_scheme, grid_absmax
 from .attention import KV_DTYPES
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop, held_back
 from .model_runner import ModelRunner, kv_bytes_per_token, measure_kv_scales
 from .models.llama import FUSED, LlamaModel
@@ -81,18 +82,21 @@ class EngineStats:
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9, max_logprobs: int = 20,
-                 enforce_eager: bool = False):
-        """As vLLM's LLM. enforce_eager: on CUDA, run every step eagerly instead of replaying the
-        decode steps' CUDA graphs (captured at start-up; cuda_graphs.py)."""
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options):
+        """As vLLM's LLM: LLM(model, **options), the options EngineConfig's (dtype, device,
+        max_model_len, kv_cache_dtype, ...), or LLM(config=EngineConfig(...))."""
         from ..models import load_model
 
+        if config is None:
+            config = EngineConfig(model, **options)
+        elif model is not None or options:
+            raise InputError("give LLM either a config or a model and its options, not both")
+        self.config = c = config
+        model, device, block_size, max_num_seqs = c.model, c.device, c.block_size, c.max_num_seqs
+        max_model_len = c.max_model_len
         t0 = time.perf_counter()
         check_device(device)
-        self.dtype = choose_dtype(dtype, device, runtime=True).dtype
+        self.dtype = choose_dtype(c.dtype, device, runtime=True).dtype
         hf_model, self.tokenizer = load_model(model, dtype=self.dtype, device=device)
         bf16_lm_head(hf_model)
         pack_linears(hf_model, fuse=FUSED)
@@ -102,20 +106,20 @@ class LLM:
             log.warning("max_model_len %d is longer than the model's context (max_position_embeddings %d): "
                         "using %d", max_model_len, limit, limit)
         self.max_model_len = min(max_model_len or limit, limit)
-        self.kv_dtype, kv_scales = self._kv_cache(kv_cache_dtype, device)
+        self.kv_dtype, kv_scales = self._kv_cache(c.kv_cache_dtype, device)
         per_token = kv_bytes_per_token(self.model, self.kv_dtype)
-        memory = kv_cache_memory or self._default_kv_memory(device, gpu_memory_utilization)
+        memory = c.kv_cache_memory or self._default_kv_memory(device, c.gpu_memory_utilization)
         num_blocks = memory // (per_token * block_size)
         if num_blocks * block_size < self.max_model_len:
             raise InputError(f"the KV cache ({memory} bytes, {per_token} per token) holds "
                              f"{num_blocks * block_size} tokens, fewer than max_model_len {self.max_model_len}: "
                              "raise kv_cache_memory or lower max_model_len")
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len),
+        self.block_manager = BlockManager(num_blocks, block_size, c.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, c.max_num_batched_tokens, self.max_model_len),
                                    self.block_manager)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.kv_dtype, kv_scales, device=device)
         self.vocab_size = hf_model.get_input_embeddings().num_embeddings  # the ids a prompt may hold
-        self.max_logprobs = self.vocab_size if max_logprobs == -1 else min(max_logprobs, self.vocab_size)
+        self.max_logprobs = self.vocab_size if c.max_logprobs == -1 else min(c.max_logprobs, self.vocab_size)
         self.eos_token_ids = self._eos_ids(hf_model)
         self.grammars = GrammarEngine(self.tokenizer, hf_model.config.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, self.grammars)
@@ -123,13 +127,17 @@ class LLM:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._next_id = 0
         prepare(self.model, device, self.dtype)  # decode and repack the weights now, not at the first step
-        graphs = "off (enforce_eager)" if enforce_eager else "none (CPU)" if self.runner.device.type != "cuda" else None
+        graphs = "off (enforce_eager)" if c.enforce_eager else "none (CPU)" if self.runner.device.type != "cuda" else None
         if graphs is None:
             graphs = self._capture_graphs(max_num_seqs)
         log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %s), max_model_len %d; "
                  "linear layers: %s; attention: %s; CUDA graphs: %s", time.perf_counter() - t0, num_blocks,
                  block_size, num_blocks * block_size, str(self.kv_dtype).removeprefix("torch."), self.max_model_len,
                  kernel_summary(self.model), self.runner.attention_backend, graphs)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        return cls(config=config)
 
     def _capture_graphs(self, max_num_seqs: int) -> str:
         """Capture the decode steps' CUDA graphs -> what the start-up log says of them. A failed
@@ -147,8 +155,6 @@ class LLM:
     def _default_kv_memory(device, utilization: float) -> int:
         """CPU: 2 GiB. CUDA: what remains of utilization x the device's memory once the weights
         are loaded, less a margin for the step's activations (vLLM's gpu_memory_utilization)."""
-        if not 0 < utilization <= 1:
-            raise InputError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         if torch.device(device).type != "cuda":
             return DEFAULT_CPU_KV_CACHE_BYTES
         free, total = torch.cuda.mem_get_info(device)
@@ -167,8 +173,6 @@ class LLM:
         measured at load on built-in text, with a warning."""
         if kv_cache_dtype == "auto":
             return self.dtype, None
-        if kv_cache_dtype not in KV_DTYPES:
-            raise InputError(f"kv_cache_dtype must be auto, fp8 or int8, not {kv_cache_dtype!r}")
         dtype = KV_DTYPES[kv_cache_dtype]
         cuda = torch.device(device).type == "cuda"
         if kv_cache_dtype == "fp8" and cuda and not fp8_supported(torch.device(device)):

@@ -1,0 +1,70 @@
+"""EngineConfig: the engine's options, under vLLM's names, checked when the config is made.
+
+    config = EngineConfig("smollm2-135m", kv_cache_dtype="int8", max_model_len=1024)
+    llm = LLM(config=config)            # or LLM("smollm2-135m", kv_cache_dtype="int8", ...), the same
+
+LLM, the CLI's engine flags (--device, --dtype, --block-size, ...), the gates' scoring and the
+lm-eval adapter all take one; a bad value is an InputError naming the field. What depends on the
+machine (a CUDA device present, FP8 support, the memory a KV cache can have) is checked when the
+engine starts.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+
+from ..errors import InputError
+
+_DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # an HF directory or hub name, a .gguf, a qtk checkpoint, or a bundled model's name
+    dtype: str = "auto"  # compute dtype: auto, bfloat16 or float32 (qtk.device.choose_dtype)
+    device: str = "cpu"  # cpu or cuda[:N]
+    block_size: int = 16  # tokens per KV-cache block
+    max_num_seqs: int = 256  # sequences per step at most
+    max_num_batched_tokens: int = 8192  # tokens per step at most (longer prompts prefill in chunks)
+    max_model_len: int | None = None  # context length (None: the model's)
+    kv_cache_memory: int | None = None  # bytes for the KV cache (None: 2 GiB on CPU; CUDA: by utilization)
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix already computed
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8 (e4m3) or int8
+    gpu_memory_utilization: float = 0.9  # CUDA: the fraction of the GPU's memory for weights + KV cache
+    max_logprobs: int = 20  # the most logprobs a request may ask for (-1: the vocabulary)
+    enforce_eager: bool = False  # CUDA: every step eagerly, without the decode steps' CUDA graphs
+
+    def __post_init__(self):
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
+        if not isinstance(self.model, str) or not self.model:
+            raise InputError(f"model must be a model name or path, got {self.model!r}")
+        # torch comes with these: imported when a config is made, not when the CLI reads the defaults
+        from ..device import DTYPE_CHOICES
+        from .attention import KV_DTYPES
+
+        if self.dtype not in DTYPE_CHOICES:
+            raise InputError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise InputError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is None and name in ("max_model_len", "kv_cache_memory"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be an integer of at least 1, got {value!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_DTYPES:
+            raise InputError(f"kv_cache_dtype must be auto, fp8 or int8, not {self.kv_cache_dtype!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise InputError(f"gpu_memory_utilization must be in (0, 1], got {u}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise InputError(f"max_logprobs must be an integer of at least -1 (-1: the vocabulary), "
+                             f"got {self.max_logprobs!r}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig) if f.name != "model")  # what a caller may set
