@@ -122,7 +122,7 @@ def test_a_failed_capture_leaves_an_eager_engine(tiny_dir, caplog, monkeypatch):
         llm.runner.graphs = object()  # half-built when it failed
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(llm.runner, "capture_graphs", broken)
-    assert llm._capture_graphs(8) == "off: the capture failed"
+    assert llm.runner.try_capture_graphs(8, llm.max_model_len) == "off: the capture failed"
     assert llm.runner.graphs is None and "runs eagerly" in caplog.text
     assert llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0].token_ids == expected
 

@@ -176,9 +176,9 @@ def test_fp8_cache_on_a_gpu_without_fp8_is_refused_at_start_up(monkeypatch):
     """Triton has no e4m3 before sm_89: the engine says so when it starts, not at its first step."""
     from types import SimpleNamespace
 
-    import qtk.runtime.engine as engine
+    import qtk.runtime.model_runner as model_runner
     from qtk.errors import InputError
 
-    monkeypatch.setattr(engine, "fp8_supported", lambda device: False)
+    monkeypatch.setattr(model_runner, "fp8_supported", lambda device: False)
     with pytest.raises(InputError, match="fp8 on CUDA needs a GPU with FP8 support.*use kv_cache_dtype int8"):
-        engine.LLM._kv_cache(SimpleNamespace(), "fp8", "cuda")
+        model_runner.kv_cache_spec(SimpleNamespace(), "fp8", torch.bfloat16, "cuda", None)

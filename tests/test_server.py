@@ -276,14 +276,14 @@ def test_an_error_inside_one_request_is_its_500_alone(server, client, monkeypatc
     url, engine = server
     bm = engine.llm.block_manager
     free = bm.num_free_blocks
-    original = engine.llm._stop_reason
+    original = engine.llm.output_processor.stop_reason
 
     def stop_reason(seq):
         if seq.token_ids[:4] == [7, 7, 7, 7]:
             raise RuntimeError("boom in one request")
         return original(seq)
 
-    monkeypatch.setattr(engine.llm, "_stop_reason", stop_reason)
+    monkeypatch.setattr(engine.llm.output_processor, "stop_reason", stop_reason)
 
     def bad():
         with pytest.raises(InternalServerError, match="boom in one request"):
@@ -603,7 +603,7 @@ HERMES_TEXTS = [
 @pytest.mark.parametrize("text", HERMES_TEXTS)
 def test_hermes_calls_stream_as_they_complete_and_match_the_whole_parse(text):
     """Fed the text at every length, the stream's deltas reassemble to the non-streamed message."""
-    from qtk.runtime.engine import CompletionOutput
+    from qtk.runtime.output_processor import CompletionOutput
     from qtk.entrypoints.openai.protocol import ChatCompletionRequest
     from qtk.entrypoints.openai.chat_choices import ChatChoices
     from qtk.entrypoints.openai.tool_calls import HermesToolParser
@@ -734,7 +734,7 @@ def test_reasoning_splits_the_thought_streamed_as_whole(name, text, thought, ans
     """The thought goes to `reasoning` (and `reasoning_content`), the answer to `content`; fed the
     text at every length, the stream's deltas reassemble to the same split."""
     from qtk.entrypoints.openai.chat_choices import ChatChoices
-    from qtk.runtime.engine import CompletionOutput
+    from qtk.runtime.output_processor import CompletionOutput
     from qtk.entrypoints.openai.protocol import ChatCompletionRequest
     from qtk.entrypoints.openai.reasoning import PARSERS
 
@@ -791,7 +791,7 @@ def test_reasoning_and_hermes_calls_through_the_server(tiny_dir, monkeypatch):
 
 def test_parallel_tool_calls_false_keeps_the_first_auto_call():
     from qtk.entrypoints.openai.chat_choices import ChatChoices
-    from qtk.runtime.engine import CompletionOutput
+    from qtk.runtime.output_processor import CompletionOutput
     from qtk.entrypoints.openai.protocol import ChatCompletionRequest
     from qtk.entrypoints.openai.tool_calls import HermesToolParser
 
@@ -806,7 +806,7 @@ def test_auto_calls_with_a_lone_surrogate_escape_still_render():
     from fastapi.responses import JSONResponse
 
     from qtk.entrypoints.openai.chat_choices import ChatChoices
-    from qtk.runtime.engine import CompletionOutput
+    from qtk.runtime.output_processor import CompletionOutput
     from qtk.entrypoints.openai.protocol import ChatCompletionRequest
     from qtk.entrypoints.openai.tool_calls import HermesToolParser
 

@@ -29,9 +29,10 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
-from .engine import LLM, EngineStats, RequestOutput
+from .engine import LLM, EngineStats
+from .input_processor import EngineRequest
+from .output_processor import RequestOutput
 from .sampling_params import SamplingParams
-from .structured_outputs import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -96,16 +97,13 @@ class AsyncLLM:
         return self.llm.vocab_size
 
     def prompt_ids(self, prompt: str | list[int] | dict) -> list[int]:
-        """The prompt's token ids, checked against the vocabulary (InputError)."""
-        return self.llm.prompt_ids(prompt)
+        """The prompt's token ids, checked against the vocabulary (RequestError)."""
+        return self.llm.processor.prompt_ids(prompt)
 
-    def check_params(self, params: SamplingParams) -> None:
-        """InputError where params exceed this engine's limits (logprobs, n, token ids)."""
-        self.llm.check_params(params)
-
-    def check_structured(self, structured: StructuredOutputsParams) -> None:
-        """InputError where the grammar engine cannot take this constraint."""
-        self.llm.grammars.check(structured)
+    def process(self, prompt: str | list[int] | dict, params: SamplingParams | None = None) -> EngineRequest:
+        """The request checked and made ready (input_processor.py), in the caller's thread: a bad
+        one raises RequestError here, before any stream starts; give the result to generate()."""
+        return self.llm.processor.process(prompt, params)
 
     def load_grammar_tokenizer(self) -> None:
         """Build the grammar engine's view of the tokenizer now (~0.4 s) rather than on a request;
@@ -118,9 +116,10 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         return self.llm.stats()
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+    async def generate(self, prompt: str | list[int] | dict | EngineRequest, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's output after each step that gave it tokens, the last one finished."""
+        """The request's output after each step that gave it tokens, the last one finished.
+        prompt: as LLM.add_request takes it (an EngineRequest from process() is not checked again)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead!r}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"

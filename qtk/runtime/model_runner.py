@@ -1,15 +1,30 @@
 """ModelRunner: owns the KV cache tensors, turns a scheduled Batch into one packed forward, returns
-the logits of the sequences that sample this step."""
+the logits of the sequences that sample this step.
+
+For the engine (ModelRunner.for_engine) it also makes the cache: its dtype and FP8 / INT8 scales
+(the checkpoint's, or measured at load), its size from the memory it may take, then the weights
+repacked for the kernels and the decode steps captured in CUDA graphs.
+"""
 from __future__ import annotations
+
+import logging
 
 import torch
 
-from ..kv_scales import cache_scheme, kv_scale
-from .attention import AttentionMetadata, KVCache, PrefillChunk
+from ..errors import InputError
+from ..kernels.dispatch import prepare
+from ..kernels.fp8 import fp8_supported
+from ..kv_scales import cache_scheme, grid_absmax, kv_scale
+from .attention import KV_DTYPES, AttentionMetadata, KVCache, PrefillChunk
+from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, Record, capture_sizes, cuda_record
 from .sampler import logprob_entry
 from .scheduler import Batch
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 
 
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
@@ -35,6 +50,49 @@ def measure_kv_scales(model, ids: list[int], dtype: torch.dtype, device) -> list
             for c in runner.kv_caches]
 
 
+def kv_cache_spec(model, kv_cache_dtype: str, dtype: torch.dtype, device, tokenizer) -> tuple[torch.dtype, list | None]:
+    """(cache dtype, per layer (k_scale, v_scale) float32 [kv_heads | 1, 1, 1] for FP8 / INT8).
+    As vLLM: "auto" is the model dtype; fp8 / int8 take the checkpoint's calibrated scales
+    (rescaled to the asked grid when the checkpoint calibrated the other one), or scales
+    measured at load on built-in text, with a warning."""
+    if kv_cache_dtype == "auto":
+        return dtype, None
+    kv_dtype = KV_DTYPES[kv_cache_dtype]
+    cuda = torch.device(device).type == "cuda"
+    if kv_cache_dtype == "fp8" and cuda and not fp8_supported(torch.device(device)):
+        raise InputError("kv_cache_dtype fp8 on CUDA needs a GPU with FP8 support (compute capability 8.9+: "
+                         "Ada, Hopper); use kv_cache_dtype int8 on this one")
+    attns = [layer.self_attn for layer in model.layers]
+    if all(hasattr(a, "k_scale") and hasattr(a, "kv_scheme") for a in attns):
+        scales, asked = [], grid_absmax(cache_scheme(kv_dtype))
+        for a in attns:
+            rescale = grid_absmax(a.kv_scheme) / asked  # absmax = scale * grid_absmax on either grid
+            scales.append(tuple((getattr(a, n).float() * rescale).reshape(-1, 1, 1).to(device)
+                                for n in ("k_scale", "v_scale")))
+        return kv_dtype, scales
+    log.warning("the checkpoint has no KV-cache scales: measuring them on built-in text at load; "
+                "calibrated ones are better (qtk quantize --kv-cache %s)", kv_cache_dtype)
+    from ..data import builtin_texts, token_stream
+
+    ids = token_stream(tokenizer, builtin_texts("calibration"))[:512].tolist()
+    return kv_dtype, measure_kv_scales(model, ids, kv_dtype, device)
+
+
+def default_kv_memory(device, utilization: float) -> int:
+    """CPU: 2 GiB. CUDA: what remains of utilization x the device's memory once the weights
+    are loaded, less a margin for the step's activations (vLLM's gpu_memory_utilization)."""
+    if torch.device(device).type != "cuda":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    activations = 2 * 2**30
+    left = int(utilization * total) - used - activations
+    if left <= 0:
+        raise InputError(f"gpu_memory_utilization {utilization} leaves no room for a KV cache "
+                         f"({used / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB); raise it")
+    return left
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
                  kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -47,7 +105,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.attention_backend = attention_backend or (
             "triton" if self.device.type == "cuda" else "cpu" if model.cpu_ops is not None else "torch")
-        kv_dtype = kv_dtype or model.dtype
+        kv_dtype = self.kv_dtype = kv_dtype or model.dtype
+        self.num_blocks = num_blocks
         shape = (model.num_kv_heads, num_blocks * block_size, model.head_dim)
         self.kv_caches = []
         for i in range(len(model.layers)):
@@ -55,6 +114,41 @@ class ModelRunner:
             self.kv_caches.append(KVCache(torch.zeros(shape, dtype=kv_dtype, device=self.device),
                                           torch.zeros(shape, dtype=kv_dtype, device=self.device), k_scale, v_scale))
         self.graphs: DecodeGraphs | None = None
+        self.graphs_status = "not captured"  # what the engine's start-up log says of them
+
+    @classmethod
+    def for_engine(cls, model, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
+                   tokenizer) -> ModelRunner:
+        """The engine's runner over `model` (loaded in `dtype`): the KV cache's dtype and scales,
+        as many blocks as its memory holds (InputError if fewer than max_model_len tokens), the
+        weights prepared for the kernels, the decode steps captured in CUDA graphs."""
+        device, block_size = config.device, config.block_size
+        kv_dtype, kv_scales = kv_cache_spec(model, config.kv_cache_dtype, dtype, device, tokenizer)
+        per_token = kv_bytes_per_token(model, kv_dtype)
+        memory = config.kv_cache_memory or default_kv_memory(device, config.gpu_memory_utilization)
+        num_blocks = memory // (per_token * block_size)
+        if num_blocks * block_size < max_model_len:
+            raise InputError(f"the KV cache ({memory} bytes, {per_token} per token) holds "
+                             f"{num_blocks * block_size} tokens, fewer than max_model_len {max_model_len}: "
+                             "raise kv_cache_memory or lower max_model_len")
+        runner = cls(model, num_blocks, block_size, kv_dtype, kv_scales, device=device)
+        prepare(model, device, dtype)  # decode and repack the weights now, not at the first step
+        runner.graphs_status = ("off (enforce_eager)" if config.enforce_eager else
+                                "none (CPU)" if runner.device.type != "cuda" else
+                                runner.try_capture_graphs(config.max_num_seqs, max_model_len))
+        return runner
+
+    def try_capture_graphs(self, max_num_seqs: int, max_model_len: int) -> str:
+        """Capture the decode steps' CUDA graphs -> what the start-up log says of them. A failed
+        capture is an optimization lost, not an engine lost: it warns and the steps run eagerly."""
+        try:
+            why = self.capture_graphs(max_num_seqs, max_model_len)
+        except Exception as e:
+            self.graphs = None
+            log.warning("capturing the decode steps in CUDA graphs failed (%s: %s); every step runs eagerly "
+                        "(--enforce-eager skips the capture)", type(e).__name__, e)
+            return "off: the capture failed"
+        return f"off: {why}" if why else f"decode batch sizes up to {self.graphs.max_batch}"
 
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, record: Record = cuda_record) -> str | None:

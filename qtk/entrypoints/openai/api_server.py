@@ -34,7 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ... import __version__
 from ...errors import InputError
 from ...runtime.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
-from ...runtime.engine import CompletionOutput, RequestOutput
+from ...runtime.input_processor import EngineRequest, RequestError
+from ...runtime.output_processor import CompletionOutput, RequestOutput
 from .chat_choices import ChatChoices
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -159,12 +160,9 @@ class Server:
 
     def token_ids(self, prompt: str | list[int]) -> list[int]:
         try:  # the engine's own check (token ids inside the vocabulary), before any stream starts
-            ids = self.engine.prompt_ids(prompt)
+            return self.engine.prompt_ids(prompt)
         except InputError as e:
             raise ApiError(400, str(e), "prompt") from e
-        if not ids:
-            raise ApiError(400, "the prompt is empty", "prompt")
-        return ids
 
     def max_tokens(self, requested: int | None, prompt_len: int, field: str, prompt_field: str = "prompt") -> int:
         room = self.max_model_len - prompt_len
@@ -206,8 +204,9 @@ class Server:
             max_tokens = self.max_tokens(1 if echo_only else body.max_tokens, len(ids), "max_tokens")
             params = self._params(body, max_tokens, body.logprobs,
                                   prompt_logprobs=body.logprobs if body.echo else None)
+            request = self._request(body, ids, params, self._structured_field(body))
             echo = (p if isinstance(p, str) else tok.decode(ids)) if body.echo else None
-            streams.append((i, ids, echo, self.engine.generate(body.engine_prompt(ids), params, f"{base}-{i}")))
+            streams.append((i, ids, echo, self.engine.generate(request, request_id=f"{base}-{i}")))
         if body.stream:
             return self._sse(self._stream_completions(base, body, streams, echo_only))
         finals = await all_or_none([self._last(stream) for *_, stream in streams])
@@ -338,8 +337,9 @@ class Server:
             params = replace(params, skip_special_tokens=False)
         free = params.structured_outputs is None  # a grammar leaves no room for a thought before the answer
         replies = ChatChoices(body, self.tool_parser if auto else None, self.reasoning_parser if free else None)
+        request = self._request(body, ids, params, self._structured_field(body, forced), "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.engine.generate(body.engine_prompt(ids), params, rid)
+        stream = self.engine.generate(request, request_id=rid)
         if body.stream:
             return self._sse(self._stream_chat(rid, body, len(ids), stream, replies))
         final = await self._last(stream)
@@ -420,23 +420,32 @@ class Server:
         if self.request_log is not None:
             self.request_log.write(endpoint, body.model_dump(exclude_none=True), choices, usage)
 
+    @staticmethod
+    def _structured_field(body, forced_tools=None) -> str:
+        """The request's field that constrains the output."""
+        return ("tools" if forced_tools is not None else
+                "structured_outputs" if body.structured_outputs is not None else "response_format")
+
     def _params(self, body, max_tokens: int, logprobs: int | None, forced_tools=None,
                 prompt_logprobs: int | None = None):
-        field = ("tools" if forced_tools is not None else
-                 "structured_outputs" if body.structured_outputs is not None else "response_format")
-        try:  # an unsupported schema is a 400 before the engine sees it
+        try:
             structured = forced_tools or body.structured()
-            if structured is not None:
-                self.engine.check_structured(structured)
         except InputError as e:
-            raise ApiError(400, str(e), field) from e
-        try:  # SamplingParams' checks, then the engine's (limits of this model), before any stream starts
-            params = body.sampling_params(max_tokens, logprobs, structured, prompt_logprobs)
-            self.engine.check_params(params)
-            return params
+            raise ApiError(400, str(e), self._structured_field(body, forced_tools)) from e
+        try:  # SamplingParams' own checks
+            return body.sampling_params(max_tokens, logprobs, structured, prompt_logprobs)
         except (InputError, ValueError) as e:
-            name = str(e).split(" ", 1)[0].split("=", 1)[0]  # the messages start with the field's name
-            raise ApiError(400, str(e), name if name in type(body).model_fields else None) from e
+            raise ApiError(400, str(e), _named_field(body, e)) from e
+
+    def _request(self, body, ids: list[int], params, structured_field: str,
+                 prompt_field: str = "prompt") -> EngineRequest:
+        """The request checked once by the engine's InputProcessor (this model's limits, the
+        grammar compiled), before any stream starts: what it refuses is a 400 naming the field."""
+        try:
+            return self.engine.process(body.engine_prompt(ids), params)
+        except RequestError as e:
+            param = {"prompt": prompt_field, "structured_outputs": structured_field}.get(e.field)
+            raise ApiError(400, str(e), param or _named_field(body, e)) from e
 
     @staticmethod
     async def _last(stream) -> RequestOutput:
@@ -459,6 +468,13 @@ class Server:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _named_field(body, e: Exception) -> str | None:
+    """The request field an error names: its message starts with the field's name (top_p must...,
+    logprobs=21 is more...), or None."""
+    name = str(e).split(" ", 1)[0].split("=", 1)[0]
+    return name if name in type(body).model_fields else None
 
 
 @functools.lru_cache(maxsize=None)

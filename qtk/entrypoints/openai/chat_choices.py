@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from ...runtime.engine import CompletionOutput
+from ...runtime.output_processor import CompletionOutput
 from .protocol import ChatCompletionRequest, NamedToolChoice
 from .reasoning import ThinkParser
 from .tool_calls import HermesToolParser
