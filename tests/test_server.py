@@ -268,6 +268,19 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_dir):
             proc.kill()
 
 
+def test_a_request_is_checked_once(server, client, monkeypatch):
+    """The server runs the engine's InputProcessor once per prompt (ids, params, the grammar
+    compiled into matchers) before its response starts, and the engine takes what it made without
+    checking it again."""
+    _, engine = server
+    calls = []
+    process = engine.llm.processor.process
+    monkeypatch.setattr(engine.llm.processor, "process", lambda *a, **k: calls.append(a) or process(*a, **k))
+    client.completions.create(model="tiny", prompt=["a b", "c d"], max_tokens=2)
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                   response_format={"type": "json_object"})
+    assert len(calls) == 3
+
 def test_an_error_inside_one_request_is_its_500_alone(server, client, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 

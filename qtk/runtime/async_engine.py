@@ -10,7 +10,10 @@ write responses while a step computes (torch releases the GIL in its kernels). T
 never touches the engine: requests and aborts go through an inbox the engine thread drains
 between steps, and each step's outputs come back to each request's asyncio queue through
 call_soon_threadsafe. A request the engine rejects (InputError: empty prompt, too long, bad
-parameters) raises that error from its own stream and nothing else is affected.
+parameters) raises that error from its own stream and nothing else is affected; a server checks
+it first with process() (the engine's InputProcessor, once) and gives generate() the result.
+A server asks the engine what it needs through the public methods below (limits, token ids,
+stats), never through the LLM's parts.
 
 From then on only the engine thread computes, and the thread that built the model gives up its
 OpenMP team (release_openmp_team): OpenMP keeps one team of worker threads per thread that ran a
