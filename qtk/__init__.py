@@ -1,10 +1,11 @@
 """qtk: quantize Hugging Face causal LMs, gate their quality, serve them.
 
     from qtk import LLM, SamplingParams, StructuredOutputsParams   # the runtime (imported on first use)
+    from qtk import EngineConfig                                    # LLM's options: LLM(config=EngineConfig(...))
 """
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["EngineConfig", "LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 __version__ = "0.1.0"
 
 
@@ -17,6 +18,10 @@ def __getattr__(name: str):
         from .runtime.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "EngineConfig":
+        from .runtime.config import EngineConfig
+
+        return EngineConfig
     if name == "StructuredOutputsParams":
         from .runtime.structured_outputs import StructuredOutputsParams
 
