@@ -154,7 +154,7 @@ def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_
 
     Tasks: perplexity by the protocol in docs/benchmarks.md; needle in a haystack
     (qtk/evals/needle.py); JSON validity (qtk/evals/json_validity.py); lm-eval tasks through qtk's
-    runtime (qtk's local ones: qtk/evals/data/lm_eval); your own cases (tasks:FILE.jsonl) and
+    runtime (qtk's local ones: evals/lm_eval); your own cases (tasks:FILE.jsonl) and
     traffic (replay:LOG.jsonl)."""
     from .evals.report import check_output_file, write_json
 

@@ -1,6 +1,6 @@
 """JSON validity: asked for JSON that matches a schema, does the model write it?
 
-The prompt set (qtk/evals/data/json_prompts.jsonl, written by this team: 120 prompts in six
+The prompt set (evals/json_prompts.jsonl, written by this team: 120 prompts in six
 categories, flat and nested objects, arrays, enums, numbers, strings that need escapes; each with
 a JSON Schema whose objects are closed and whose strings, arrays and numbers are bounded, as
 OpenAI's strict mode asks) is run greedily through qtk's runtime, with the chat template when the
@@ -21,10 +21,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..assets import eval_data
 from ..data import jsonl_rows
 from ..errors import InputError
 
-PROMPTS = Path(__file__).parent / "data" / "json_prompts.jsonl"
+PROMPTS = eval_data("json_prompts.jsonl")
 FENCE = re.compile(r"```(?:json)?[ \t]*\r?\n(.*?)```", re.S | re.I)  # ```JSON too, and CRLF line ends
 
 

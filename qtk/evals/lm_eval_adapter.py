@@ -1,7 +1,7 @@
 """lm-evaluation-harness on qtk's runtime: `lm_eval --model qtk` scores what `qtk serve` runs.
 
     lm_eval --model qtk --model_args pretrained=MODEL,kv_cache_dtype=fp8,dtype=float32 --tasks qtk_local \
-        --include_path qtk/evals/data/lm_eval
+        --include_path evals/lm_eval
     run_lm_eval("smollm2-135m", ["qtk_mc"], limit=8, kv_cache_dtype="fp8")     # from Python / qtk's CLI
 
 QtkLM is lm-eval's LM over one qtk.LLM. It tokenizes as lm-eval's HFLM does (TemplateLM's
@@ -17,9 +17,10 @@ lm-eval reads from the release after 0.4.13 on (upstream PR #4013); for 0.4.13,
 that registers "qtk" as a lazy placeholder when lm_eval.api.registry is first imported (this
 module itself is imported only when a run asks for --model qtk or one of qtk's tasks).
 
-The local tasks (qtk_mc, qtk_paragraphs, qtk_gen; group qtk_local) live in
-qtk/evals/data/lm_eval/ so a wheel install has them; their YAMLs read their JSONL through
-`local_dataset`, which resolves data files against that directory rather than the working one.
+The local tasks (qtk_mc, qtk_paragraphs, qtk_gen; group qtk_local) live in evals/lm_eval/,
+installed as package data (qtk.assets) so a wheel install has them; their YAMLs read their JSONL
+through `local_dataset`, which resolves data files against that directory rather than the
+working one.
 """
 from __future__ import annotations
 
@@ -38,11 +39,12 @@ from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normali
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from .. import __version__
+from ..assets import eval_data
 from ..errors import InputError
 
 log = logging.getLogger(__name__)
 
-TASKS_DIR = Path(__file__).parent / "data" / "lm_eval"
+TASKS_DIR = eval_data("lm_eval")
 ENGINE_ARGS = ("dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                "kv_cache_memory", "enable_prefix_caching", "enforce_eager", "gpu_memory_utilization")
 INTEGER_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
