@@ -1,5 +1,6 @@
 """The files qtk ships (evals/, calibration/recipes/) are read from the package, and a wheel carries them."""
 import fnmatch
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -46,9 +47,17 @@ def test_every_shipped_file_is_package_data():
 
 @pytest.mark.slow
 def test_wheel_carries_the_shipped_files(tmp_path):
-    """`pip wheel .` (setuptools follows qtk/assets' links): the evals' data and the recipes as qtk.assets' files."""
+    """`pip wheel .` (setuptools follows qtk/assets' links): the evals' data and the recipes as qtk.assets' files.
+    Built from a copy of what the wheel reads (the links kept), so no build/ or egg-info lands in the checkout."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "qtk", "evals", "calibration"):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=600)
+                    str(tmp_path), str(src)], check=True, capture_output=True, timeout=600)
     (wheel,) = tmp_path.glob("qtk-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"qtk/assets/{f}" for f in _shipped_files()} <= names
