@@ -114,7 +114,7 @@ def main():
 
 def row(name: str, label: str, kv: str, model: str, metrics: dict, passed: bool, failed: list, soft, report,
         seconds=None) -> dict:
-    from qtk.models import resolve
+    from qtk.loading import resolve
 
     return {"name": name, "label": label, "kv_cache_dtype": kv, "model": model,
             "size_bytes": size_on_disk(Path(resolve(model))),

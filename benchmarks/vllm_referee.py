@@ -104,7 +104,7 @@ def quantize_all(root: Path, source: Path, names: list[str] | None = None) -> di
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from qtk.models import BUNDLED, resolve
+    from qtk.loading import BUNDLED, resolve
     from qtk.runtime.bench import record
 
     ap = argparse.ArgumentParser()

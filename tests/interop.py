@@ -37,7 +37,7 @@ def quant_linears(model: nn.Module) -> dict[str, nn.Module]:
 def weight_only(model: nn.Module) -> nn.Module:
     """qtk's model with each QuantLinear replaced by a float Linear holding its dequantized
     weight, and the KV-cache fake quantization off: what a weight-only dequantizer computes."""
-    from qtk.models import set_module
+    from qtk.arch import set_module
 
     for name, q in quant_linears(model).items():
         lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)

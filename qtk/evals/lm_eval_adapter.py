@@ -37,7 +37,7 @@ from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normali
                                   postprocess_generated_text)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
-from .. import __version__
+from ..version import __version__
 from ..errors import InputError
 
 log = logging.getLogger(__name__)

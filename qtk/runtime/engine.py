@@ -25,6 +25,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, find_stop, held_back
 from .model_runner import ModelRunner, kv_bytes_per_token, measure_kv_scales
 from .models.llama import FUSED, LlamaModel
+from ..kernels import cpu as cpu_kernels
 from ..kernels.dispatch import prepare
 from ..kernels.fp8 import fp8_supported
 from .packed_linear import bf16_lm_head, kernel_summary, pack_linears
@@ -76,11 +77,11 @@ class LLM:
                  enforce_eager: bool = False):
         """As vLLM's LLM. enforce_eager: on CUDA, run every step eagerly instead of replaying the
         decode steps' CUDA graphs (captured at start-up; cuda_graphs.py)."""
-        from ..models import load_model
+        from ..loading import load_model
 
         t0 = time.perf_counter()
         check_device(device)
-        self.dtype = choose_dtype(dtype, device, runtime=True).dtype
+        self.dtype = choose_dtype(dtype, device, kernels_built=cpu_kernels.built).dtype
         hf_model, self.tokenizer = load_model(model, dtype=self.dtype, device=device)
         bf16_lm_head(hf_model)
         pack_linears(hf_model, fuse=FUSED)

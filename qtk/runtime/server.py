@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
+from ..version import __version__
 from ..errors import InputError
 from .async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from .engine import CompletionOutput, RequestOutput

