@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..chat_template import prompt_ids
 from ..device import choose_dtype, cpu_name
 from ..errors import InputError, NotFoundError
 from ..kernels import cpu as cpu_kernels
@@ -48,8 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     convs = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
-    return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"]) for c in convs]
+    return [prompt_ids(tokenizer, c) for c in convs]
 
 
 def text_prompt(tokenizer, length: int) -> list[int]:

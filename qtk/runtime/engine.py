@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..chat_template import has_template, prompt_ids
 from ..device import check_device, choose_dtype
 from ..errors import InputError
 from ..kv_scales import cache_scheme, grid_absmax
@@ -376,11 +377,9 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):
         """One conversation (a list of {"role", "content"}) or several, through the chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not has_template(self.tokenizer):
             raise InputError("this model has no chat template; use generate()")
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"] for c in convs]
-        return self.generate([list(p) for p in prompts], sampling_params)
+        return self.generate([prompt_ids(self.tokenizer, c) for c in convs], sampling_params)
 
 
 def _cache_salt(prompt) -> str | None:
