@@ -91,7 +91,7 @@ class Block:
 
     def run(self, module: nn.Module | None = None) -> list[torch.Tensor]:
         """Outputs of the layer on every input batch (moved back to CPU)."""
-        from .kernels import dense_weights
+        from .kernels.dispatch import dense_weights
 
         outs = []
         with torch.no_grad(), dense_weights():

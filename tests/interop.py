@@ -54,11 +54,11 @@ def reference_forward(monkeypatch, ct_grid: bool = False) -> None:
     the fast CPU/GPU kernels are held to it by their own tests).
 
     ct_grid: quantize dynamic int activations on compressed-tensors' grid (absmax / 127.5)."""
-    import qtk.kernels
+    import qtk.kernels.dispatch as dispatch
     import qtk.kernels.reference as reference
     from qtk.quant import quantize
 
-    monkeypatch.setattr(qtk.kernels, "quant_linear", reference.quant_linear_ref)
+    monkeypatch.setattr(dispatch, "quant_linear", reference.quant_linear_ref)
     if not ct_grid:
         return
     own = reference.quantize_activation

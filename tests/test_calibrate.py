@@ -290,7 +290,7 @@ def test_dense_weights_context_matches_runtime(scheme):
     """Calibration's output pass decodes weight-only layers once and runs a dense matmul: same output
     as the layer's own runtime up to bf16 rounding; activation-quantized layers keep their kernel."""
     from qtk import quant
-    from qtk.kernels import dense_weights
+    from qtk.kernels.dispatch import dense_weights
     from qtk.schemes import preset
 
     torch.manual_seed(0)
