@@ -285,7 +285,7 @@ def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device,
 
     from .evals.gates import check_directions, load_gates, score_model, verdict
     from .evals.report import check_output_dir, write_json, write_report
-    from .models import resolve
+    from .loading import resolve
 
     if gates_spec is None or baseline is None:
         raise InputError("gating needs both --baseline BASE_MODEL and --gates FILE (or default)")

@@ -48,7 +48,7 @@ def require(*needs: dict[str, str]) -> None:
 
 def model_needs(*models: str) -> dict[str, str]:
     """gguf for a MODEL that is a GGUF: a .gguf file, or the bundled model (converted on first use)."""
-    from .models import BUNDLED
+    from .loading import BUNDLED
 
     return {"gguf": f"MODEL {m} (a GGUF)" for m in models if m == BUNDLED or m.endswith(".gguf")}
 

@@ -190,10 +190,6 @@ def from_flags(method: str, scheme: str | None = None, group_size: int | None = 
                   kv_cache=kv_cache_scheme(kv_cache, kv_strategy), **sections)
 
 
-def replace(recipe: Recipe, **changes) -> Recipe:
-    return dataclasses.replace(recipe, **changes)
-
-
 _SECTIONS = {"gptq": GPTQArgs, "awq": AWQArgs, "smoothquant": SmoothQuantArgs, "calibration": CalibrationArgs}
 _TOP = {"method", "scheme", "group_size", "weights", "kv_cache", "kv_strategy", "ignore", "device", "dtype", *_SECTIONS}
 

@@ -38,9 +38,10 @@ from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normali
                                   postprocess_generated_text)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
-from .. import __version__
 from ..assets import eval_data
+from ..chat_template import ChatTemplateError, render
 from ..errors import InputError
+from ..version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -134,15 +135,16 @@ class QtkLM(TemplateLM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The tokenizer's chat template as text (HFLM); a template that rejects the system role
         gets the conversation without it."""
-        def render(messages):
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=not add_generation_prompt)
+        def chat(messages):
+            return render(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                          continue_final_message=not add_generation_prompt)
         try:
-            return render(chat_history)
-        except jinja2.exceptions.TemplateError:
+            return chat(chat_history)
+        except ChatTemplateError as e:
+            if not isinstance(e.__cause__, jinja2.exceptions.TemplateError):
+                raise
             log.warning("the chat template failed; retrying without the system message")
-            return render([m for m in chat_history if m["role"] != "system"])
+            return chat([m for m in chat_history if m["role"] != "system"])
 
     def get_model_info(self) -> dict:
         return dict(self.info)
