@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from qtk import LLM
+from qtk.bench import git_commit
+from qtk.device import cpu_name
 from qtk.evals.perplexity import engine_perplexity, eval_windows
 from qtk.kernels import cpu as cpu_kernels
-from qtk.bench import git_commit
-from qtk.bench.engine import _cpu_name as cpu_name
 
 
 def measure(model: str, windows: int, eps: float, seeds: int) -> dict:

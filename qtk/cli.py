@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from . import optional
 from .errors import InputError, NotFoundError
 from .runtime.config import EngineConfig
 
@@ -26,18 +27,20 @@ EVAL_SEED = click.IntRange(0, 2 ** 32 - 1)
 
 
 class QtkGroup(click.Group):
-    """Turns errors in the user's input (qtk.errors.QtkError) into one clear line and exit code 2;
-    anything else is a bug or an environment failure and keeps its traceback."""
+    """Turns errors in the user's input (qtk.errors.QtkError) and a missing package (qtk/optional.py)
+    into one clear line and exit code 2; anything else is a bug or an environment failure and keeps
+    its traceback."""
 
     def invoke(self, ctx):
         from .errors import QtkError
 
         try:
             return super().invoke(ctx)
-        except QtkError as e:
-            if logging.getLogger().isEnabledFor(logging.DEBUG):
+        except (QtkError, ModuleNotFoundError) as e:
+            error = e if isinstance(e, QtkError) else optional.explain(e)  # a package no check below foresaw
+            if error is None or logging.getLogger().isEnabledFor(logging.DEBUG):
                 raise
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {error}", err=True)
             ctx.exit(2)
 
 
@@ -97,6 +100,7 @@ def quantize(model, output, force, recipe_file, act_order, dampening, alpha, dat
                        smoothquant=_section(alpha=alpha),
                        calibration=_section(dataset=dataset, num_samples=num_samples, seq_len=seq_len,
                                             batch_size=batch_size, chat_template=chat_template, seed=seed))
+    optional.require(optional.model_needs(model), optional.dataset_needs(recipe.calibration.dataset, "--dataset"))
     report = pipeline.quantize(model, recipe, output, force=force)
     method = recipe.method if recipe.smoothing is None or recipe.weights == "rtn" else f"{recipe.method}+{recipe.weights}"
     click.echo(f"wrote {output} ({method}, {len(report['layers'])} layers, "
@@ -111,6 +115,7 @@ def inspect(model, json_out):
     """Per-layer scheme, bits and size on disk against the bf16 original; the KV-cache scheme."""
     from .inspect import inspect_checkpoint, render
 
+    optional.require(optional.model_needs(model))
     info = inspect_checkpoint(model)
     click.echo(json.dumps(info, indent=2) if json_out else render(info))
 
@@ -156,7 +161,7 @@ def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_
 
     Tasks: perplexity by the protocol in docs/benchmarks.md; needle in a haystack
     (qtk/evals/needle.py); JSON validity (qtk/evals/json_validity.py); lm-eval tasks through qtk's
-    runtime (qtk's local ones: qtk/evals/data/lm_eval); your own cases (tasks:FILE.jsonl) and
+    runtime (qtk's local ones: evals/lm_eval); your own cases (tasks:FILE.jsonl) and
     traffic (replay:LOG.jsonl)."""
     from .evals.report import check_output_file, write_json
 
@@ -167,6 +172,8 @@ def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_
     if gating:
         return _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype,
                            json_path)
+    optional.require(optional.model_needs(model),
+                     optional.task_needs(task, {"dataset": dataset, "constrained": True}, f"--task {task}"))
     result = _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batch_size, device, dtype,
                         kv_cache_dtype)
     if json_path:
@@ -280,11 +287,13 @@ def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device,
 
     from .evals.gates import check_directions, load_gates, score_model, verdict
     from .evals.report import check_output_dir, write_json, write_report
-    from .models import resolve
+    from .loading import resolve
 
     if gates_spec is None or baseline is None:
         raise InputError("gating needs both --baseline BASE_MODEL and --gates FILE (or default)")
     gates = load_gates(gates_spec)
+    optional.require(optional.model_needs(model, baseline), optional.gates_needs(gates),
+                     optional.REPORT if report_dir else {})
     for m in (model, baseline):
         resolve(m)  # a missing model fails now, before any work
     if report_dir:
@@ -358,6 +367,7 @@ def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, *
     """Generate a continuation of --prompt with MODEL (float or quantized) on qtk's runtime."""
     from .generate import generate as gen
 
+    optional.require(optional.model_needs(model))
     click.echo(gen(EngineConfig(model, **engine_options), prompt, max_tokens=max_tokens, chat=chat,
                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))
 
@@ -390,6 +400,7 @@ def serve(model, host, port, served_model_name, api_key, max_queue, log_requests
         raise click.UsageError("--enable-auto-tool-choice and --tool-call-parser go together (as in vLLM): the "
                                "parser reads the calls a model chooses to make")
 
+    optional.require(optional.model_needs(model), optional.SERVE)
     import uvicorn
 
     from .data import read_text
@@ -453,6 +464,7 @@ def bench_kernels(device, shapes, ms, out, dtype):
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    optional.require({"triton": "qtk bench kernels --device cuda"} if device == "cuda" else {})
     m_list = _ints(ms, "--m")
     if device == "cpu":
         from .bench.kernels_cpu import run as run_cpu
@@ -488,6 +500,7 @@ def bench_engine(model, num_prompts, output_len, input_len, batch1_output_len, p
     """qtk's runtime against transformers generate, vLLM's CPU build and llama.cpp (CPU protocol)."""
     from .bench.engine import run
 
+    optional.require(optional.model_needs(model))
     _, text = run(model, num_prompts=num_prompts, output_len=output_len, batch1_input_len=input_len,
                   batch1_output_len=batch1_output_len, dtype=dtype, peers=peers, sequential=sequential, gguf=gguf,
                   out=out, name=name, device=device, enforce_eager=enforce_eager, command=_command_line())
@@ -509,6 +522,7 @@ def bench_engine(model, num_prompts, output_len, input_len, batch1_output_len, p
 @click.option("--name", default=None, help="JSON file name.")
 def bench_serve(url, model, num_prompts, request_rate, max_concurrency, dataset, max_tokens, api_key, out, name):
     """TTFT, TPOT, inter-token latency p50/p99 and throughput of a server under load."""
+    optional.require(optional.BENCH_SERVE)
     from .bench.serve import run
 
     _, text = run(url, model, num_prompts, request_rate, max_concurrency, dataset, max_tokens, api_key, out=out,

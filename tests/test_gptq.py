@@ -1,5 +1,6 @@
 """GPTQ: the solve on a random Linear with correlated inputs, its failure paths, and end to end."""
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from qtk import quant
 from qtk.calibrate import quantize_model
 from qtk.methods import gptq
-from qtk.recipe import GPTQArgs, from_flags, replace
+from qtk.recipe import GPTQArgs, from_flags
 from qtk.schemes import QuantArgs
 
 LAYER = "model.layers.7.mlp.down_proj"
@@ -151,7 +152,7 @@ def test_collect_hessians_shares_inputs_and_matches_direct(tiny):
     from transformers import LlamaForCausalLM
 
     from qtk.calibrate import Block, capture_inputs
-    from qtk.models import arch_for
+    from qtk.arch import arch_for
 
     state, cfg, calib, _, _ = tiny
     model = LlamaForCausalLM(cfg).eval()

@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..device import cpu_name
 from ..kernels import cpu
 from ..kernels.dispatch import cpu_packed_weight, packed_linear
 from ..kernels.reference import act_quant_ref
 from . import git_commit
-from .engine import _cpu_name as cpu_name
 
 log = logging.getLogger(__name__)
 

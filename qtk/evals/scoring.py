@@ -13,12 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..atomic import write_file
 from ..data import read_text
 from ..runtime.config import EngineConfig
 from .gate_args import input_files
@@ -116,7 +116,8 @@ def file_sha256(path: Path) -> str:
 def model_fingerprint(model: str) -> str:
     """sha256 over every file of the model (names and contents), file hashes cached by size and
     mtime so a rerun does not read the weights again."""
-    from ..models import cache_dir, resolve
+    from ..loading import resolve
+    from ..paths import cache_dir
 
     root = Path(resolve(model))
     files = sorted(p for p in (root.rglob("*") if root.is_dir() else [root]) if p.is_file())
@@ -134,10 +135,11 @@ def model_fingerprint(model: str) -> str:
 
 
 def _cache_key(fingerprint: str, gate: Gate, engine_args: dict, seed: int) -> str:
-    from .. import __version__
     from ..device import choose_dtype
+    from ..kernels import cpu as cpu_kernels
+    from ..version import __version__
 
-    dtype = choose_dtype(engine_args.get("dtype"), engine_args.get("device", "cpu"), runtime=True)
+    dtype = choose_dtype(engine_args.get("dtype"), engine_args.get("device", "cpu"), kernels_built=cpu_kernels.built)
     engine = {**engine_args, "dtype": dtype.name}
     files = {f: file_sha256(Path(f)) for f in input_files(gate)}
     if gate.kind == "lm-eval":  # lm-eval's own version and qtk's local task data score the task too
@@ -168,19 +170,8 @@ def _read_json(path: Path) -> dict | None:
     return value
 
 
-def write_whole(path: Path, text: str) -> None:
-    """The file whole or not at all: written beside it, then renamed over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:  # a write cut short (a full disk) leaves no temporary file behind
-        tmp.unlink(missing_ok=True)
-
-
 def _write_json(path: Path, value: dict) -> None:
-    write_whole(path, json.dumps(value))
+    write_file(path, json.dumps(value))
 
 
 def score_model(engine: EngineConfig, gates: list[Gate], seed: int, label: str, cache: bool,
@@ -188,7 +179,7 @@ def score_model(engine: EngineConfig, gates: list[Gate], seed: int, label: str, 
     """{gate name: metrics} for engine.model, each task once (gates sharing a task share its run);
     cached results are used when `cache` (the baseline); `reference` is the baseline's results,
     given when scoring the candidate."""
-    from ..models import cache_dir
+    from ..paths import cache_dir
 
     model = engine.model
     engine_args = {k: v for k, v in asdict(engine).items() if k != "model"}  # what the cache key holds

@@ -16,8 +16,10 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+from ..chat_template import has_template, prompt_ids
 from ..device import check_device, choose_dtype
 from ..errors import InputError
+from ..kernels import cpu as cpu_kernels
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .input_processor import EngineRequest, InputProcessor
@@ -50,7 +52,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options):
         """As vLLM's LLM: LLM(model, **options), the options EngineConfig's (dtype, device,
         max_model_len, kv_cache_dtype, ...), or LLM(config=EngineConfig(...))."""
-        from ..models import load_model
+        from ..loading import load_model
 
         if config is None:
             config = EngineConfig(model, **options)
@@ -59,7 +61,7 @@ class LLM:
         self.config = c = config
         t0 = time.perf_counter()
         check_device(c.device)
-        self.dtype = choose_dtype(c.dtype, c.device, runtime=True).dtype
+        self.dtype = choose_dtype(c.dtype, c.device, kernels_built=cpu_kernels.built).dtype
         hf_model, self.tokenizer = load_model(c.model, dtype=self.dtype, device=c.device)
         bf16_lm_head(hf_model)
         pack_linears(hf_model, fuse=FUSED)
@@ -198,11 +200,9 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):
         """One conversation (a list of {"role", "content"}) or several, through the chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not has_template(self.tokenizer):
             raise InputError("this model has no chat template; use generate()")
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"] for c in convs]
-        return self.generate([list(p) for p in prompts], sampling_params)
+        return self.generate([prompt_ids(self.tokenizer, c) for c in convs], sampling_params)
 
 
 
