@@ -30,7 +30,8 @@ from qtk.device import choose_dtype  # noqa: E402
 from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
 from qtk.kernels.bench import git_commit  # noqa: E402
 from qtk.models import BUNDLED, load_model, resolve  # noqa: E402
-from qtk.recipe import SmoothQuantArgs, build, from_flags, replace  # noqa: E402
+from qtk.methods.args import SmoothQuantArgs  # noqa: E402
+from qtk.recipe import build, from_flags, replace  # noqa: E402
 from qtk.runtime.bench import _cpu_name as cpu_name  # noqa: E402
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from .errors import InputError, NotFoundError
+from .methods import METHODS, WEIGHTS, named
 
 MODEL_HELP = "an HF model directory, a .gguf file, a qtk/compressed-tensors checkpoint, or 'smollm2-135m' (bundled)"
 
@@ -54,7 +55,7 @@ def _section(**kw):
 
 @main.command()
 @click.argument("model")
-@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8"]), default=None,
+@click.option("--method", type=click.Choice(list(METHODS)), default=None,
               help="Calibration method. With neither --method nor --recipe: qtk's best 4-bit recipe, AWQ then GPTQ "
                    "(calibration/recipes/awq-gptq-w4a16.yaml).")
 @click.option("--scheme", default=None, help="w4a16 (default for rtn/gptq), w4a16_asym (awq), w8a16, w8a8 "
@@ -66,7 +67,7 @@ def _section(**kw):
 @click.option("--force", is_flag=True, help="Replace --output if it exists.")
 @click.option("--recipe", "recipe_file", type=click.Path(), default=None,
               help="YAML recipe (see calibration/recipes/); flags given here override it.")
-@click.option("--weights", type=click.Choice(["rtn", "gptq"]), default=None,
+@click.option("--weights", type=click.Choice(named(WEIGHTS)), default=None,
               help="Weight quantizer after smoothing (awq, smoothquant): rtn (default) or gptq.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ: solve columns by descending Hessian "
               "diagonal (static act-order: groups keep their order, no g_idx). On by default, as in llm-compressor.")

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from qtk import recipe as rec
+from qtk.methods.args import AWQArgs, GPTQArgs, SmoothQuantArgs
 from qtk.schemes import (PRESETS, KVCacheScheme, QuantArgs, Scheme, check_group_divides, kv_cache_scheme,
                          preset)
 
@@ -132,13 +133,13 @@ def test_method_scheme_compatibility():
 
 def test_section_errors_name_the_field():
     with pytest.raises(ValueError, match="gptq.dampening"):
-        rec.GPTQArgs(dampening=0)
+        GPTQArgs(dampening=0)
     with pytest.raises(ValueError, match="calibration.seq_len"):
         rec.CalibrationArgs(seq_len=0)
     with pytest.raises(ValueError, match="smoothquant.alpha"):
-        rec.SmoothQuantArgs(alpha=1.5)
+        SmoothQuantArgs(alpha=1.5)
     with pytest.raises(ValueError, match="awq.grid"):
-        rec.AWQArgs(grid=0)
+        AWQArgs(grid=0)
 
 
 def test_needs_data():
