@@ -71,7 +71,8 @@ def main():
         saved = json.loads(saved_path.read_text())
         return write_tables(saved["rows"], Path(saved["gates"]), saved["num_samples"], args.readme)
 
-    from qtk.evals.gates import load_gates, score_model, verdict
+    from qtk.evals.gates import load_gates, verdict
+    from qtk.evals.scoring import score_model
     from qtk.evals.report import write_report
 
     gates = load_gates(args.gates)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .errors import InputError, NotFoundError
+from .errors import InputError
 from .methods import METHODS, WEIGHTS, named
 
 MODEL_HELP = "an HF model directory, a .gguf file, a qtk/compressed-tensors checkpoint, or 'smollm2-135m' (bundled)"
@@ -199,85 +199,26 @@ def _ints(text: str | None, flag: str) -> list[int] | None:
         raise InputError(f"{flag} takes comma-separated integers, got {text!r}") from e
 
 
-TASK_KINDS = ("ppl", "needle", "json", "lm-eval", "tasks", "replay")
-FILE_TASKS = ("lm-eval", "tasks", "replay")  # written KIND:WHAT
-
-
 def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batch_size, device, dtype,
                kv_cache_dtype) -> dict:
-    from .runtime.engine import LLM
+    """One task (qtk.evals.tasks.TASKS), the flags given as its args (a gates file's names)."""
+    from .evals.tasks import TASKS_HELP, lookup
 
-    kind = task.split(":", 1)[0]
-    if kind not in TASK_KINDS or (kind in FILE_TASKS) != (":" in task):
-        raise InputError(f"unknown --task {task!r}: ppl, needle, json, lm-eval:TASK[,TASK], tasks:FILE.jsonl or "
-                         "replay:LOG.jsonl")
-    lengths, depths = _ints(lengths, "--lengths"), _ints(depths, "--depths")
-    if kind == "ppl":
-        from .evals.perplexity import engine_perplexity, eval_windows
-
-        if batch_size < 1 or seq_len < 2:
-            raise InputError("--batch-size must be at least 1 and --seq-len at least 2")
-        llm = LLM(model, dtype=dtype, device=device, max_model_len=seq_len + 1, kv_cache_dtype=kv_cache_dtype,
-                  max_num_batched_tokens=batch_size * seq_len, enable_prefix_caching=False)
-        windows = eval_windows(llm.tokenizer, dataset, seq_len, limit)
-        res = engine_perplexity(llm, windows, batch_size=batch_size, dataset=dataset)
-        click.echo(f"{model}: {res}")
-        return res.to_dict()
-    if kind == "json":
-        from .evals.json_validity import json_validity, load_prompts
-
-        prompts = load_prompts(None if dataset == "builtin" else dataset, limit)
-        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-        results = []
-        for constrained in (False, True):
-            res = json_validity(llm, prompts, constrained)
-            click.echo(f"{model}: {res}")
-            results.append(res.to_dict(answers=True))
-        return {"dataset": dataset, "results": results}
-    if kind == "needle":
-        from .data import read_text
-        from .evals.needle import needle
-
-        filler = None if dataset == "builtin" else Path(dataset)
-        if filler is not None and not filler.is_file():
-            raise NotFoundError(f"needle filler text {filler} not found")
-        text = read_text(filler, "needle filler text") if filler else None
-        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-        res = needle(llm, lengths, depths, seed=seed, filler=text)
-        click.echo(f"{model}: {res}")
-        return res.to_dict(answers=True)
-    if kind == "tasks":
-        from .evals.user_tasks import load_cases, run_cases
-
-        cases = load_cases(task.split(":", 1)[1], limit)
-        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-        res = run_cases(llm, cases)
-        click.echo(f"{model}: {sum(a['matched'] for a in res['answers'])}/{len(cases)} matched "
-                   f"({res['accuracy']:.1%})")
-        return res
-    if kind == "replay":
-        from .evals.replay import load_requests, replay
-
-        cases = load_requests(task.split(":", 1)[1], limit)
-        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-        responses = replay(llm, cases)["_responses"]
-        click.echo(f"{model}: replayed {len(cases)} requests greedily (agreement needs a second model: "
-                   "--baseline BASE --gates FILE)")
-        return {"responses": [{"where": c["where"], "text": llm.tokenizer.decode(r, skip_special_tokens=True),
-                               "token_ids": r} for c, r in zip(cases, responses)]}
-    from .evals.lm_eval_adapter import run_lm_eval
-
-    llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-    res = run_lm_eval(llm, task.split(":", 1)[1].split(","), limit=limit, seed=seed)
-    for name, metrics in res["results"].items():
-        click.echo(f"{model}: {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-    return res
+    found = lookup(task)
+    if found is None:
+        raise InputError(f"unknown --task {task!r}: {TASKS_HELP}")
+    flags = {"dataset": dataset, "filler": dataset, "seq_len": seq_len, "limit": limit, "batch_size": batch_size,
+             "lengths": _ints(lengths, "--lengths"), "depths": _ints(depths, "--depths")}
+    args = {name: value for name, value in flags.items() if name in found.args}
+    engine = {"dtype": dtype, "device": device, "kv_cache_dtype": kv_cache_dtype}
+    return found.show(model, task.partition(":")[2] or None, args, seed, engine, click.echo)
 
 
 def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype, json_path):
     from dataclasses import asdict
 
-    from .evals.gates import check_directions, load_gates, score_model, verdict
+    from .evals.gates import check_directions, load_gates, verdict
+    from .evals.scoring import score_model
     from .evals.report import check_output_dir, write_json, write_report
     from .models import resolve
 

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from qtk.cli import main
 from qtk.errors import InputError, QtkError
-from qtk.evals.gates import Gate, GatesFile, check_directions, load_gates, recovery, verdict
+from qtk.evals.gates import GatesFile, check_directions, load_gates, recovery, verdict
+from qtk.evals.tasks import Gate
 
 NEEDLE = "task: needle, args: {lengths: [32], depths: [0]}"
 
