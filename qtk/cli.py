@@ -218,8 +218,8 @@ def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device,
     from dataclasses import asdict
 
     from .evals.gates import check_directions, load_gates, verdict
-    from .evals.scoring import score_model
     from .evals.report import check_output_dir, write_json, write_report
+    from .evals.scoring import score_model
     from .models import resolve
 
     if gates_spec is None or baseline is None:

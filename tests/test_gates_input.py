@@ -441,6 +441,14 @@ def test_cli_gates_output_and_flag_mistakes_exit_2_before_any_model_runs(tmp_pat
     assert r.exit_code == 2 and message in r.output and "[baseline]" not in r.output, r.output
 
 
+def test_one_task_table_names_the_tasks():
+    from qtk.evals.tasks import TASKS_HELP, lookup
+
+    assert TASKS_HELP == "ppl, needle, json, lm-eval:TASK[,TASK], tasks:FILE.jsonl or replay:LOG.jsonl"
+    assert all(lookup(t) is not None for t in ("ppl", "needle", "json", "lm-eval:a,b", "tasks:f", "replay:f"))
+    assert all(lookup(t) is None for t in ("nope", "ppl:x", "lm-eval", "lm-eval:", "tasks:", "replay"))
+
+
 def test_cli_task_mode_flags_and_replay_alone(tmp_path, tiny_dir):
     r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--report", str(tmp_path / "r")])
     assert r.exit_code == 2 and "--report: only with --gates" in r.output

@@ -142,6 +142,22 @@ def test_section_errors_name_the_field():
         AWQArgs(grid=0)
 
 
+def test_each_method_with_options_has_its_recipe_section():
+    """qtk.methods.METHODS is the one list: a method's options are the Recipe field and YAML section named
+    after it, and the roles give the CLI's --weights choices."""
+    from qtk.methods import METHODS, SMOOTHING, WEIGHTS, named
+
+    fields = {f.name: f.type for f in dataclasses.fields(rec.Recipe)}
+    for name, m in METHODS.items():
+        if m.args is not None:
+            assert fields[name] == m.args.__name__ and isinstance(getattr(rec.from_flags("rtn"), name), m.args)
+    assert named(WEIGHTS) == ("rtn", "gptq") and named(SMOOTHING) == ("awq", "smoothquant")
+    with pytest.raises(ValueError, match="weights must be 'rtn' or 'gptq', got 'awq'"):
+        dataclasses.replace(rec.from_flags("rtn"), weights="awq")
+    with pytest.raises(ValueError, match="smoothing must be 'awq' or 'smoothquant', got 'gptq'"):
+        dataclasses.replace(rec.from_flags("rtn"), smoothing="gptq")
+
+
 def test_needs_data():
     assert not rec.from_flags("rtn").needs_data
     assert not rec.from_flags("fp8").needs_data
