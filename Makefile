@@ -10,4 +10,4 @@ gate:  ## quantize the bundled model with the default recipe and gate it against
 	bash scripts/gate.sh
 
 setup:
-	bash scripts/setup.sh dev,lm-eval
+	bash scripts/setup.sh dev

@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,13 +27,12 @@ sys.path.insert(0, str(ROOT))
 from qtk.calibrate import checkpoint_groups, quantize_model  # noqa: E402
 from qtk.checkpoint import save_quantized  # noqa: E402
 from qtk.data import calibration_ids  # noqa: E402
-from qtk.device import choose_dtype  # noqa: E402
+from qtk.device import choose_dtype, cpu_name  # noqa: E402
 from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
 from qtk.kernels.bench import git_commit  # noqa: E402
-from qtk.models import BUNDLED, load_model, resolve  # noqa: E402
+from qtk.loading import BUNDLED, load_model, resolve  # noqa: E402
 from qtk.methods.args import SmoothQuantArgs  # noqa: E402
-from qtk.recipe import build, from_flags, replace  # noqa: E402
-from qtk.runtime.bench import _cpu_name as cpu_name  # noqa: E402
+from qtk.recipe import build, from_flags  # noqa: E402
 
 
 def qtk_recipes(group_size: int) -> dict:

@@ -175,7 +175,7 @@ def bench_attention(rows):
 
 def bench_block(rows):
     from qtk.chunked_sdpa import chunked_attention
-    from qtk.models import BUNDLED, load_model
+    from qtk.loading import BUNDLED, load_model
 
     model, _ = load_model(BUNDLED, dtype=torch.float32)
     layer = model.model.layers[0]

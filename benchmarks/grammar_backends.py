@@ -518,7 +518,7 @@ def main():
 
     from transformers import AutoTokenizer
 
-    from qtk.models import resolve
+    from qtk.loading import resolve
     folder = str(resolve(args.tokenizer))
     tok = AutoTokenizer.from_pretrained(folder)
     with open(os.path.join(folder, "config.json")) as f:

@@ -159,8 +159,8 @@ def main():
     for name, rates in decode_rounds(llms).items():
         results[name]["batch1_tok_s"] = rates
         results[name]["batch1_tok_s_median"] = sorted(rates)[len(rates) // 2]
-    from qtk.runtime.bench import _cpu_name
-    res = {"checkpoint": str(src), "cpu": _cpu_name(), "torch": torch.__version__,
+    from qtk.device import cpu_name
+    res = {"checkpoint": str(src), "cpu": cpu_name(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "results": results}
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))

@@ -27,7 +27,7 @@ from qtk import LLM
 from qtk.evals.perplexity import engine_perplexity, eval_windows
 from qtk.kernels import cpu as cpu_kernels
 from qtk.kernels.bench import git_commit
-from qtk.runtime.bench import _cpu_name as cpu_name
+from qtk.device import cpu_name
 
 
 def measure(model: str, windows: int, eps: float, seeds: int) -> dict:

@@ -1,12 +1,12 @@
-"""The README's quality table: quantize the bundled model with each scheme qtk writes, gate every
+"""The quality table of docs/quality.md: quantize the bundled model with each scheme qtk writes, gate every
 checkpoint against the unquantized model with the default gates, and tabulate perplexity, needle
 accuracy, JSON parse and schema-valid rates (unaided), size on disk and the verdict.
 
-    python benchmarks/quality_table.py [--num-samples 64] [--gates default] [--readme] [--render]
+    python benchmarks/quality_table.py [--num-samples 64] [--gates default] [--docs] [--render]
 
 Checkpoints go to build/quality/NAME (kept, and reused on a rerun unless --requantize); each
 candidate's gate report (Markdown, JSON, heatmaps) to benchmarks/results/quality/NAME; the table
-to benchmarks/results/quality.md and .json, and with --readme into README.md between the
+to benchmarks/results/quality.md and .json, and with --docs into docs/quality.md between the
 quality-table markers. Everything runs through qtk's runtime in float32, one model at a time.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main():
     ap.add_argument("--gates", default="default", help="gates file (default: qtk's default gates)")
     ap.add_argument("--only", default=None, help="comma-separated row names to run (others are read back)")
     ap.add_argument("--requantize", action="store_true", help="quantize again even where a checkpoint exists")
-    ap.add_argument("--readme", action="store_true", help="also write the table into README.md")
+    ap.add_argument("--docs", action="store_true", help="also write the table into docs/quality.md")
     ap.add_argument("--render", action="store_true", help="only write the tables again from quality.json")
     args = ap.parse_args()
     if args.render:
@@ -69,7 +69,7 @@ def main():
         if not saved_path.exists():  # a run stopped before its end: its reports are what it left
             saved_path.write_text(json.dumps(rows_from_reports(args), indent=2) + "\n")
         saved = json.loads(saved_path.read_text())
-        return write_tables(saved["rows"], Path(saved["gates"]), saved["num_samples"], args.readme)
+        return write_tables(saved["rows"], Path(saved["gates"]), saved["num_samples"], args.docs)
 
     from qtk.evals.gates import load_gates, verdict
     from qtk.evals.scoring import score_model
@@ -110,12 +110,12 @@ def main():
 
     out_json.write_text(json.dumps({"gates": str(gates.path), "num_samples": args.num_samples, "rows": rows},
                                    indent=2) + "\n")
-    write_tables(rows, gates.path, args.num_samples, args.readme)
+    write_tables(rows, gates.path, args.num_samples, args.docs)
 
 
 def row(name: str, label: str, kv: str, model: str, metrics: dict, passed: bool, failed: list, soft, report,
         seconds=None) -> dict:
-    from qtk.models import resolve
+    from qtk.loading import resolve
 
     return {"name": name, "label": label, "kv_cache_dtype": kv, "model": model,
             "size_bytes": size_on_disk(Path(resolve(model))),
@@ -149,19 +149,19 @@ def rows_from_reports(args) -> dict:
     return {"gates": gates_path, "num_samples": args.num_samples, "rows": rows}
 
 
-def write_tables(rows: list[dict], gates_path, num_samples: int, readme: bool) -> None:
+def write_tables(rows: list[dict], gates_path, num_samples: int, docs: bool) -> None:
     table = render(rows, gates_path, num_samples)
     (ROOT / "benchmarks" / "results" / "quality.md").write_text(
         "# Quality of each scheme on the bundled model\n\nWritten by `python benchmarks/quality_table.py`.\n\n"
         + table + "\n")
     print(table)
-    if readme:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
+    if docs:
+        doc = ROOT / "docs" / "quality.md"
+        text = doc.read_text()
         if MARK_BEGIN not in text or MARK_END not in text:
-            sys.exit(f"README.md has no {MARK_BEGIN} ... {MARK_END} block to replace")
+            sys.exit(f"docs/quality.md has no {MARK_BEGIN} ... {MARK_END} block to replace")
         head, rest = text.split(MARK_BEGIN, 1)
-        readme.write_text(head + MARK_BEGIN + "\n" + table.replace("](quality/", "](benchmarks/results/quality/")
+        doc.write_text(head + MARK_BEGIN + "\n" + table.replace("](quality/", "](../benchmarks/results/quality/")
                           + "\n" + MARK_END + rest.split(MARK_END, 1)[1])
 
 

@@ -74,11 +74,11 @@ def referee(model: Path, windows: list[list[int]], prompts: list[list[int]], dty
 
 
 def inputs(tokenizer, num_windows: int = 4, seq_len: int = 1024) -> tuple[list[list[int]], list[list[int]]]:
+    from qtk.chat_template import prompt_ids
     from qtk.evals.perplexity import eval_windows
 
     windows = eval_windows(tokenizer, "builtin", seq_len, num_windows).tolist()
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=True)["input_ids"]) for q in QUESTIONS]
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
     return windows, prompts
 
 
@@ -104,7 +104,7 @@ def quantize_all(root: Path, source: Path, names: list[str] | None = None) -> di
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from qtk.models import BUNDLED, resolve
+    from qtk.loading import BUNDLED, resolve
     from qtk.runtime.bench import record
 
     ap = argparse.ArgumentParser()

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
-__version__ = "0.1.0"
+from .version import __version__
 
 
 def __getattr__(name: str):

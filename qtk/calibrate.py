@@ -23,8 +23,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .arch import Arch, arch_for, set_module
 from .chunked_sdpa import chunked_attention
-from .models import Arch, arch_for, get_module, set_module
+from .kv_fake_quant import enable_kv_quant
 from .recipe import Recipe
 from .quant_linear import QuantLinear
 from .schemes import check_group_divides
@@ -86,11 +87,11 @@ class Block:
     hessians: list[tuple[tuple[str, ...], torch.Tensor]] | None = None
 
     def linear(self, name: str) -> nn.Module:
-        return get_module(self.layer, name)
+        return self.layer.get_submodule(name)
 
     def run(self, module: nn.Module | None = None) -> list[torch.Tensor]:
         """Outputs of the layer on every input batch (moved back to CPU)."""
-        from .kernels import dense_weights
+        from .kernels.dispatch import dense_weights
 
         outs = []
         with torch.no_grad(), dense_weights():
@@ -106,7 +107,7 @@ class Block:
         def stop(*_):
             raise _Stop
 
-        handle = get_module(self.layer, until).register_forward_pre_hook(stop)
+        handle = self.layer.get_submodule(until).register_forward_pre_hook(stop)
         try:
             with torch.no_grad():
                 for h, kw in zip(self.inputs.hidden, self.inputs.kwargs):
@@ -118,7 +119,7 @@ class Block:
     @contextlib.contextmanager
     def hooks(self, names, fn):
         """Call fn(name, x) with the input of each named submodule on every forward."""
-        handles = [get_module(self.layer, n).register_forward_pre_hook(
+        handles = [self.layer.get_submodule(n).register_forward_pre_hook(
             lambda m, args, n=n: fn(n, args[0])) for n in names]
         try:
             yield
@@ -152,8 +153,8 @@ def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torc
                    batch_size: int) -> BlockInputs:
     """Run the model up to its blocks and keep what block 0 receives, one entry per batch, and the
     attention mask each block receives. The blocks stand aside meanwhile: none of them runs."""
-    layers = get_module(model, arch.layers)
-    pre = [get_module(model, arch.embed), get_module(model, arch.rotary)]
+    layers = model.get_submodule(arch.layers)
+    pre = [model.get_submodule(arch.embed), model.get_submodule(arch.rotary)]
     for m in pre:
         onload(m, device)
     calls: list[list] = []  # per batch, (args, kwargs) of each block's call
@@ -185,10 +186,10 @@ def targeted_linears(model: nn.Module, recipe: Recipe) -> dict[str, nn.Linear]:
 
     arch = arch_for(model.config)
     out = {}
-    for i, layer in enumerate(get_module(model, arch.layers)):
+    for i, layer in enumerate(model.get_submodule(arch.layers)):
         for rel in arch.linears:
             name = f"{arch.layers}.{i}.{rel}"
-            mod = get_module(layer, rel)
+            mod = layer.get_submodule(rel)
             if not any(target_matches(name, mod, t) for t in recipe.ignore):
                 out[name] = mod
     return out
@@ -197,8 +198,6 @@ def targeted_linears(model: nn.Module, recipe: Recipe) -> dict[str, nn.Linear]:
 def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | None = None,
                    progress: bool = True) -> dict:
     """Quantize `model` in place, block by block; returns a report (per-layer errors, timings)."""
-    from .methods.kv_cache import enable_kv_quant
-
     arch = arch_for(model.config)
     device = torch.device(recipe.device)
     targets = targeted_linears(model, recipe)
@@ -207,7 +206,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
         raise InputError(f"method {recipe.method!r} with this scheme needs calibration data")
     t0 = time.perf_counter()
     use_cache, model.config.use_cache = model.config.use_cache, False  # restored below: it is saved in config.json
-    layers = get_module(model, arch.layers)
+    layers = model.get_submodule(arch.layers)
     report = {"layers": {}, "blocks": len(layers)}
     with chunked_attention(model):
         inputs = capture_inputs(model, arch, calib_ids, device, recipe.calibration.batch_size) if recipe.needs_data else None
@@ -226,7 +225,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
             log.debug("block %d errors %s", i, block.errors)
     if recipe.kv_cache is not None:
         for layer in layers:
-            get_module(layer, arch.attention).kv_scheme = recipe.kv_cache
+            layer.get_submodule(arch.attention).kv_scheme = recipe.kv_cache
         enable_kv_quant(model)
     model.config.use_cache = use_cache
     report["seconds"] = time.perf_counter() - t0

@@ -9,13 +9,9 @@ module's k_scale/v_scale, plus the tokenizer, chat template and generation confi
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,7 +20,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import hub_formats
-from .models import arch_for, get_module, set_module
+from .arch import arch_for, set_module
+from .atomic import write_dir
+from .kv_fake_quant import enable_kv_quant
+from .kv_scales import attach_kv_scales
 from .quant_linear import QuantLinear
 from .schemes import KVCacheScheme, Scheme
 from .errors import CheckpointError, OutputExistsError
@@ -96,41 +95,17 @@ def parse_quantization_config(qc: dict) -> tuple[list[Scheme], list[str], KVCach
 def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, groups: list[tuple[Scheme, list[str]]],
                    ignore: list[str], kv: KVCacheScheme | None, dtype: torch.dtype = torch.bfloat16,
                    force: bool = False, extra_files: dict[str, str] | None = None) -> Path:
-    """Write `model` (with QuantLinear layers) to out_dir atomically: temp dir, then rename."""
+    """Write `model` (with QuantLinear layers) to out_dir atomically: temp dir, then rename (atomic.write_dir:
+    with `force`, an existing output is replaced only once the new one is whole)."""
     out = Path(out_dir)
     if out.exists() and not force:
         raise OutputExistsError(f"{out} exists; pass --force to replace it")
-    made = list(itertools.takewhile(lambda d: not d.exists(), (out.parent, *out.parent.parents)))  # deepest first
-    tmp = aside = None  # the new output while written; a fresh folder the replaced output is moved into
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    with write_dir(out) as tmp:
         _write(model, tokenizer, tmp, groups, ignore, kv, dtype, extra_files or {})
-        if out.exists():  # a unique name: one left behind by a killed earlier run cannot be in the way
-            aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-            os.replace(out, aside / out.name)
-        os.replace(tmp, out)
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if aside is not None and not out.exists():  # put the old output back: a failure loses nothing
-            os.replace(aside / out.name, out)
-        _remove_empty([aside, *made])
-        raise
-    if aside is not None:  # the old output (a folder, a file or a link) inside it
-        shutil.rmtree(aside, ignore_errors=True)
     return out
 
 
-def _remove_empty(folders: list[Path | None]) -> None:
-    """Remove the folders a failed write made, deepest first; one something else wrote into stays."""
-    for d in folders:
-        if d is not None and d.is_dir() and not any(d.iterdir()):
-            d.rmdir()
-
-
 def _write(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files):
-    os.chmod(d, 0o755)
     state = {}
     tied = getattr(model.config, "tie_word_embeddings", False)
     for k, v in model.state_dict().items():
@@ -240,19 +215,16 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device:
     else:
         layers = quantized_linear_names(model, schemes, ignore)
     for name, scheme in layers.items():
-        lin = get_module(model, name)
+        lin = model.get_submodule(name)
         has_gidx = f"{name}.weight_g_idx" in tensors
         set_module(model, name, QuantLinear(lin.in_features, lin.out_features, scheme, lin.bias is not None,
                                             dtype=dtype, device="meta", g_idx=has_gidx))
     if kv is not None:
-        from .kv_scales import attach_kv_scales
-        from .methods.kv_cache import enable_kv_quant
-
         attach_kv_scales(model, arch, kv, device="meta")
         enable_kv_quant(model)  # transformers' attention fake-quantizes K and V with the scales
     _load_state(model, tensors, dtype, path)
     with torch.device("cpu"):
-        rotary = get_module(model, arch.rotary)
+        rotary = model.get_submodule(arch.rotary)
         set_module(model, arch.rotary, type(rotary)(config=model.config))
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.get_input_embeddings().weight

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
+from . import optional
 from .errors import InputError
-from .methods import METHODS, WEIGHTS, named
 
 MODEL_HELP = "an HF model directory, a .gguf file, a qtk/compressed-tensors checkpoint, or 'smollm2-135m' (bundled)"
 
@@ -25,18 +25,20 @@ EVAL_SEED = click.IntRange(0, 2 ** 32 - 1)
 
 
 class QtkGroup(click.Group):
-    """Turns errors in the user's input (qtk.errors.QtkError) into one clear line and exit code 2;
-    anything else is a bug or an environment failure and keeps its traceback."""
+    """Turns errors in the user's input (qtk.errors.QtkError) and a missing package (qtk/optional.py)
+    into one clear line and exit code 2; anything else is a bug or an environment failure and keeps
+    its traceback."""
 
     def invoke(self, ctx):
         from .errors import QtkError
 
         try:
             return super().invoke(ctx)
-        except QtkError as e:
-            if logging.getLogger().isEnabledFor(logging.DEBUG):
+        except (QtkError, ModuleNotFoundError) as e:
+            error = e if isinstance(e, QtkError) else optional.explain(e)  # a package no check below foresaw
+            if error is None or logging.getLogger().isEnabledFor(logging.DEBUG):
                 raise
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {error}", err=True)
             ctx.exit(2)
 
 
@@ -49,13 +51,39 @@ def main(verbose: bool):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+class LazyChoice(click.Choice):
+    """A Choice whose names are read when first needed: the methods' come from qtk.methods.METHODS,
+    which imports torch and the kernels, so `qtk --help` and the commands that need neither stay
+    light (and a missing optional kernel package is still one line)."""
+
+    def __init__(self, names):
+        self.names = names
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self.names())
+
+
+def _methods() -> tuple[str, ...]:
+    from .methods import METHODS
+
+    return tuple(METHODS)
+
+
+def _weight_quantizers() -> tuple[str, ...]:
+    from .methods import WEIGHTS, named
+
+    return named(WEIGHTS)
+
+
 def _section(**kw):
     return {k: v for k, v in kw.items() if v is not None}
 
 
 @main.command()
 @click.argument("model")
-@click.option("--method", type=click.Choice(list(METHODS)), default=None,
+@click.option("--method", type=LazyChoice(_methods), default=None,
               help="Calibration method. With neither --method nor --recipe: qtk's best 4-bit recipe, AWQ then GPTQ "
                    "(calibration/recipes/awq-gptq-w4a16.yaml).")
 @click.option("--scheme", default=None, help="w4a16 (default for rtn/gptq), w4a16_asym (awq), w8a16, w8a8 "
@@ -67,7 +95,7 @@ def _section(**kw):
 @click.option("--force", is_flag=True, help="Replace --output if it exists.")
 @click.option("--recipe", "recipe_file", type=click.Path(), default=None,
               help="YAML recipe (see calibration/recipes/); flags given here override it.")
-@click.option("--weights", type=click.Choice(named(WEIGHTS)), default=None,
+@click.option("--weights", type=LazyChoice(_weight_quantizers), default=None,
               help="Weight quantizer after smoothing (awq, smoothquant): rtn (default) or gptq.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ: solve columns by descending Hessian "
               "diagonal (static act-order: groups keep their order, no g_idx). On by default, as in llm-compressor.")
@@ -96,6 +124,7 @@ def quantize(model, output, force, recipe_file, act_order, dampening, alpha, dat
                        smoothquant=_section(alpha=alpha),
                        calibration=_section(dataset=dataset, num_samples=num_samples, seq_len=seq_len,
                                             batch_size=batch_size, chat_template=chat_template, seed=seed))
+    optional.require(optional.model_needs(model), optional.dataset_needs(recipe.calibration.dataset, "--dataset"))
     report = pipeline.quantize(model, recipe, output, force=force)
     method = recipe.method if recipe.smoothing is None or recipe.weights == "rtn" else f"{recipe.method}+{recipe.weights}"
     click.echo(f"wrote {output} ({method}, {len(report['layers'])} layers, "
@@ -110,6 +139,7 @@ def inspect(model, json_out):
     """Per-layer scheme, bits and size on disk against the bf16 original; the KV-cache scheme."""
     from .inspect import inspect_checkpoint, render
 
+    optional.require(optional.model_needs(model))
     info = inspect_checkpoint(model)
     click.echo(json.dumps(info, indent=2) if json_out else render(info))
 
@@ -155,7 +185,7 @@ def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_
 
     Tasks: perplexity by the protocol in docs/benchmarks.md; needle in a haystack
     (qtk/evals/needle.py); JSON validity (qtk/evals/json_validity.py); lm-eval tasks through qtk's
-    runtime (qtk's local ones: qtk/evals/data/lm_eval); your own cases (tasks:FILE.jsonl) and
+    runtime (qtk's local ones: evals/lm_eval); your own cases (tasks:FILE.jsonl) and
     traffic (replay:LOG.jsonl)."""
     from .evals.report import check_output_file, write_json
 
@@ -166,6 +196,8 @@ def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_
     if gating:
         return _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype,
                            json_path)
+    optional.require(optional.model_needs(model),
+                     optional.task_needs(task, {"dataset": dataset, "constrained": True}, f"--task {task}"))
     result = _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batch_size, device, dtype,
                         kv_cache_dtype)
     if json_path:
@@ -220,11 +252,13 @@ def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device,
     from .evals.gates import check_directions, load_gates, verdict
     from .evals.report import check_output_dir, write_json, write_report
     from .evals.scoring import score_model
-    from .models import resolve
+    from .loading import resolve
 
     if gates_spec is None or baseline is None:
         raise InputError("gating needs both --baseline BASE_MODEL and --gates FILE (or default)")
     gates = load_gates(gates_spec)
+    optional.require(optional.model_needs(model, baseline), optional.gates_needs(gates),
+                     optional.REPORT if report_dir else {})
     for m in (model, baseline):
         resolve(m)  # a missing model fails now, before any work
     if report_dir:
@@ -294,6 +328,7 @@ def generate(model, prompt, max_tokens, chat, temperature, top_p, top_k, seed, d
     """Generate a continuation of --prompt with MODEL (float or quantized) on qtk's runtime."""
     from .generate import generate as gen
 
+    optional.require(optional.model_needs(model))
     click.echo(gen(model, prompt, max_tokens=max_tokens, chat=chat, temperature=temperature, top_p=top_p, top_k=top_k,
                    seed=seed, device=device, dtype=dtype, **engine_args))
 
@@ -326,6 +361,7 @@ def serve(model, host, port, served_model_name, api_key, max_queue, log_requests
         raise click.UsageError("--enable-auto-tool-choice and --tool-call-parser go together (as in vLLM): the "
                                "parser reads the calls a model chooses to make")
 
+    optional.require(optional.model_needs(model), optional.SERVE)
     import uvicorn
 
     from .data import read_text
@@ -383,6 +419,7 @@ def bench_kernels(device, shapes, ms, out, dtype):
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    optional.require({"triton": "qtk bench kernels --device cuda"} if device == "cuda" else {})
     m_list = _ints(ms, "--m")
     if device == "cpu":
         from .kernels.bench_cpu import run as run_cpu
@@ -418,6 +455,7 @@ def bench_engine(model, num_prompts, output_len, input_len, batch1_output_len, p
     """qtk's runtime against transformers generate, vLLM's CPU build and llama.cpp (CPU protocol)."""
     from .runtime.bench import run
 
+    optional.require(optional.model_needs(model))
     _, text = run(model, num_prompts=num_prompts, output_len=output_len, batch1_input_len=input_len,
                   batch1_output_len=batch1_output_len, dtype=dtype, peers=peers, sequential=sequential, gguf=gguf,
                   out=out, name=name, device=device, enforce_eager=enforce_eager)
@@ -439,6 +477,7 @@ def bench_engine(model, num_prompts, output_len, input_len, batch1_output_len, p
 @click.option("--name", default=None, help="JSON file name.")
 def bench_serve(url, model, num_prompts, request_rate, max_concurrency, dataset, max_tokens, api_key, out, name):
     """TTFT, TPOT, inter-token latency p50/p99 and throughput of a server under load."""
+    optional.require(optional.BENCH_SERVE)
     from .runtime.bench_serve import run
 
     _, text = run(url, model, num_prompts, request_rate, max_concurrency, dataset, max_tokens, api_key, out=out,

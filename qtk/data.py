@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 
 import torch
+
+from .chat_template import has_template, render
 from .errors import DataSourceError, InputError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -106,9 +108,9 @@ def load_texts(dataset: str, split: str) -> list[str]:
 def token_stream(tokenizer, texts: list[str], chat_template: bool = False) -> torch.Tensor:
     """All texts tokenized once and concatenated, separated by EOS ([n] int64)."""
     if chat_template:
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_template(tokenizer):
             raise InputError("--chat-template was given but the tokenizer has no chat template")
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False) for t in texts]
+        texts = [render(tokenizer, [{"role": "user", "content": t}], add_generation_prompt=False) for t in texts]
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     for t in texts:

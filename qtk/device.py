@@ -5,7 +5,8 @@ BF16 extension (Arm) a bf16 matmul runs on hardware units and is 2-3x faster tha
 them (AVX2-only x86, common on AMD EPYC and desktop CPUs) torch emulates it and it ran 80x slower
 than float32 (benchmarks/cpu_dtype.py; figures in benchmarks/results/cpu_dtype.md). So
 `--dtype auto`, the default of every command, is bf16 where native and float32 elsewhere; except
-qtk's runtime on a CPU, float32 wherever qtk's CPU kernels are built (choose_dtype's `runtime`).
+qtk's runtime on a CPU, float32 wherever qtk's CPU kernels are built (choose_dtype's
+`kernels_built`, which the runtime passes: this module imports no other part of qtk but errors).
 
 The same holds for int8 dot products (AVX512-VNNI, AVX-VNNI, AMX): torch._int_mm ran 20x slower
 than a float32 matmul on an AVX2-only CPU, so W8A8's integer GEMM is used on CPUs that have them.
@@ -20,7 +21,9 @@ import functools
 import logging
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -106,15 +109,17 @@ def check_device(device: torch.device | str, present: bool = True) -> torch.devi
 
 
 def choose_dtype(requested: str | torch.dtype | None, device: torch.device | str = "cpu",
-                 runtime: bool = False) -> DtypeChoice:
+                 kernels_built: Callable[[], bool] | None = None) -> DtypeChoice:
     """The compute dtype for `requested` ("auto", "bfloat16", "float32" or a torch dtype) on `device`,
     with the reason; logged once per call. An explicit bf16 on a CPU without bf16 units is kept,
     with a warning.
 
-    runtime: for qtk's runtime (serve, generate, eval, lm-eval, bench engine), where "auto" on a CPU
-    is float32 whenever qtk's CPU kernels are built, bf16 units or not: its fused decoder forward and
-    its int4 / int8 / W8A8 kernels take float32 activations, and on a 2-core Zen 4 with AVX512-BF16
-    the engine ran 1.25-3.3x faster in float32 than in bf16 (benchmarks/results/cpu_kernels.md).
+    kernels_built: given by qtk's runtime (serve, generate, eval, lm-eval, bench engine), whether
+    qtk's CPU kernels are built (kernels.cpu.built; asked only for "auto" on a CPU with bf16 units,
+    as it may build them). There "auto" on a CPU is float32 whenever they are, bf16 units or not:
+    its fused decoder forward and its int4 / int8 / W8A8 kernels take float32 activations, and on
+    a 2-core Zen 4 with AVX512-BF16 the engine ran 1.25-3.3x faster in float32 than in bf16
+    (benchmarks/results/cpu_kernels.md).
     Calibration (quantize) keeps bf16 where native: there bf16 matmuls are 2-2.5x faster."""
     device = torch.device(device)
     if isinstance(requested, torch.dtype):
@@ -127,7 +132,7 @@ def choose_dtype(requested: str | torch.dtype | None, device: torch.device | str
     else:
         native, why = cpu_bf16_reason()
         why = f"CPU: {why}"
-    if requested == "auto" and runtime and device.type == "cpu" and native and _cpu_kernels_built():
+    if requested == "auto" and kernels_built is not None and device.type == "cpu" and native and kernels_built():
         choice = DtypeChoice(torch.float32, "auto: qtk's CPU runtime kernels run float32 activations "
                                             "(faster than bf16 even with bf16 units; --dtype bfloat16 to override)")
         log.info("dtype %s (%s)", choice.name, choice.reason)
@@ -143,7 +148,12 @@ def choose_dtype(requested: str | torch.dtype | None, device: torch.device | str
     return choice
 
 
-def _cpu_kernels_built() -> bool:
-    from .kernels import cpu
-
-    return cpu.ops() is not None
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo's; platform.processor() is "x86_64" or empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"

@@ -1,6 +1,7 @@
 """`qtk generate`: one prompt through qtk's runtime (the engine `qtk serve` and the gates run)."""
 from __future__ import annotations
 
+from .chat_template import has_template
 from .errors import InputError
 
 
@@ -17,7 +18,7 @@ def generate(model_name: str, prompt: str, max_tokens: int = 64, chat: bool = Fa
         raise InputError(f"--max-tokens must be positive, got {max_tokens}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     llm = LLM(model_name, dtype=dtype, device=device, **engine_args)
-    if chat and not getattr(llm.tokenizer, "chat_template", None):
+    if chat and not has_template(llm.tokenizer):
         raise InputError(f"{model_name} has no chat template: drop --chat to generate from the prompt as written")
     if chat:
         out = llm.chat([{"role": "user", "content": prompt}], params)

@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 from . import hub_formats
 from .checkpoint import check_weight_files, parse_quantization_config, read_tensor_meta, weight_files
-from .models import BUNDLED, bundled_gguf, config_dict, resolve
+from .loading import BUNDLED, bundled_gguf, config_dict, resolve
 
 HUB_KEYS = ("qweight", "qzeros", "scales", "g_idx")
 LAYER_KEYS = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",

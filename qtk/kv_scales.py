@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .models import Arch, get_module
+from .arch import Arch
 from .quant import FP8_DTYPE, FP8_MAX, qparams
 from .schemes import KVCacheScheme
 
@@ -46,8 +46,8 @@ def attach_kv_scales(model: nn.Module, arch: Arch, kv: KVCacheScheme, device="cp
     """Register k_scale / v_scale buffers (ones) on every attention module, for a load to fill."""
     dtype = dtype or next(model.parameters()).dtype
     shape = scale_shape(model.config, kv)
-    for layer in get_module(model, arch.layers):
-        attn = get_module(layer, arch.attention)
+    for layer in model.get_submodule(arch.layers):
+        attn = layer.get_submodule(arch.attention)
         for name in NAMES:
             attn.register_buffer(name, torch.ones(shape, dtype=dtype, device=device))
         attn.kv_scheme = kv

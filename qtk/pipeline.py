@@ -1,23 +1,24 @@
 """`qtk quantize` end to end: load, calibrate block by block, write the checkpoint atomically."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .arch import arch_for
 from .calibrate import checkpoint_groups, quantize_model, targeted_linears
 from .checkpoint import check_weight_files, save_quantized, target_matches
 from .data import calibration_ids
 from .device import check_device, choose_dtype
 from .errors import InputError, OutputError, OutputExistsError
-from .models import arch_for, is_quantized_dir, load_model, load_tokenizer, read_config, resolve
-from .recipe import Recipe, replace, to_yaml
+from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, resolve
+from .recipe import Recipe, to_yaml
 from .schemes import check_group_divides, dividing_group_size
 
 log = logging.getLogger(__name__)
@@ -47,11 +48,11 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     if recipe.needs_data and c.seq_len > context:  # positions the model never saw would skew every statistic
         log.warning("calibration seq_len %d is longer than the model's context (max_position_embeddings %d): "
                     "calibrating on %d-token samples", c.seq_len, context, context)
-        c = dataclasses.replace(c, seq_len=context)
+        c = replace(c, seq_len=context)
         recipe = replace(recipe, calibration=c)
     tok = load_tokenizer(path)
     ids = calibration_ids(tok, c.dataset, c.num_samples, c.seq_len, c.seed, c.chat_template) if recipe.needs_data else None
-    model, tok = load_model(str(path), dtype=compute.dtype)
+    model, tok = load_model(str(path), dtype=compute.dtype, tokenizer=tok)
     report = quantize_model(model, recipe, ids, progress=progress)
     groups, ignore = checkpoint_groups(model, recipe)
     report.update(model=model_name, method=recipe.method, calibration_tokens=0 if ids is None else ids.numel(),

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from . import kernels
+from .kernels import dispatch
 from .quant import FP8_DTYPE, dequantize_weight, pack_int32, unpack_int32
 from .schemes import QuantArgs, Scheme
 
@@ -108,7 +108,7 @@ class QuantLinear(nn.Module):
         return dequantize_weight(self.codes(), scale, zp, w, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.quant_linear(x, self)
+        return dispatch.quant_linear(x, self)
 
     def extra_repr(self) -> str:
         w = self.scheme.weights

@@ -1,15 +1,16 @@
 """A recipe: what `qtk quantize` does, as frozen dataclasses built from CLI flags or a YAML file."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from . import assets
 from .errors import InputError, NotFoundError
 from .methods import FP8, METHODS, SMOOTHING, WEIGHTS, named
 from .methods.args import AWQArgs, GPTQArgs, SmoothQuantArgs, check_types
 from .schemes import KVCacheScheme, Scheme, kv_cache_scheme, preset
+
 
 @dataclass(frozen=True)
 class CalibrationArgs:
@@ -119,24 +120,15 @@ def from_flags(method: str, scheme: str | None = None, group_size: int | None = 
                   kv_cache=kv_cache_scheme(kv_cache, kv_strategy), **sections)
 
 
-def replace(recipe: Recipe, **changes) -> Recipe:
-    return dataclasses.replace(recipe, **changes)
-
-
 _SECTIONS = {**{name: m.args for name, m in METHODS.items() if m.args}, "calibration": CalibrationArgs}
 _TOP = {"method", "scheme", "group_size", "weights", "kv_cache", "kv_strategy", "ignore", "device", "dtype", *_SECTIONS}
 
 
 # `qtk quantize MODEL` with neither --method nor --recipe: qtk's best 4-bit recipe, AWQ scales then
 # GPTQ on asymmetric int4 groups with an MSE-searched clipping range (measured against
-# llm-compressor in benchmarks/results/compare_llmcompressor.md). It is
-# calibration/recipes/awq-gptq-w4a16.yaml (a test keeps the two equal).
-DEFAULT_RECIPE = {
-    "method": "awq", "scheme": "w4a16_asym", "weights": "gptq",
-    "awq": {"grid": 20, "duo_scaling": True, "clip": True},
-    "gptq": {"dampening": 0.01, "act_order": True, "mse_clip": True},
-    "calibration": {"dataset": "builtin", "num_samples": 128, "seq_len": 512},
-}
+# llm-compressor in benchmarks/results/compare_llmcompressor.md), read from the recipe qtk ships,
+# calibration/recipes/awq-gptq-w4a16.yaml (qtk.assets).
+DEFAULT_RECIPE = "awq-gptq-w4a16"
 
 
 def build(method: str | None = None, scheme: str | None = None, group_size: int | None = None,
@@ -144,15 +136,15 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
           ignore: tuple[str, ...] = (), device: str | None = None, dtype: str | None = None,
           recipe_file: str | None = None,
           **section_overrides: dict) -> Recipe:
-    """A Recipe from an optional YAML file (DEFAULT_RECIPE when there is neither a file nor a
-    method), overridden by explicit values (the CLI's flags).
+    """A Recipe from an optional YAML file (qtk's recipe DEFAULT_RECIPE when there is neither a
+    file nor a method), overridden by explicit values (the CLI's flags).
 
     `section_overrides` maps a section (gptq, awq, smoothquant, calibration) to {field: value}."""
     data: dict = {}
     if recipe_file is not None:
         data = load_yaml(recipe_file)
     elif method is None:
-        data = copy.deepcopy(DEFAULT_RECIPE)
+        data = load_yaml(str(assets.recipe_file(DEFAULT_RECIPE)))
     top = {"method": method, "scheme": scheme, "group_size": group_size, "weights": weights,
            "kv_cache": kv_cache, "kv_strategy": kv_strategy, "device": device,
            "dtype": dtype}

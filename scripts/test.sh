@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The test suite on CPU: installs qtk[dev,lm-eval] (the gates' tests run lm-eval), builds the llm-compressor fixtures in their own
+# The test suite on CPU: installs qtk[dev], builds the llm-compressor fixtures in their own
 # environment (llmcompressor pins an older transformers), then runs pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev,lm-eval
+bash scripts/setup.sh dev
 if [ -f scripts/peer_env.sh ]; then
     bash scripts/peer_env.sh fixtures
     export QTK_REQUIRE_PEER=1  # the fixtures are built: the peer tests must run, not skip

@@ -45,7 +45,7 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def bundled_dir():
     """The bundled SmolLM2-135M as an HF dir (converted once into ~/.cache/qtk)."""
-    from qtk.models import BUNDLED, resolve
+    from qtk.loading import BUNDLED, resolve
 
     try:
         return resolve(BUNDLED)
@@ -83,6 +83,6 @@ def tiny_dir(tmp_path_factory, bundled_dir, tokenizer):
 @pytest.fixture(scope="session")
 def bundled_model(bundled_dir):
     """(model, tokenizer) of the bundled model in float32; tests must not modify the model."""
-    from qtk.models import load_model
+    from qtk.loading import load_model
 
     return load_model(str(bundled_dir))

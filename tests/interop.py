@@ -37,7 +37,7 @@ def quant_linears(model: nn.Module) -> dict[str, nn.Module]:
 def weight_only(model: nn.Module) -> nn.Module:
     """qtk's model with each QuantLinear replaced by a float Linear holding its dequantized
     weight, and the KV-cache fake quantization off: what a weight-only dequantizer computes."""
-    from qtk.models import set_module
+    from qtk.arch import set_module
 
     for name, q in quant_linears(model).items():
         lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
@@ -54,11 +54,11 @@ def reference_forward(monkeypatch, ct_grid: bool = False) -> None:
     the fast CPU/GPU kernels are held to it by their own tests).
 
     ct_grid: quantize dynamic int activations on compressed-tensors' grid (absmax / 127.5)."""
-    import qtk.kernels
+    import qtk.kernels.dispatch as dispatch
     import qtk.kernels.reference as reference
     from qtk.quant import quantize
 
-    monkeypatch.setattr(qtk.kernels, "quant_linear", reference.quant_linear_ref)
+    monkeypatch.setattr(dispatch, "quant_linear", reference.quant_linear_ref)
     if not ct_grid:
         return
     own = reference.quantize_activation

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
+from qtk.arch import arch_for
 from qtk.calibrate import Block, capture_inputs, quantize_model
 from qtk.methods import METHODS, awq
 from qtk.methods.args import AWQArgs
 from qtk.methods.fold import fold_scale, folds
-from qtk.models import arch_for, get_module
 from qtk.recipe import from_flags
 from qtk.schemes import preset
 
@@ -21,7 +21,7 @@ def blocks(model, recipe, calib):
     """The driver's Blocks for each layer, on float inputs (for tests that smooth only)."""
     arch = arch_for(model.config)
     inputs = capture_inputs(model, arch, calib, torch.device("cpu"), 8)
-    for i, layer in enumerate(get_module(model, arch.layers)):
+    for i, layer in enumerate(model.get_submodule(arch.layers)):
         yield Block(i, f"{arch.layers}.{i}", layer, arch, inputs, torch.device("cpu"), arch.linears)
 
 

@@ -95,7 +95,7 @@ def test_bench_engine_gives_every_peer_qtks_threads_and_labels_what_ran(monkeypa
     """`qtk bench engine` with every engine faked: vLLM and llama.cpp are told torch's thread count
     (what the JSON's "threads" says), llama.cpp's batch-1 rate is over the whole span it reports,
     and transformers' one-at-a-time row counts the requests it ran (fewer than --sequential here)."""
-    from qtk import models
+    from qtk import loading
     from qtk.runtime import bench, engine
 
     jobs = {}
@@ -109,8 +109,8 @@ def test_bench_engine_gives_every_peer_qtks_threads_and_labels_what_ran(monkeypa
                 "threads": job["threads"]}
 
     monkeypatch.setattr(engine, "LLM", lambda *a, **k: types.SimpleNamespace(tokenizer=None))
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, types.SimpleNamespace(pad_token_id=0)))
-    monkeypatch.setattr(models, "resolve", lambda m: m)
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (None, types.SimpleNamespace(pad_token_id=0)))
+    monkeypatch.setattr(loading, "resolve", lambda m: m)
     monkeypatch.setattr(bench, "chat_prompts", lambda tok, n: [[1, 2, 3]] * n)
     monkeypatch.setattr(bench, "text_prompt", lambda tok, n: list(range(n)))
     monkeypatch.setattr(bench, "qtk_generate", lambda llm, prompts, m: (len(prompts) * m, 1.0))
@@ -230,7 +230,7 @@ def test_compare_llmcompressor_records_the_cpu_it_ran_on(monkeypatch, tmp_path):
     """The JSON's device is the CPU's model name (platform.processor() is "x86_64" or empty on
     Linux) and its commit is the benchmarks' git_commit, with the same method rows as the table."""
     from qtk.kernels.bench import git_commit
-    from qtk.runtime.bench import _cpu_name
+    from qtk.device import cpu_name
 
     cmp = load_script("compare_llmcompressor")
     monkeypatch.setattr(cmp, "load_model", lambda *a, **k: (None, None))
@@ -245,7 +245,7 @@ def test_compare_llmcompressor_records_the_cpu_it_ran_on(monkeypatch, tmp_path):
                                       "--out", str(tmp_path)])
     cmp.main()
     rec = json.loads((tmp_path / "compare_llmcompressor.json").read_text())
-    assert rec["device"] == _cpu_name() and rec["git_commit"] == git_commit()
+    assert rec["device"] == cpu_name() and rec["git_commit"] == git_commit()
     assert rec["evaluation"]["scored_tokens"] == 3 * 7
     assert [r["method"] for r in rec["rows"]] == ["rtn"] and rec["rows"][0]["peer_seconds"] == 2.0
 

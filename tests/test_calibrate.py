@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 import qtk.calibrate as calibrate
 from qtk.calibrate import checkpoint_groups, quantize_model
 from qtk.methods import METHODS
-from qtk.recipe import from_flags, replace
+from qtk.recipe import from_flags
 from qtk.quant_linear import QuantLinear
 
 # preset -> (method, group size, band of the mean per-layer relative weight error, bound on the
@@ -290,7 +291,7 @@ def test_dense_weights_context_matches_runtime(scheme):
     """Calibration's output pass decodes weight-only layers once and runs a dense matmul: same output
     as the layer's own runtime up to bf16 rounding; activation-quantized layers keep their kernel."""
     from qtk import quant
-    from qtk.kernels import dense_weights
+    from qtk.kernels.dispatch import dense_weights
     from qtk.schemes import preset
 
     torch.manual_seed(0)

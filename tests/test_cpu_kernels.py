@@ -318,7 +318,7 @@ def test_bundled_model_weights(lib, name):
     the kernel against the reference twin and the plain float64 math."""
     from safetensors import safe_open
 
-    from qtk.models import resolve
+    from qtk.loading import resolve
 
     with safe_open(str(resolve("smollm2-135m") / "model.safetensors"), "pt") as f:
         w = f.get_tensor(name).float()

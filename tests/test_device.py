@@ -26,12 +26,11 @@ def test_the_runtimes_auto_is_float32_on_a_cpu_where_its_kernels_run(monkeypatch
     """qtk's runtime kernels take float32 activations: its auto is float32 on a CPU with bf16 units
     too, while they are built; without them it follows the units as calibration does."""
     monkeypatch.setenv("QTK_CPU_BF16", "1")
-    monkeypatch.setattr(device, "_cpu_kernels_built", lambda: built)
-    choice = device.choose_dtype("auto", "cpu", runtime=True)
+    choice = device.choose_dtype("auto", "cpu", kernels_built=lambda: built)
     assert choice.dtype == (torch.float32 if built else torch.bfloat16)
     assert device.choose_dtype("auto", "cpu").dtype == torch.bfloat16  # calibration
-    assert device.choose_dtype("bfloat16", "cpu", runtime=True).dtype == torch.bfloat16
-    assert device.choose_dtype("auto", "cuda", runtime=True).dtype == torch.bfloat16
+    assert device.choose_dtype("bfloat16", "cpu", kernels_built=lambda: built).dtype == torch.bfloat16
+    assert device.choose_dtype("auto", "cuda", kernels_built=lambda: built).dtype == torch.bfloat16
 
 
 def test_the_engine_runs_the_runtimes_auto(monkeypatch, tiny_dir):
@@ -97,7 +96,7 @@ def test_no_bf16_compute_on_a_cpu_without_bf16_units(tiny_dir, tmp_path, monkeyp
     from qtk import pipeline, recipe
     from qtk.evals.perplexity import perplexity
     from qtk.generate import generate
-    from qtk.models import load_model
+    from qtk.loading import load_model
 
     monkeypatch.setenv("QTK_CPU_BF16", "0")
     monkeypatch.setenv("QTK_CPU_VNNI", "0")

@@ -323,6 +323,7 @@ def test_replay_of_an_answer_that_filled_the_context(tiny_llm):
 # -- the baseline's cache -----------------------------------------------------------------------
 def test_cache_key_follows_file_contents_and_the_resolved_dtype(tmp_path, monkeypatch):
     import qtk.device
+    import qtk.kernels.cpu
     from qtk.evals.scoring import _cache_key
 
     cases = tmp_path / "cases.jsonl"
@@ -341,9 +342,9 @@ def test_cache_key_follows_file_contents_and_the_resolved_dtype(tmp_path, monkey
     auto_fp32 = _cache_key("f" * 64, g[0], {**engine, "dtype": "auto"}, 0)
     assert auto_fp32 == _cache_key("f" * 64, g[0], engine, 0)
     monkeypatch.setattr(qtk.device, "cpu_bf16_reason", lambda: (True, "bf16 units"))
-    monkeypatch.setattr(qtk.device, "_cpu_kernels_built", lambda: True)  # the runtime's auto: float32
+    monkeypatch.setattr(qtk.kernels.cpu, "built", lambda: True)  # the runtime's auto: float32
     assert _cache_key("f" * 64, g[0], {**engine, "dtype": "auto"}, 0) == auto_fp32
-    monkeypatch.setattr(qtk.device, "_cpu_kernels_built", lambda: False)  # bf16 there
+    monkeypatch.setattr(qtk.kernels.cpu, "built", lambda: False)  # bf16 there
     assert _cache_key("f" * 64, g[0], {**engine, "dtype": "auto"}, 0) != auto_fp32
 
 

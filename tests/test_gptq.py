@@ -1,5 +1,6 @@
 """GPTQ: the solve on a random Linear with correlated inputs, its failure paths, and end to end."""
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from qtk import quant
 from qtk.calibrate import quantize_model
 from qtk.methods import gptq
 from qtk.methods.args import GPTQArgs
-from qtk.recipe import from_flags, replace
+from qtk.recipe import from_flags
 from qtk.schemes import QuantArgs
 
 LAYER = "model.layers.7.mlp.down_proj"
@@ -152,7 +153,7 @@ def test_collect_hessians_shares_inputs_and_matches_direct(tiny):
     from transformers import LlamaForCausalLM
 
     from qtk.calibrate import Block, capture_inputs
-    from qtk.models import arch_for
+    from qtk.arch import arch_for
 
     state, cfg, calib, _, _ = tiny
     model = LlamaForCausalLM(cfg).eval()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import qtk.kernels as kernels
 from qtk.kernels import act_quant, dispatch, reference, w4a16, w8a8
 from qtk.kernels import cpu as cpu_kernels
 from qtk.kernels.layout import dequant_woq, pack_woq, unpack_woq
@@ -190,7 +189,7 @@ def test_prepare_builds_every_runtime(monkeypatch):
     monkeypatch.setenv("QTK_CPU_VNNI", "1")
     model = torch.nn.Sequential(quant_linear("w4a16", group=64, dtype=torch.bfloat16),
                                 quant_linear("w8a8", k=48, dtype=torch.bfloat16))
-    kernels.prepare(model, "cpu", torch.bfloat16)
+    dispatch.prepare(model, "cpu", torch.bfloat16)
     assert isinstance(model[0]._qtk_runtime.runtime, dispatch.CpuInt4)
     assert isinstance(model[1]._qtk_runtime.runtime, int8_dot_runtime())
 

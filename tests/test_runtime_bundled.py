@@ -57,7 +57,7 @@ def compare_greedy(outs, ref) -> int:
 @pytest.mark.parametrize("weights", ["float", "w8a16", "w4a16"])
 def test_bundled_greedy_matches_transformers(checkpoints, weights):
     from qtk import LLM, SamplingParams
-    from qtk.models import load_model
+    from qtk.loading import load_model
 
     ref, _ = load_model(str(checkpoints[weights]), dtype=torch.float32)
     params = SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0, logprobs=5)

@@ -87,7 +87,7 @@ def test_engine_takes_the_checkpoints_kv_scales(kv_checkpoint, caplog):
     """kv_cache_dtype=int8 uses the calibrated per-head scales as they are; fp8 rescales them to
     its grid (absmax = scale * 127.5 = fp8 scale * 448); auto keeps the model dtype (vLLM's meaning of auto)."""
     from qtk import LLM
-    from qtk.models import load_model
+    from qtk.loading import load_model
 
     hf, _ = load_model(str(kv_checkpoint))
     want = [layer.self_attn.k_scale.float() for layer in hf.model.layers]

@@ -5,6 +5,7 @@ A case is a dict with "where" (FILE:LINE), "max_tokens" and either "messages" (a
 the model's chat template) or "prompt" (text or token ids)."""
 from __future__ import annotations
 
+from ..chat_template import has_template, prompt_ids as chat_ids
 from ..errors import InputError
 
 
@@ -40,10 +41,12 @@ def prompt_ids(llm, case: dict) -> list[int]:
     vocabulary and the context: the error names the case's FILE:LINE."""
     where = case.get("where", "a case")
     if "messages" in case:
-        if not getattr(llm.tokenizer, "chat_template", None):
+        if not has_template(llm.tokenizer):
             raise InputError(f"{where}: a chat (messages) but the model has no chat template")
-        ids = list(llm.tokenizer.apply_chat_template(case["messages"], add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"])
+        try:
+            ids = chat_ids(llm.tokenizer, case["messages"])
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from e
     else:
         try:
             ids = llm.prompt_ids(case["prompt"])

@@ -4,7 +4,7 @@
 
 Both models run the same tasks on qtk's runtime (what `qtk serve` would serve), with the same
 data, seeds and engine settings; each gate compares one metric of the candidate with the
-baseline's. A gates file (YAML; qtk/evals/data/gates/default.yaml is the default, commented):
+baseline's. A gates file (YAML; evals/gates/default.yaml is the default, commented):
 
     gates:
       ppl:                          # a name of your choosing
@@ -44,11 +44,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..assets import eval_data
 from ..errors import InputError, NotFoundError
 from .gate_args import check_args
 from .tasks import HIGHER, LOWER, TASKS, TASKS_HELP, Gate, lookup
 
-DATA = Path(__file__).parent / "data"
 GATE_KEYS = {"task", "args", "metric", "max_increase_pct", "min_recovery_pct", "min", "max", "weight"}
 THRESHOLDS = ("max_increase_pct", "min_recovery_pct", "min", "max")
 RELATIVE = ("max_increase_pct", "min_recovery_pct", "weight")  # what needs the metric's direction
@@ -85,9 +85,9 @@ def _gates_path(spec: str) -> Path:
     path = Path(spec)
     if path.exists():
         return path
-    shipped = DATA / "gates" / f"{spec}.yaml"
+    shipped = eval_data("gates", f"{spec}.yaml")
     if not shipped.exists():
-        names = sorted(p.stem for p in (DATA / "gates").glob("*.yaml"))
+        names = sorted(p.stem for p in eval_data("gates").glob("*.yaml"))
         raise NotFoundError(f"gates file {spec} not found (a path, or one of qtk's: {', '.join(names)})")
     return shipped
 

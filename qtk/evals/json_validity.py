@@ -1,6 +1,6 @@
 """JSON validity: asked for JSON that matches a schema, does the model write it?
 
-The prompt set (qtk/evals/data/json_prompts.jsonl, written by this team: 120 prompts in six
+The prompt set (evals/json_prompts.jsonl, written by this team: 120 prompts in six
 categories, flat and nested objects, arrays, enums, numbers, strings that need escapes; each with
 a JSON Schema whose objects are closed and whose strings, arrays and numbers are bounded, as
 OpenAI's strict mode asks) is run greedily through qtk's runtime, with the chat template when the
@@ -21,10 +21,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..assets import eval_data
+from ..chat_template import has_template, prompt_ids
 from ..data import jsonl_rows
 from ..errors import InputError
 
-PROMPTS = Path(__file__).parent / "data" / "json_prompts.jsonl"
+PROMPTS = eval_data("json_prompts.jsonl")
 FENCE = re.compile(r"```(?:json)?[ \t]*\r?\n(.*?)```", re.S | re.I)  # ```JSON too, and CRLF line ends
 
 
@@ -140,14 +142,12 @@ def json_validity(llm, prompts: list[dict], constrained: bool, max_tokens: int =
     from ..runtime.sampling_params import SamplingParams
     from ..runtime.structured_outputs import StructuredOutputsParams
 
-    chat = bool(getattr(llm.tokenizer, "chat_template", None))
+    chat = has_template(llm.tokenizer)
     params = [SamplingParams(max_tokens=max_tokens, temperature=0,
                              structured_outputs=StructuredOutputsParams(json=p["schema"]) if constrained else None)
               for p in prompts]
     if chat:
-        ids = [list(llm.tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}],
-                                                      add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"]) for p in prompts]
+        ids = [prompt_ids(llm.tokenizer, [{"role": "user", "content": p["prompt"]}]) for p in prompts]
     else:
         ids = [llm.tokenizer(p["prompt"]).input_ids for p in prompts]
     outs = llm.generate(ids, params)

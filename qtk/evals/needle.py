@@ -25,6 +25,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from ..chat_template import has_template, prompt_ids
 from ..errors import InputError
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def build_cases(tokenizer, lengths: list[int], depths: list[int], samples: int =
     if len(stream) < max(lengths) + 1:
         raise InputError(f"--lengths {max(lengths)} is longer than the filler text allows ({len(stream)} tokens): "
                          f"give --lengths (a gates file: args.lengths) up to {len(stream) - 1}, or a longer filler")
-    chat = bool(getattr(tokenizer, "chat_template", None))
+    chat = has_template(tokenizer)
     rng = random.Random(seed)
     cases = []
     for n in lengths:
@@ -117,8 +118,7 @@ def build_cases(tokenizer, lengths: list[int], depths: list[int], samples: int =
                 at = _sentence_end(hay, len(hay) * d // 100)
                 body = f"{INTRO}\n\n{hay[:at]} {NEEDLE.format(key=key)} {hay[at:]}\n\n{QUESTION}"
                 if chat:
-                    ids = tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
-                                                        tokenize=True, return_dict=True)["input_ids"]
+                    ids = prompt_ids(tokenizer, [{"role": "user", "content": body}])
                 else:
                     ids = tokenizer(body + "\nThe pass key is").input_ids
                 cases.append(NeedleCase(n, d, key, list(ids)))

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from ..atomic import write_file, write_files
 from ..errors import OutputError
 from .gates import Verdict
-from .scoring import write_whole
 
 REPORT_FILES = ("report.json", "metrics.png", "needle.png", "report.md")  # moved into place in this order
 
@@ -56,25 +54,16 @@ def check_output_file(path: Path) -> None:
 
 
 def write_json(path: Path, value) -> None:
-    """The file whole or not at all (scoring.write_whole)."""
-    write_whole(path, to_json(value))
+    """The file whole or not at all (atomic.write_file)."""
+    write_file(path, to_json(value))
 
 
 def write_report(out: Path, v: Verdict, baseline: str, candidate: str, gates_path: str) -> list[Path]:
     """Every file is written into a temporary folder inside `out`, then renamed into place,
     report.md last: a failure while writing leaves the previous report as it was. Report files
     this run does not write (needle.png without a needle gate) are removed."""
-    out.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=out))
-    try:
+    with write_files(out, REPORT_FILES) as staging:
         written = _write_files(staging, v, baseline, candidate, gates_path)
-        for name in REPORT_FILES:
-            if (staging / name).exists():
-                os.replace(staging / name, out / name)
-            else:
-                (out / name).unlink(missing_ok=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return [out / "report.md"] + [out / p.name for p in written]
 
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
+from ..atomic import write_file
 from .tasks import TASKS, Gate, input_files
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,8 @@ def file_sha256(path: Path) -> str:
 def model_fingerprint(model: str) -> str:
     """sha256 over every file of the model (names and contents), file hashes cached by size and
     mtime so a rerun does not read the weights again."""
-    from ..models import cache_dir, resolve
+    from ..loading import resolve
+    from ..paths import cache_dir
 
     root = Path(resolve(model))
     files = sorted(p for p in (root.rglob("*") if root.is_dir() else [root]) if p.is_file())
@@ -61,10 +62,11 @@ def model_fingerprint(model: str) -> str:
 
 
 def _cache_key(fingerprint: str, gate: Gate, engine_args: dict, seed: int) -> str:
-    from .. import __version__
     from ..device import choose_dtype
+    from ..kernels import cpu as cpu_kernels
+    from ..version import __version__
 
-    dtype = choose_dtype(engine_args.get("dtype"), engine_args.get("device", "cpu"), runtime=True)
+    dtype = choose_dtype(engine_args.get("dtype"), engine_args.get("device", "cpu"), kernels_built=cpu_kernels.built)
     engine = {**engine_args, "dtype": dtype.name}
     files = {f: file_sha256(Path(f)) for f in input_files(gate)}
     if gate.kind == "lm-eval":  # lm-eval's own version and qtk's local task data score the task too
@@ -95,19 +97,8 @@ def _read_json(path: Path) -> dict | None:
     return value
 
 
-def write_whole(path: Path, text: str) -> None:
-    """The file whole or not at all: written beside it, then renamed over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:  # a write cut short (a full disk) leaves no temporary file behind
-        tmp.unlink(missing_ok=True)
-
-
 def _write_json(path: Path, value: dict) -> None:
-    write_whole(path, json.dumps(value))
+    write_file(path, json.dumps(value))
 
 
 def score_model(model: str, gates: list[Gate], engine_args: dict, seed: int, label: str, cache: bool,
@@ -115,7 +106,7 @@ def score_model(model: str, gates: list[Gate], engine_args: dict, seed: int, lab
     """{gate name: metrics} for one model, each task once (gates sharing a task share its run);
     cached results are used when `cache` (the baseline); `reference` is the baseline's results,
     given when scoring the candidate."""
-    from ..models import cache_dir
+    from ..paths import cache_dir
 
     gates_cache = cache_dir() / "gates"
     fingerprint = model_fingerprint(model) if cache else None

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..runtime.bench import _cpu_name as cpu_name
+from ..device import cpu_name
 from . import cpu
 from .bench import git_commit
 from .dispatch import cpu_packed_weight, packed_linear

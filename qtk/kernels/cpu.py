@@ -33,7 +33,9 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import write_file
 from ..errors import InputError
+from ..paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +86,6 @@ def library(name: str):
     and a decode step makes ~10 per layer."""
     from torch.utils import cpp_extension
 
-    from ..models import cache_dir
-
     flags = VARIANTS[name]
     sources = {p.name: p.read_bytes() for p in SOURCES}
     # what ninja's commands hold besides the sources (torch's and Python's headers, by path): two
@@ -126,10 +126,8 @@ def _copy_sources(src: Path, sources: dict[str, bytes]) -> list[str]:
     paths = []
     for name, data in sources.items():
         path = src / name
-        if not path.exists():  # written whole, then renamed: a concurrent build sees all of it or none
-            tmp = src / f".{name}.{os.getpid()}"
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+        if not path.exists():  # written whole: a concurrent build sees all of it or none
+            write_file(path, data)
         paths.append(str(path))
     return paths
 
@@ -150,6 +148,12 @@ def ops():
     """The kernel library this CPU uses, or None (reference path)."""
     name = variant()
     return None if name is None else library(name)
+
+
+def built() -> bool:
+    """Whether this CPU runs qtk's kernels (built now if need be): device.choose_dtype asks it for
+    the runtime's "auto"."""
+    return ops() is not None
 
 
 @dataclass(frozen=True)

@@ -403,3 +403,10 @@ def prepare(module: torch.nn.Module, device: torch.device | str, dtype: torch.dt
     for m in module.modules():
         if hasattr(m, "scheme") and hasattr(m, "weight_scale"):
             runtime_for(m, probe)
+
+
+def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """Forward of a QuantLinear (see qtk.quant_linear) for any scheme: x [..., K] -> [..., N]."""
+    runtime = runtime_for(layer, x)
+    y = runtime(x.reshape(-1, x.shape[-1]).contiguous())
+    return y.reshape(*x.shape[:-1], y.shape[-1])

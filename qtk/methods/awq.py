@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ..models import SmoothPair
+from ..arch import SmoothPair
 from ..quant import dequantize, dequantize_weight, grouped, qparams, quantize, quantize_weight
 from ..schemes import QuantArgs
 from .fold import fold_scale, folds

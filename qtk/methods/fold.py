@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import SmoothPair
+from ..arch import SmoothPair
 
 
 def prev_width(prev: nn.Module) -> int:

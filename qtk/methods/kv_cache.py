@@ -1,22 +1,19 @@
 """FP8 / INT8 KV-cache scales: observe |K| (after RoPE) and |V| during calibration, write k_scale/v_scale.
 
-Where the scales live and how they are computed is qtk.kv_scales (shared with the runtime). The
-same attention hook that observes during calibration fake-quantizes K and V when a checkpoint is
-evaluated through transformers, so that perplexity includes the KV-cache error.
+Where the scales live and how they are computed is qtk.kv_scales (shared with the runtime); the
+attention that fake-quantizes K and V with them, once they are written, is qtk.kv_fake_quant.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ..arch import Arch
 from ..chunked_sdpa import chunked_causal_attention, register, set_implementation
 from ..kv_scales import kv_scale
-from ..models import Arch, get_module
-from ..quant import dequantize, quantize
 from ..schemes import KVCacheScheme
 
 OBSERVE = "qtk_kv_observe"
-FAKE_QUANT = "qtk_kv_quant"
 
 
 def _absmax(x: torch.Tensor, kv: KVCacheScheme) -> torch.Tensor:
@@ -25,11 +22,6 @@ def _absmax(x: torch.Tensor, kv: KVCacheScheme) -> torch.Tensor:
     if kv.strategy == "attn_head":
         return x.amax(dim=(0, 2, 3)).reshape(-1, 1, 1)
     return x.amax().reshape(1)
-
-
-def _fake_quant(x: torch.Tensor, scale: torch.Tensor, kv: KVCacheScheme) -> torch.Tensor:
-    s = scale.float().to(x.device)
-    return dequantize(quantize(x, s, None, kv.args), s, None, x.dtype)
 
 
 def _observe_attention(module, query, key, value, attention_mask, **kwargs):
@@ -41,27 +33,9 @@ def _observe_attention(module, query, key, value, attention_mask, **kwargs):
     return chunked_causal_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-def _quantized_attention(module, query, key, value, attention_mask, **kwargs):
-    kv = getattr(module, "kv_scheme", None)
-    if kv is not None and hasattr(module, "k_scale"):
-        key = _fake_quant(key, module.k_scale, kv)
-        value = _fake_quant(value, module.v_scale, kv)
-    return chunked_causal_attention(module, query, key, value, attention_mask, **kwargs)
-
-
-def _register():
-    register(OBSERVE, _observe_attention)
-    register(FAKE_QUANT, _quantized_attention)
-
-
-def enable_kv_quant(model: nn.Module) -> None:
-    _register()
-    set_implementation(model, FAKE_QUANT)
-
-
 def start_observing(model: nn.Module, layer: nn.Module, arch: Arch, kv: KVCacheScheme) -> nn.Module:
-    _register()
-    attn = get_module(layer, arch.attention)
+    register(OBSERVE, _observe_attention)
+    attn = layer.get_submodule(arch.attention)
     attn._attn_before_observing = set_implementation(model, OBSERVE)
     attn.kv_scheme = kv
     attn._k_absmax = attn._v_absmax = None

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from ..models import SmoothPair
+from ..arch import SmoothPair
 from .fold import fold_scale, folds
 
 log = logging.getLogger(__name__)

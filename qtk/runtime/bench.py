@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import platform
 import subprocess
 import sys
 import tempfile
@@ -28,8 +27,10 @@ from pathlib import Path
 
 import torch
 
-from ..device import choose_dtype
+from ..chat_template import prompt_ids
+from ..device import choose_dtype, cpu_name
 from ..errors import InputError, NotFoundError
+from ..kernels import cpu as cpu_kernels
 from ..kernels.bench import git_commit
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     convs = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
-    return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"]) for c in convs]
+    return [prompt_ids(tokenizer, c) for c in convs]
 
 
 def text_prompt(tokenizer, length: int) -> list[int]:
@@ -151,7 +151,7 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
         name: str | None = None, device: str = "cpu", enforce_eager: bool = False) -> tuple[dict, str]:
     """device: where qtk and transformers run (vLLM's CPU build and llama.cpp are CPU peers);
     enforce_eager: qtk without its CUDA graphs."""
-    from ..models import bundled_gguf, load_model, resolve
+    from ..loading import bundled_gguf, load_model, resolve
     from .engine import LLM
 
     if num_prompts < 1 or output_len < 1:
@@ -159,7 +159,7 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
     cpu_peers = [p for p in peers if p in ("vllm", "llama.cpp")]
     if torch.device(device).type != "cpu" and cpu_peers:
         raise InputError(f"--peer {' '.join(cpu_peers)}: these peers run on the CPU here; bench them with --device cpu")
-    torch_dtype = choose_dtype(dtype, device, runtime=True).dtype
+    torch_dtype = choose_dtype(dtype, device, kernels_built=cpu_kernels.built).dtype
     dtype_name = str(torch_dtype).removeprefix("torch.")
     engine_args = {"device": device, "enforce_eager": enforce_eager}
     llm = LLM(model, dtype=dtype_name, **engine_args)
@@ -244,14 +244,4 @@ def summary(res: dict) -> str:
 
 
 def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else _cpu_name()
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    return torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else cpu_name()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..chat_template import has_template, prompt_ids
 from ..device import check_device, choose_dtype
 from ..errors import InputError
 from ..kv_scales import cache_scheme, grid_absmax
@@ -25,6 +26,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, find_stop, held_back
 from .model_runner import ModelRunner, kv_bytes_per_token, measure_kv_scales
 from .models.llama import FUSED, LlamaModel
+from ..kernels import cpu as cpu_kernels
 from ..kernels.dispatch import prepare
 from ..kernels.fp8 import fp8_supported
 from .packed_linear import bf16_lm_head, kernel_summary, pack_linears
@@ -76,11 +78,11 @@ class LLM:
                  enforce_eager: bool = False):
         """As vLLM's LLM. enforce_eager: on CUDA, run every step eagerly instead of replaying the
         decode steps' CUDA graphs (captured at start-up; cuda_graphs.py)."""
-        from ..models import load_model
+        from ..loading import load_model
 
         t0 = time.perf_counter()
         check_device(device)
-        self.dtype = choose_dtype(dtype, device, runtime=True).dtype
+        self.dtype = choose_dtype(dtype, device, kernels_built=cpu_kernels.built).dtype
         hf_model, self.tokenizer = load_model(model, dtype=self.dtype, device=device)
         bf16_lm_head(hf_model)
         pack_linears(hf_model, fuse=FUSED)
@@ -375,11 +377,9 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):
         """One conversation (a list of {"role", "content"}) or several, through the chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not has_template(self.tokenizer):
             raise InputError("this model has no chat template; use generate()")
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"] for c in convs]
-        return self.generate([list(p) for p in prompts], sampling_params)
+        return self.generate([prompt_ids(self.tokenizer, c) for c in convs], sampling_params)
 
 
 def _cache_salt(prompt) -> str | None:

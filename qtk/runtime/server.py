@@ -14,9 +14,7 @@ its request (AsyncLLM frees its blocks); an error inside one request fails only 
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
-import inspect
 import json
 import logging
 import time
@@ -24,15 +22,15 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
+from ..chat_template import ChatTemplateError, has_template, prompt_ids
 from ..errors import InputError
+from ..version import __version__
 from .async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from .engine import CompletionOutput, RequestOutput
 from .metrics import Metrics
@@ -300,29 +298,18 @@ class Server:
     # -- chat --------------------------------------------------------------------------------------
     def chat_ids(self, body) -> list[int]:
         """The messages through the model's chat template (with the request's tools and
-        chat_template_kwargs), as token ids: rendered to text, then tokenized without adding special
-        tokens (the template writes its own), as transformers and vLLM do. chat_template_kwargs are
-        template variables only: apply_chat_template's own parameters (padding, max_length,
-        return_tensors, ...) would reach the tokenizer, and one request could pad its prompt to
-        a billion tokens."""
-        tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
+        chat_template_kwargs), as token ids: qtk.chat_template, the one way qtk applies one."""
+        if not has_template(self.engine.tokenizer):
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-        kwargs = body.chat_template_kwargs or {}
-        taken = sorted(set(kwargs) & (_template_parameters(tok) | {"messages", "conversation", "tools"}))
-        if taken:
-            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}: they are request fields or "
-                                "tokenizer arguments, not template variables", "chat_template_kwargs")
         if body.continue_final_message and (body.add_generation_prompt or body.messages[-1].role != "assistant"):
             raise ApiError(400, "continue_final_message continues a last assistant message: set "
                                 "add_generation_prompt to false and end the messages with the assistant's", "messages")
         try:
-            text = tok.apply_chat_template(body.conversation(), tools=body.tool_dicts(), tokenize=False,
-                                           add_generation_prompt=body.add_generation_prompt,
-                                           continue_final_message=body.continue_final_message, **kwargs)
-        except (jinja2.TemplateError, ValueError, TypeError) as e:  # the template's own checks (roles alternate...)
-            raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages") from e
-        return list(tok(text, add_special_tokens=False).input_ids)
+            return prompt_ids(self.engine.tokenizer, body.conversation(), tools=body.tool_dicts(),
+                              add_generation_prompt=body.add_generation_prompt,
+                              continue_final_message=body.continue_final_message, variables=body.chat_template_kwargs)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), e.param) from e
 
     async def chat(self, body: ChatCompletionRequest):
         self.admit(body)
@@ -461,11 +448,6 @@ class Server:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
-
-
-@functools.lru_cache(maxsize=None)
-def _template_parameters(tokenizer) -> frozenset[str]:
-    return frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
 
 
 async def until_disconnected(request: Request, handler):

@@ -1,0 +1,31 @@
+"""The files qtk ships beside its code, read from the installed package.
+
+    evals/                 the evals' data: gates/{default,ci}.yaml (`qtk eval --gates NAME`),
+                           json_prompts.jsonl (the json task's prompt set), lm_eval/ (qtk's local
+                           lm-eval tasks)
+    calibration/recipes/   the recipes; awq-gptq-w4a16.yaml is `qtk quantize`'s default
+
+Both live at the top of the repository, where users read and copy them. qtk/assets/evals and
+qtk/assets/recipes are links to them, so a wheel installs them as package data (pyproject.toml,
+[tool.setuptools.package-data]) and an editable install or a checkout reads them in place; code
+finds them here, through importlib.resources, never by a path into the source tree. qtk is
+installed as plain files (never zipped): lm-eval and datasets take these as paths.
+"""
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+
+def _shipped(*parts: str) -> Path:
+    # resolved through the links: messages name evals/gates/ci.yaml, the file a user can copy
+    return Path(str(files(__name__))).joinpath(*parts).resolve()
+
+
+def eval_data(*parts: str) -> Path:
+    """A file or folder of evals/: eval_data("gates", "ci.yaml"), eval_data("lm_eval")."""
+    return _shipped("evals", *parts)
+
+
+def recipe_file(name: str) -> Path:
+    """calibration/recipes/NAME.yaml."""
+    return _shipped("recipes", f"{name}.yaml")
