@@ -188,6 +188,7 @@ def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_
     runtime (qtk's local ones: evals/lm_eval); your own cases (tasks:FILE.jsonl) and
     traffic (replay:LOG.jsonl)."""
     from .evals.report import check_output_file, write_json
+    from .evals.tasks import task_needs
 
     gating = gates_spec is not None or baseline is not None
     _check_eval_flags(click.get_current_context(), gating)
@@ -197,7 +198,7 @@ def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_
         return _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype,
                            json_path)
     optional.require(optional.model_needs(model),
-                     optional.task_needs(task, {"dataset": dataset, "constrained": True}, f"--task {task}"))
+                     task_needs(task, {"dataset": dataset, "constrained": True}, f"--task {task}"))
     result = _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batch_size, device, dtype,
                         kv_cache_dtype)
     if json_path:
@@ -249,7 +250,7 @@ def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batc
 def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype, json_path):
     from dataclasses import asdict
 
-    from .evals.gates import check_directions, load_gates, verdict
+    from .evals.gates import check_directions, gates_needs, load_gates, verdict
     from .evals.report import check_output_dir, write_json, write_report
     from .evals.scoring import score_model
     from .loading import resolve
@@ -257,7 +258,7 @@ def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device,
     if gates_spec is None or baseline is None:
         raise InputError("gating needs both --baseline BASE_MODEL and --gates FILE (or default)")
     gates = load_gates(gates_spec)
-    optional.require(optional.model_needs(model, baseline), optional.gates_needs(gates),
+    optional.require(optional.model_needs(model, baseline), gates_needs(gates),
                      optional.REPORT if report_dir else {})
     for m in (model, baseline):
         resolve(m)  # a missing model fails now, before any work

@@ -47,7 +47,7 @@ from pathlib import Path
 from ..assets import eval_data
 from ..errors import InputError, NotFoundError
 from .gate_args import check_args
-from .tasks import HIGHER, LOWER, TASKS, TASKS_HELP, Gate, lookup
+from .tasks import HIGHER, LOWER, TASKS, TASKS_HELP, Gate, lookup, task_needs
 
 GATE_KEYS = {"task", "args", "metric", "max_increase_pct", "min_recovery_pct", "min", "max", "weight"}
 THRESHOLDS = ("max_increase_pct", "min_recovery_pct", "min", "max")
@@ -79,6 +79,15 @@ def load_gates(spec: str) -> GatesFile:
     if any(g.weight for g in gates) and min_score is None:
         raise InputError(f"{path}: gates have weights but soft.min_score_pct is not set")
     return GatesFile(gates, min_score, str(path))
+
+
+def gates_needs(gates: GatesFile) -> dict[str, str]:
+    """Every gate's task_needs (the packages beyond qtk's core), the first gate asking named."""
+    needs: dict[str, str] = {}
+    for g in gates.gates:
+        for module, why in task_needs(g.task, g.args, f"gate {g.name} ({g.task})").items():
+            needs.setdefault(module, why)
+    return needs
 
 
 def _gates_path(spec: str) -> Path:

@@ -2,8 +2,9 @@
 
 Each task has its options (a gates file's `args:`, checked by gate_args.py when the file loads),
 its metrics with their directions (the default first), what a gate scores (`run`: the metrics of
-one engine) and what `qtk eval --task` prints and writes (`show`: the task's full result). A task
-is written KIND, or KIND:TARGET for the kinds that take a target (lm-eval's tasks, a file).
+one engine), what `qtk eval --task` prints and writes (`show`: the task's full result) and the
+packages beyond qtk's core it imports (`needs`, checked before any model runs: qtk/optional.py).
+A task is written KIND, or KIND:TARGET for the kinds that take a target (lm-eval's tasks, a file).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Callable
 
 from ..data import read_text
 from ..errors import InputError, NotFoundError
+from ..optional import dataset_needs
 from .gate_args import FILE_ARGS, boolean, integer, integers, source
 
 HIGHER, LOWER = False, True  # values of lower_is_better
@@ -40,6 +42,7 @@ class Task:
     show: Callable[..., dict]  # (model, target, args, seed, engine, echo) -> the result `qtk eval --json` writes
     target: str | None = None  # what follows KIND: (how the help writes it); None: the task takes none
     target_is_file: bool = False  # the target is a file (relative to the gates file in one)
+    needs: Callable[[dict, str], dict[str, str]] | None = None  # (args, where) -> {import name: why} (optional.py)
 
 
 def _llm(model: str, **engine):
@@ -70,6 +73,10 @@ def _show_ppl(model, target, a, seed, engine, echo) -> dict:
     res = engine_perplexity(llm, windows, batch_size=a["batch_size"], dataset=a["dataset"])
     echo(f"{model}: {res}")
     return res.to_dict()
+
+
+def _ppl_needs(args: dict, where: str) -> dict[str, str]:
+    return dataset_needs(args.get("dataset"), f"{where}: dataset")
 
 
 # -- needle in a haystack ------------------------------------------------------------------------
@@ -126,6 +133,10 @@ def _show_json(model, target, a, seed, engine, echo) -> dict:
     return {"dataset": a["dataset"], "results": results}
 
 
+def _json_needs(args: dict, where: str) -> dict[str, str]:
+    return {"jsonschema": where, **({"llguidance": f"{where}, constrained"} if args.get("constrained") else {})}
+
+
 # -- lm-eval's tasks, through qtk's runtime ------------------------------------------------------
 def _lm_eval(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     """TASK/METRIC values, and "_higher_is_better" {TASK/METRIC: bool}: lm-eval's own direction
@@ -147,6 +158,10 @@ def _show_lm_eval(model, target, a, seed, engine, echo) -> dict:
     for name, metrics in res["results"].items():
         echo(f"{model}: {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     return res
+
+
+def _lm_eval_needs(args: dict, where: str) -> dict[str, str]:
+    return {"lm_eval": where}
 
 
 # -- a team's own cases (user_tasks.py) ----------------------------------------------------------
@@ -187,7 +202,7 @@ def _show_replay(model, target, a, seed, engine, echo) -> dict:
 
 TASKS = {
     "ppl": Task({"seq_len": integer(2), "limit": integer(1), "dataset": source(hub=True), "batch_size": integer(1)},
-                {"ppl": LOWER, "nll": LOWER}, _ppl, _show_ppl),
+                {"ppl": LOWER, "nll": LOWER}, _ppl, _show_ppl, needs=_ppl_needs),
     "needle": Task({"lengths": integers(16), "depths": integers(0, 100), "samples": integer(1),
                     "filler": source(hub=False)},
                    {"accuracy": HIGHER}, _needle, _show_needle),  # and accuracy@LENGTH
@@ -195,8 +210,9 @@ TASKS = {
                  {"valid_rate": HIGHER, "parse_rate": HIGHER, "finished_valid_rate": HIGHER, "truncated_rate": LOWER,
                   "constrained_valid_rate": HIGHER, "constrained_parse_rate": HIGHER,
                   "constrained_finished_valid_rate": HIGHER, "constrained_truncated_rate": LOWER},
-                 _json, _show_json),
-    "lm-eval": Task({"limit": integer(1), "num_fewshot": integer(0)}, {}, _lm_eval, _show_lm_eval, "TASK[,TASK]"),
+                 _json, _show_json, needs=_json_needs),
+    "lm-eval": Task({"limit": integer(1), "num_fewshot": integer(0)}, {}, _lm_eval, _show_lm_eval, "TASK[,TASK]",
+                    needs=_lm_eval_needs),
     "tasks": Task({"limit": integer(1)}, {"accuracy": HIGHER}, _user_tasks, _show_user_tasks, "FILE.jsonl",
                   target_is_file=True),
     "replay": Task({"limit": integer(1), "max_tokens": integer(1)},
@@ -214,6 +230,13 @@ def lookup(task: str) -> Task | None:
     if found is None or (found.target is not None) != bool(colon) or (colon and not target):
         return None
     return found
+
+
+def task_needs(task: str, args: dict, where: str) -> dict[str, str]:
+    """The packages a task needs beyond qtk's core (task: ppl, json, lm-eval:TASK, ...; args: its
+    options), for optional.require."""
+    found = lookup(task)
+    return found.needs(args, where) if found is not None and found.needs is not None else {}
 
 
 def input_files(gate: Gate) -> list[str]:
