@@ -22,6 +22,7 @@ import re
 import shlex
 
 from .errors import QtkError
+from .paths import BUNDLED
 
 # import name -> pip name, for every package qtk imports only where a command or option asks
 PACKAGES = {"lm_eval": "lm-eval", "jsonschema": "jsonschema", "llguidance": "llguidance", "gguf": "gguf",
@@ -49,8 +50,6 @@ def require(*needs: dict[str, str]) -> None:
 
 def model_needs(*models: str) -> dict[str, str]:
     """gguf for a MODEL that is a GGUF: a .gguf file, or the bundled model (converted on first use)."""
-    from .loading import BUNDLED
-
     return {"gguf": f"MODEL {m} (a GGUF)" for m in models if m == BUNDLED or m.endswith(".gguf")}
 
 
