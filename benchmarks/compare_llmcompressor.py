@@ -31,7 +31,8 @@ from qtk.data import calibration_ids  # noqa: E402
 from qtk.device import choose_dtype, cpu_name  # noqa: E402
 from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
 from qtk.loading import BUNDLED, load_model, resolve  # noqa: E402
-from qtk.recipe import SmoothQuantArgs, build, from_flags  # noqa: E402
+from qtk.methods.args import SmoothQuantArgs  # noqa: E402
+from qtk.recipe import build, from_flags  # noqa: E402
 
 
 def qtk_recipes(group_size: int) -> dict:

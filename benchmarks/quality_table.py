@@ -72,7 +72,8 @@ def main():
         saved = json.loads(saved_path.read_text())
         return write_tables(saved["rows"], Path(saved["gates"]), saved["num_samples"], args.docs)
 
-    from qtk.evals.gates import load_gates, score_model, verdict
+    from qtk.evals.gates import load_gates, verdict
+    from qtk.evals.scoring import score_model
     from qtk.runtime.config import EngineConfig
     from qtk.evals.report import write_report
 

@@ -235,13 +235,13 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
 def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -> BlockInputs | None:
     """Smooth, quantize and observe one block; returns the next block's inputs (None for the last
     block, whose outputs feed nothing, unless KV-cache ranges are observed on them)."""
-    from .methods import SMOOTHING, WEIGHTS
+    from .methods import METHODS
     from .methods.kv_cache import finish_observing, start_observing
 
     if block.targets:  # an ignored block is still run: the next block needs its outputs
         if recipe.smoothing is not None:
-            SMOOTHING[recipe.smoothing](block, recipe)
-        WEIGHTS[recipe.weights](block, recipe)
+            METHODS[recipe.smoothing].run(block, recipe)
+        METHODS[recipe.weights].run(block, recipe)
     if block.inputs is None or (last and recipe.kv_cache is None):
         return None
     kv = recipe.kv_cache

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from . import optional
-from .errors import InputError, NotFoundError
+from .errors import InputError
 from .runtime.config import EngineConfig
 
 MODEL_HELP = "an HF model directory, a .gguf file, a qtk/compressed-tensors checkpoint, or 'smollm2-135m' (bundled)"
@@ -53,13 +53,39 @@ def main(verbose: bool):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+class LazyChoice(click.Choice):
+    """A Choice whose names are read when first needed: the methods' come from qtk.methods.METHODS,
+    which imports torch and the kernels, so `qtk --help` and the commands that need neither stay
+    light (and a missing optional kernel package is still one line)."""
+
+    def __init__(self, names):
+        self.names = names
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self.names())
+
+
+def _methods() -> tuple[str, ...]:
+    from .methods import METHODS
+
+    return tuple(METHODS)
+
+
+def _weight_quantizers() -> tuple[str, ...]:
+    from .methods import WEIGHTS, named
+
+    return named(WEIGHTS)
+
+
 def _section(**kw):
     return {k: v for k, v in kw.items() if v is not None}
 
 
 @main.command()
 @click.argument("model")
-@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8"]), default=None,
+@click.option("--method", type=LazyChoice(_methods), default=None,
               help="Calibration method. With neither --method nor --recipe: qtk's best 4-bit recipe, AWQ then GPTQ "
                    "(calibration/recipes/awq-gptq-w4a16.yaml).")
 @click.option("--scheme", default=None, help="w4a16 (default for rtn/gptq), w4a16_asym (awq), w8a16, w8a8 "
@@ -71,7 +97,7 @@ def _section(**kw):
 @click.option("--force", is_flag=True, help="Replace --output if it exists.")
 @click.option("--recipe", "recipe_file", type=click.Path(), default=None,
               help="YAML recipe (see calibration/recipes/); flags given here override it.")
-@click.option("--weights", type=click.Choice(["rtn", "gptq"]), default=None,
+@click.option("--weights", type=LazyChoice(_weight_quantizers), default=None,
               help="Weight quantizer after smoothing (awq, smoothquant): rtn (default) or gptq.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ: solve columns by descending Hessian "
               "diagonal (static act-order: groups keep their order, no g_idx). On by default, as in llm-compressor.")
@@ -164,6 +190,7 @@ def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_
     runtime (qtk's local ones: evals/lm_eval); your own cases (tasks:FILE.jsonl) and
     traffic (replay:LOG.jsonl)."""
     from .evals.report import check_output_file, write_json
+    from .evals.tasks import task_needs
 
     gating = gates_spec is not None or baseline is not None
     _check_eval_flags(click.get_current_context(), gating)
@@ -173,7 +200,7 @@ def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_
         return _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype,
                            json_path)
     optional.require(optional.model_needs(model),
-                     optional.task_needs(task, {"dataset": dataset, "constrained": True}, f"--task {task}"))
+                     task_needs(task, {"dataset": dataset, "constrained": True}, f"--task {task}"))
     result = _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batch_size, device, dtype,
                         kv_cache_dtype)
     if json_path:
@@ -207,92 +234,33 @@ def _ints(text: str | None, flag: str) -> list[int] | None:
         raise InputError(f"{flag} takes comma-separated integers, got {text!r}") from e
 
 
-TASK_KINDS = ("ppl", "needle", "json", "lm-eval", "tasks", "replay")
-FILE_TASKS = ("lm-eval", "tasks", "replay")  # written KIND:WHAT
-
-
 def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batch_size, device, dtype,
                kv_cache_dtype) -> dict:
-    from .runtime.engine import LLM
+    """One task (qtk.evals.tasks.TASKS), the flags given as its args (a gates file's names)."""
+    from .evals.tasks import TASKS_HELP, lookup
 
-    kind = task.split(":", 1)[0]
-    if kind not in TASK_KINDS or (kind in FILE_TASKS) != (":" in task):
-        raise InputError(f"unknown --task {task!r}: ppl, needle, json, lm-eval:TASK[,TASK], tasks:FILE.jsonl or "
-                         "replay:LOG.jsonl")
-    lengths, depths = _ints(lengths, "--lengths"), _ints(depths, "--depths")
-    if kind == "ppl":
-        from .evals.perplexity import engine_perplexity, eval_windows
-
-        if batch_size < 1 or seq_len < 2:
-            raise InputError("--batch-size must be at least 1 and --seq-len at least 2")
-        llm = LLM(model, dtype=dtype, device=device, max_model_len=seq_len + 1, kv_cache_dtype=kv_cache_dtype,
-                  max_num_batched_tokens=batch_size * seq_len, enable_prefix_caching=False)
-        windows = eval_windows(llm.tokenizer, dataset, seq_len, limit)
-        res = engine_perplexity(llm, windows, batch_size=batch_size, dataset=dataset)
-        click.echo(f"{model}: {res}")
-        return res.to_dict()
-    if kind == "json":
-        from .evals.json_validity import json_validity, load_prompts
-
-        prompts = load_prompts(None if dataset == "builtin" else dataset, limit)
-        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-        results = []
-        for constrained in (False, True):
-            res = json_validity(llm, prompts, constrained)
-            click.echo(f"{model}: {res}")
-            results.append(res.to_dict(answers=True))
-        return {"dataset": dataset, "results": results}
-    if kind == "needle":
-        from .data import read_text
-        from .evals.needle import needle
-
-        filler = None if dataset == "builtin" else Path(dataset)
-        if filler is not None and not filler.is_file():
-            raise NotFoundError(f"needle filler text {filler} not found")
-        text = read_text(filler, "needle filler text") if filler else None
-        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-        res = needle(llm, lengths, depths, seed=seed, filler=text)
-        click.echo(f"{model}: {res}")
-        return res.to_dict(answers=True)
-    if kind == "tasks":
-        from .evals.user_tasks import load_cases, run_cases
-
-        cases = load_cases(task.split(":", 1)[1], limit)
-        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-        res = run_cases(llm, cases)
-        click.echo(f"{model}: {sum(a['matched'] for a in res['answers'])}/{len(cases)} matched "
-                   f"({res['accuracy']:.1%})")
-        return res
-    if kind == "replay":
-        from .evals.replay import load_requests, replay
-
-        cases = load_requests(task.split(":", 1)[1], limit)
-        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-        responses = replay(llm, cases)["_responses"]
-        click.echo(f"{model}: replayed {len(cases)} requests greedily (agreement needs a second model: "
-                   "--baseline BASE --gates FILE)")
-        return {"responses": [{"where": c["where"], "text": llm.tokenizer.decode(r, skip_special_tokens=True),
-                               "token_ids": r} for c, r in zip(cases, responses)]}
-    from .evals.lm_eval_adapter import run_lm_eval
-
-    llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-    res = run_lm_eval(llm, task.split(":", 1)[1].split(","), limit=limit, seed=seed)
-    for name, metrics in res["results"].items():
-        click.echo(f"{model}: {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-    return res
+    found = lookup(task)
+    if found is None:
+        raise InputError(f"unknown --task {task!r}: {TASKS_HELP}")
+    flags = {"dataset": dataset, "filler": dataset, "seq_len": seq_len, "limit": limit, "batch_size": batch_size,
+             "lengths": _ints(lengths, "--lengths"), "depths": _ints(depths, "--depths")}
+    args = {name: value for name, value in flags.items() if name in found.args}
+    engine = {"dtype": dtype, "device": device, "kv_cache_dtype": kv_cache_dtype}
+    return found.show(model, task.partition(":")[2] or None, args, seed, engine, click.echo)
 
 
 def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype, json_path):
     from dataclasses import asdict
 
-    from .evals.gates import check_directions, load_gates, score_model, verdict
+    from .evals.gates import check_directions, gates_needs, load_gates, verdict
     from .evals.report import check_output_dir, write_json, write_report
+    from .evals.scoring import score_model
     from .loading import resolve
 
     if gates_spec is None or baseline is None:
         raise InputError("gating needs both --baseline BASE_MODEL and --gates FILE (or default)")
     gates = load_gates(gates_spec)
-    optional.require(optional.model_needs(model, baseline), optional.gates_needs(gates),
+    optional.require(optional.model_needs(model, baseline), gates_needs(gates),
                      optional.REPORT if report_dir else {})
     for m in (model, baseline):
         resolve(m)  # a missing model fails now, before any work

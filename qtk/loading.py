@@ -16,12 +16,9 @@ from .arch import ARCHITECTURES, arch_for
 from .atomic import write_dir
 from .checkpoint import check_weight_files, load_quantized
 from .errors import CheckpointError, InputError, NotFoundError
-from .paths import cache_dir
+from .paths import BUNDLED, BUNDLED_GGUF, cache_dir
 
 log = logging.getLogger(__name__)
-
-BUNDLED = "smollm2-135m"
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def bundled_gguf() -> Path:

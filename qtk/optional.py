@@ -5,11 +5,12 @@ jsonschema (and llguidance, constrained) for the json task, gguf to read a GGUF,
 hf:NAME dataset, fastapi, uvicorn and prometheus-client for serve, httpx for bench serve,
 matplotlib for a report's pictures, triton for the CUDA kernels. An environment can lack one (an
 install without an extra, `pip install --no-deps`, a package removed since). Each command passes
-what its arguments need to `require` first thing: a missing package is MissingPackage, a QtkError
-(one line, exit 2), naming the package and the pip command that installs it, read from qtk's own
-requirements (pyproject.toml): `pip install 'qtk[EXTRA]'` for an extra's package, the requirement
-itself for one every install has. Unchecked, it was a ModuleNotFoundError traceback and exit 1
-(what tells CI "quality regressed"), after a baseline had run for minutes.
+what its arguments need (an eval task's are in qtk/evals/tasks.py) to `require` first thing: a
+missing package is MissingPackage, a QtkError (one line, exit 2), naming the package and the pip
+command that installs it, read from qtk's own requirements (pyproject.toml): `pip install
+'qtk[EXTRA]'` for an extra's package, the requirement itself for one every install has. Unchecked,
+it was a ModuleNotFoundError traceback and exit 1 (what tells CI "quality regressed"), after a
+baseline had run for minutes.
 
 A need is {import name: what asks for it}, e.g. {"lm_eval": "gate lm_eval_mc (lm-eval:qtk_mc)"}.
 """
@@ -21,6 +22,7 @@ import re
 import shlex
 
 from .errors import QtkError
+from .paths import BUNDLED
 
 # import name -> pip name, for every package qtk imports only where a command or option asks
 PACKAGES = {"lm_eval": "lm-eval", "jsonschema": "jsonschema", "llguidance": "llguidance", "gguf": "gguf",
@@ -48,35 +50,12 @@ def require(*needs: dict[str, str]) -> None:
 
 def model_needs(*models: str) -> dict[str, str]:
     """gguf for a MODEL that is a GGUF: a .gguf file, or the bundled model (converted on first use)."""
-    from .loading import BUNDLED
-
     return {"gguf": f"MODEL {m} (a GGUF)" for m in models if m == BUNDLED or m.endswith(".gguf")}
 
 
 def dataset_needs(dataset: str | None, flag: str) -> dict[str, str]:
     """datasets for a Hugging Face dataset, hf:NAME."""
     return {"datasets": f"{flag} {dataset}"} if str(dataset).startswith("hf:") else {}
-
-
-def task_needs(task: str, args: dict, where: str) -> dict[str, str]:
-    """An eval task's packages (task: ppl, json, lm-eval:TASK, ...; args: its options)."""
-    kind = task.split(":", 1)[0]
-    if kind == "lm-eval":
-        return {"lm_eval": where}
-    if kind == "json":
-        return {"jsonschema": where, **({"llguidance": f"{where}, constrained"} if args.get("constrained") else {})}
-    if kind == "ppl":
-        return dataset_needs(args.get("dataset"), f"{where}: dataset")
-    return {}
-
-
-def gates_needs(gates) -> dict[str, str]:
-    """Every gate's task_needs (gates: a loaded GatesFile), the first gate asking named."""
-    needs: dict[str, str] = {}
-    for g in gates.gates:
-        for module, why in task_needs(g.task, g.args, f"gate {g.name} ({g.task})").items():
-            needs.setdefault(module, why)
-    return needs
 
 
 def explain(error: ModuleNotFoundError) -> MissingPackage | None:

@@ -6,70 +6,10 @@ import re
 from dataclasses import dataclass, field
 
 from . import assets
-from .schemes import KVCacheScheme, Scheme, kv_cache_scheme, preset
 from .errors import InputError, NotFoundError
-
-METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8")
-
-
-_TYPES = {  # annotation -> (check, what it must be)
-    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-}
-
-
-def check_types(args, section: str) -> None:
-    """Each field of a recipe section holds its annotated type (YAML can put a string, a list or a
-    float anywhere): an int field an int (never a bool), a float field a number, a bool a bool."""
-    for f in dataclasses.fields(args):
-        check, what = _TYPES.get(f.type, (None, None))
-        value = getattr(args, f.name)
-        if check is not None and not check(value):
-            raise InputError(f"{section}.{f.name} must be {what}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class GPTQArgs:
-    dampening: float = 0.01  # fraction of mean(diag(H)) added to the diagonal
-    block_size: int = 128  # lazy-batch width of the column solve
-    act_order: bool = True  # "static": solve columns by descending diag(H), groups stay in order (llm-compressor's default)
-    mse_clip: bool = False  # search each group's clipping range by MSE before the solve
-
-    def __post_init__(self):
-        check_types(self, "gptq")
-        if not 0 < self.dampening < 1:
-            raise InputError(f"gptq.dampening must be in (0, 1), got {self.dampening}")
-        if self.block_size <= 0:
-            raise InputError(f"gptq.block_size must be positive, got {self.block_size}")
-
-
-@dataclass(frozen=True)
-class AWQArgs:
-    grid: int = 20  # points of the ratio grid r in [0, 1)
-    duo_scaling: bool = True  # s = x_mean^r / w_mean^(1-r) rather than x_mean^r
-    clip: bool = True  # weight-clipping search after scaling
-    # the attention / mlp losses (a forward per ratio) are tried at every coarse-th ratio first, then
-    # at the ratios around the best of those; 1 = every ratio (the gram losses always try every one)
-    coarse: int = 4
-
-    def __post_init__(self):
-        check_types(self, "awq")
-        if self.grid < 1:
-            raise InputError(f"awq.grid must be >= 1, got {self.grid}")
-        if self.coarse < 1:
-            raise InputError(f"awq.coarse must be >= 1 (1 = try every ratio), got {self.coarse}")
-
-
-@dataclass(frozen=True)
-class SmoothQuantArgs:
-    alpha: float = 0.5  # migration strength
-
-    def __post_init__(self):
-        check_types(self, "smoothquant")
-        if not 0 <= self.alpha <= 1:
-            raise InputError(f"smoothquant.alpha must be in [0, 1], got {self.alpha}")
+from .methods import FP8, METHODS, SMOOTHING, WEIGHTS, named
+from .methods.args import AWQArgs, GPTQArgs, SmoothQuantArgs, check_types
+from .schemes import KVCacheScheme, Scheme, kv_cache_scheme, preset
 
 
 @dataclass(frozen=True)
@@ -97,11 +37,11 @@ CALIBRATION_DTYPES = ("auto", "bfloat16", "float32")
 class Recipe:
     method: str
     scheme: Scheme
-    weights: str = "rtn"  # the weight quantizer: rtn | gptq
-    smoothing: str | None = None  # an equivalent transform applied first: awq | smoothquant
+    weights: str = "rtn"  # the weight quantizer: a WEIGHTS method of qtk.methods.METHODS
+    smoothing: str | None = None  # an equivalent transform applied first: a SMOOTHING method
     ignore: tuple[str, ...] = ("lm_head",)
     kv_cache: KVCacheScheme | None = None
-    gptq: GPTQArgs = field(default_factory=GPTQArgs)
+    gptq: GPTQArgs = field(default_factory=GPTQArgs)  # each method's options (METHODS[name].args)
     awq: AWQArgs = field(default_factory=AWQArgs)
     smoothquant: SmoothQuantArgs = field(default_factory=SmoothQuantArgs)
     calibration: CalibrationArgs = field(default_factory=CalibrationArgs)
@@ -120,20 +60,15 @@ class Recipe:
         if self.dtype not in CALIBRATION_DTYPES:
             raise InputError(f"dtype must be one of {CALIBRATION_DTYPES}, got {self.dtype!r}")
         if self.method not in METHODS:
-            raise InputError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.weights not in ("rtn", "gptq"):
-            raise InputError(f"weights must be 'rtn' or 'gptq', got {self.weights!r}")
-        if self.smoothing not in (None, "awq", "smoothquant"):
-            raise InputError(f"smoothing must be 'awq' or 'smoothquant', got {self.smoothing!r}")
-        w, act = self.scheme.weights, self.scheme.input_activations
-        if self.smoothing == "awq" and (act is not None or w.type != "int"):
-            raise InputError("awq protects salient weights of weight-only int schemes (w4a16, w4a16_asym, w8a16); "
-                             f"scheme has weights {w.type}{w.num_bits} and activations {act and act.type}")
-        if self.smoothing == "smoothquant" and act is None:
-            raise InputError("smoothquant migrates activation outliers into weights; it needs an activation-quantized "
-                             "scheme (w8a8, fp8, fp8_static)")
-        if self.weights == "gptq" and w.type == "float":
-            raise InputError("gptq solves for integer weights; use --method fp8 for fp8 schemes")
+            raise InputError(f"method must be one of {tuple(METHODS)}, got {self.method!r}")
+        if self.weights not in named(WEIGHTS):
+            raise InputError(f"weights must be {_either(named(WEIGHTS))}, got {self.weights!r}")
+        if self.smoothing is not None and self.smoothing not in named(SMOOTHING):
+            raise InputError(f"smoothing must be {_either(named(SMOOTHING))}, got {self.smoothing!r}")
+        for name in (self.smoothing, self.weights):  # the scheme each can quantize
+            check = name is not None and METHODS[name].check
+            if check:
+                check(self.scheme)
         if "lm_head" not in self.ignore:
             raise InputError("qtk quantizes the decoder blocks only: keep 'lm_head' in ignore")
         for pattern in self.ignore:
@@ -158,39 +93,34 @@ class Recipe:
     @property
     def needs_data(self) -> bool:
         a = self.scheme.input_activations
-        return (self.weights == "gptq" or self.smoothing is not None or self.kv_cache is not None
-                or (a is not None and not a.dynamic))
+        return (any(METHODS[name].calibrates for name in (self.weights, self.smoothing) if name is not None)
+                or self.kv_cache is not None or (a is not None and not a.dynamic))
 
 
-METHOD_DEFAULTS = {
-    # --method NAME -> (default scheme, weight quantizer, smoothing)
-    "rtn": ("w4a16", "rtn", None),
-    "gptq": ("w4a16", "gptq", None),
-    "awq": ("w4a16_asym", "rtn", "awq"),
-    "smoothquant": ("w8a8", "rtn", "smoothquant"),
-    "fp8": ("fp8", "rtn", None),
-}
+def _either(names: tuple[str, ...]) -> str:
+    return " or ".join(repr(n) for n in names)
 
 
 def from_flags(method: str, scheme: str | None = None, group_size: int | None = None,
                weights: str | None = None, kv_cache: str | None = None, kv_strategy: str = "tensor",
                ignore: tuple[str, ...] = (), **sections) -> Recipe:
     """Build a Recipe the way the CLI does; `sections` are method args (gptq=..., awq=...)."""
-    if method not in METHOD_DEFAULTS:
-        raise InputError(f"unknown method {method!r}; choose one of {sorted(METHOD_DEFAULTS)}")
-    default_scheme, default_weights, smoothing = METHOD_DEFAULTS[method]
-    if smoothing is None and weights not in (None, default_weights):
+    if method not in METHODS:
+        raise InputError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
+    m = METHODS[method]
+    smoothing = method if m.role == SMOOTHING else None
+    if smoothing is None and weights not in (None, m.weights):
         raise InputError(f"--weights {weights} chooses the weight quantizer after smoothing (awq, smoothquant); "
                          f"for {weights} weights alone use --method {weights}")
-    sch = preset(scheme or default_scheme, group_size)
-    if method == "fp8" and sch.weights.type != "float":
+    sch = preset(scheme or m.scheme, group_size)
+    if m.role == FP8 and sch.weights.type != "float":
         raise InputError(f"--method fp8 takes an fp8 scheme (fp8, fp8_static), got {scheme!r}")
-    return Recipe(method=method, scheme=sch, weights=weights or default_weights, smoothing=smoothing,
+    return Recipe(method=method, scheme=sch, weights=weights or m.weights, smoothing=smoothing,
                   ignore=("lm_head", *[i for i in ignore if i != "lm_head"]),
                   kv_cache=kv_cache_scheme(kv_cache, kv_strategy), **sections)
 
 
-_SECTIONS = {"gptq": GPTQArgs, "awq": AWQArgs, "smoothquant": SmoothQuantArgs, "calibration": CalibrationArgs}
+_SECTIONS = {**{name: m.args for name, m in METHODS.items() if m.args}, "calibration": CalibrationArgs}
 _TOP = {"method", "scheme", "group_size", "weights", "kv_cache", "kv_strategy", "ignore", "device", "dtype", *_SECTIONS}
 
 
@@ -252,11 +182,9 @@ def _check_applies(recipe: Recipe, kv_strategy: str | None, section_overrides: d
     if kv_strategy is not None and recipe.kv_cache is None:
         raise InputError(f"kv_strategy {kv_strategy!r} (--kv-strategy) applies to KV-cache scales; "
                          "add --kv-cache fp8|int8")
-    used = {"gptq": recipe.weights == "gptq", "awq": recipe.smoothing == "awq",
-            "smoothquant": recipe.smoothing == "smoothquant"}
-    for section, applies in used.items():
-        flags = _given_flags(section_overrides, section)
-        if flags and not applies:
+    for section, m in METHODS.items():
+        flags = _given_flags(section_overrides, section) if m.args else ""
+        if flags and section not in (recipe.weights, recipe.smoothing):
             raise InputError(f"{flags}: {section} option(s), but this recipe (method {recipe.method}, "
                              f"{recipe.weights} weights) does not run {section}")
     flags = _given_flags(section_overrides, "calibration")

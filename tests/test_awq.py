@@ -1,16 +1,17 @@
 """AWQ: exact folding, a search that never loses to identity, the GQA skip, and end to end vs RTN."""
 import copy
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
-from qtk import methods
-from qtk.calibrate import Block, capture_inputs, quantize_model
-from qtk.methods import awq
-from qtk.methods.fold import fold_scale, folds
 from qtk.arch import arch_for
-from qtk.recipe import AWQArgs, from_flags
+from qtk.calibrate import Block, capture_inputs, quantize_model
+from qtk.methods import METHODS, awq
+from qtk.methods.args import AWQArgs
+from qtk.methods.fold import fold_scale, folds
+from qtk.recipe import from_flags
 from qtk.schemes import preset
 
 from outliers import ids, logits, tiny_llama
@@ -44,7 +45,7 @@ def test_awq_smoothing_alone_keeps_logits(monkeypatch):
     """The driver with AWQ's scales (clip off) and no weight quantizer computes the same function."""
     model = tiny_llama(outlier=50.0)
     float_model = copy.deepcopy(model)
-    monkeypatch.setitem(methods.WEIGHTS, "rtn", lambda block, recipe: None)
+    monkeypatch.setitem(METHODS, "rtn", dataclasses.replace(METHODS["rtn"], run=lambda block, recipe: None))
     recipe = from_flags("awq", scheme="w4a16_asym", group_size=32, awq=AWQArgs(clip=False))
     quantize_model(model, recipe, ids(16, 0), progress=False)
     norm = model.model.layers[0].input_layernorm.weight

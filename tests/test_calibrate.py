@@ -1,6 +1,7 @@
 """The sequential driver with RTN on a tiny random Llama: every preset, KV scales, device moves."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -9,7 +10,7 @@ from torch import nn
 
 import qtk.calibrate as calibrate
 from qtk.calibrate import checkpoint_groups, quantize_model
-from qtk.methods import WEIGHTS
+from qtk.methods import METHODS
 from qtk.recipe import from_flags
 from qtk.quant_linear import QuantLinear
 
@@ -87,7 +88,7 @@ def test_ignore_pattern_keeps_layers_float(tiny_llama):
 
 def test_group_size_checked_before_any_work(tiny_llama, monkeypatch):
     calls = []
-    monkeypatch.setitem(WEIGHTS, "rtn", lambda block, recipe: calls.append(block.index))
+    monkeypatch.setitem(METHODS, "rtn", dataclasses.replace(METHODS["rtn"], run=lambda block, recipe: calls.append(block.index)))
     model = tiny_llama()
     with pytest.raises(ValueError, match=r"group size 48 does not divide .*\(in_features=64\).*use --group-size 64"):
         quantize_model(model, from_flags("rtn", group_size=48), progress=False)
@@ -163,14 +164,14 @@ def test_one_block_on_the_calibration_device_at_a_time(tiny_llama, monkeypatch, 
     layers = model.model.layers
     tracker = _Tracker(monkeypatch)
     seen = []
-    rtn = WEIGHTS["rtn"]
+    rtn = METHODS["rtn"].run
 
     def method(block, recipe):
         seen.append((block.index, {i for i, layer in enumerate(layers) if id(layer) in tracker.on},
                      len(tracker.on)))
         rtn(block, recipe)
 
-    monkeypatch.setitem(WEIGHTS, "rtn", method)
+    monkeypatch.setitem(METHODS, "rtn", dataclasses.replace(METHODS["rtn"], run=method))
     recipe = from_flags("fp8" if scheme.startswith("fp8") else "rtn", scheme=scheme,
                         group_size=32 if scheme == "w4a16" else None, kv_cache=kv)
     quantize_model(model, recipe, calib_ids=_ids(n=2, seq=8), progress=False)
@@ -187,7 +188,7 @@ def test_gpu_peak_memory_is_one_block(tiny_llama, monkeypatch):
     block_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters())
     base = torch.cuda.memory_allocated()
     during = []
-    rtn = WEIGHTS["rtn"]
+    rtn = METHODS["rtn"].run
 
     def method(block, recipe):
         torch.cuda.synchronize()
@@ -196,7 +197,7 @@ def test_gpu_peak_memory_is_one_block(tiny_llama, monkeypatch):
                    for p in layer.parameters())
         rtn(block, recipe)
 
-    monkeypatch.setitem(WEIGHTS, "rtn", method)
+    monkeypatch.setitem(METHODS, "rtn", dataclasses.replace(METHODS["rtn"], run=method))
     recipe = replace(from_flags("rtn", scheme="w8a16", kv_cache="fp8"), device="cuda")
     quantize_model(model, recipe, calib_ids=_ids(n=2, seq=64), progress=False)
     assert len(during) == 6
@@ -207,14 +208,14 @@ def test_gpu_peak_memory_is_one_block(tiny_llama, monkeypatch):
 def test_crash_mid_quantize_writes_nothing(tiny_dir, tmp_path, monkeypatch):
     from qtk import pipeline
 
-    rtn = WEIGHTS["rtn"]
+    rtn = METHODS["rtn"].run
 
     def method(block, recipe):
         if block.index == 1:
             raise RuntimeError("boom at block 1")
         rtn(block, recipe)
 
-    monkeypatch.setitem(WEIGHTS, "rtn", method)
+    monkeypatch.setitem(METHODS, "rtn", dataclasses.replace(METHODS["rtn"], run=method))
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="boom at block 1"):
         pipeline.quantize(str(tiny_dir), from_flags("rtn", group_size=32), out, progress=False)
@@ -255,7 +256,7 @@ def test_each_block_gets_the_mask_of_its_attention_kind(monkeypatch, family, seq
     def method(block, recipe):  # the weights stay float: outputs are comparable with the forward's
         seen[block.index] = (torch.cat(block.inputs.hidden), torch.cat(block.run()))
 
-    monkeypatch.setitem(WEIGHTS, "gptq", method)
+    monkeypatch.setitem(METHODS, "gptq", dataclasses.replace(METHODS["gptq"], run=method))
     quantize_model(model, from_flags("gptq", scheme="w8a16"), calib_ids=ids, progress=False)
     kinds = getattr(model.config, "layer_types", None)
     assert kinds is None or kinds == ["full_attention", "sliding_attention", "sliding_attention"]

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from qtk.cli import main
 from qtk.errors import InputError, NotFoundError
-from qtk.evals.gates import GatesFile, Gate, load_gates, recovery, verdict
+from qtk.evals.gates import GatesFile, load_gates, recovery, verdict
+from qtk.evals.tasks import Gate
 
 GOOD = """
 gates:

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from qtk.cli import main
 from qtk.errors import InputError, QtkError
-from qtk.evals.gates import Gate, GatesFile, check_directions, load_gates, recovery, verdict
+from qtk.evals.gates import GatesFile, check_directions, load_gates, recovery, verdict
+from qtk.evals.tasks import Gate
 from qtk.runtime.config import EngineConfig
 
 NEEDLE = "task: needle, args: {lengths: [32], depths: [0]}"
@@ -440,6 +441,14 @@ def test_cli_gates_output_and_flag_mistakes_exit_2_before_any_model_runs(tmp_pat
     r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--baseline", str(tiny_dir), "--gates", gates_file,
                                   "--dtype", "float32", "--no-cache", *flags])
     assert r.exit_code == 2 and message in r.output and "[baseline]" not in r.output, r.output
+
+
+def test_one_task_table_names_the_tasks():
+    from qtk.evals.tasks import TASKS_HELP, lookup
+
+    assert TASKS_HELP == "ppl, needle, json, lm-eval:TASK[,TASK], tasks:FILE.jsonl or replay:LOG.jsonl"
+    assert all(lookup(t) is not None for t in ("ppl", "needle", "json", "lm-eval:a,b", "tasks:f", "replay:f"))
+    assert all(lookup(t) is None for t in ("nope", "ppl:x", "lm-eval", "lm-eval:", "tasks:", "replay"))
 
 
 def test_cli_task_mode_flags_and_replay_alone(tmp_path, tiny_dir):

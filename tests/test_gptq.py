@@ -8,7 +8,8 @@ import torch
 from qtk import quant
 from qtk.calibrate import quantize_model
 from qtk.methods import gptq
-from qtk.recipe import GPTQArgs, from_flags
+from qtk.methods.args import GPTQArgs
+from qtk.recipe import from_flags
 from qtk.schemes import QuantArgs
 
 LAYER = "model.layers.7.mlp.down_proj"

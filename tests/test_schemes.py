@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from qtk import recipe as rec
+from qtk.methods.args import AWQArgs, GPTQArgs, SmoothQuantArgs
 from qtk.schemes import (PRESETS, KVCacheScheme, QuantArgs, Scheme, check_group_divides, kv_cache_scheme,
                          preset)
 
@@ -132,13 +133,29 @@ def test_method_scheme_compatibility():
 
 def test_section_errors_name_the_field():
     with pytest.raises(ValueError, match="gptq.dampening"):
-        rec.GPTQArgs(dampening=0)
+        GPTQArgs(dampening=0)
     with pytest.raises(ValueError, match="calibration.seq_len"):
         rec.CalibrationArgs(seq_len=0)
     with pytest.raises(ValueError, match="smoothquant.alpha"):
-        rec.SmoothQuantArgs(alpha=1.5)
+        SmoothQuantArgs(alpha=1.5)
     with pytest.raises(ValueError, match="awq.grid"):
-        rec.AWQArgs(grid=0)
+        AWQArgs(grid=0)
+
+
+def test_each_method_with_options_has_its_recipe_section():
+    """qtk.methods.METHODS is the one list: a method's options are the Recipe field and YAML section named
+    after it, and the roles give the CLI's --weights choices."""
+    from qtk.methods import METHODS, SMOOTHING, WEIGHTS, named
+
+    fields = {f.name: f.type for f in dataclasses.fields(rec.Recipe)}
+    for name, m in METHODS.items():
+        if m.args is not None:
+            assert fields[name] == m.args.__name__ and isinstance(getattr(rec.from_flags("rtn"), name), m.args)
+    assert named(WEIGHTS) == ("rtn", "gptq") and named(SMOOTHING) == ("awq", "smoothquant")
+    with pytest.raises(ValueError, match="weights must be 'rtn' or 'gptq', got 'awq'"):
+        dataclasses.replace(rec.from_flags("rtn"), weights="awq")
+    with pytest.raises(ValueError, match="smoothing must be 'awq' or 'smoothquant', got 'gptq'"):
+        dataclasses.replace(rec.from_flags("rtn"), smoothing="gptq")
 
 
 def test_needs_data():

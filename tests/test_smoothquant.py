@@ -1,12 +1,14 @@
 """SmoothQuant: the formula, exact folding into the norms only, and W8A8 end to end vs RTN."""
 import copy
+import dataclasses
 
 import torch
 
-from qtk import methods
 from qtk.calibrate import quantize_model
+from qtk.methods import METHODS
+from qtk.methods.args import SmoothQuantArgs
 from qtk.methods.smoothquant import smoothing_scale
-from qtk.recipe import SmoothQuantArgs, from_flags
+from qtk.recipe import from_flags
 
 import outliers
 from outliers import ids, logits
@@ -28,7 +30,7 @@ def test_smoothing_scale_formula():
 def test_smoothing_alone_keeps_logits_and_touches_norm_pairs_only(monkeypatch):
     model = tiny_llama()
     float_model = copy.deepcopy(model)
-    monkeypatch.setitem(methods.WEIGHTS, "rtn", lambda block, recipe: None)
+    monkeypatch.setitem(METHODS, "rtn", dataclasses.replace(METHODS["rtn"], run=lambda block, recipe: None))
     quantize_model(model, from_flags("smoothquant", scheme="w8a8"), ids(16, 0), progress=False)
     new, old = model.model.layers[0], float_model.model.layers[0]
     assert not torch.equal(new.input_layernorm.weight, old.input_layernorm.weight)

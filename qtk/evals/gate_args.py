@@ -1,5 +1,5 @@
-"""The options each gate task takes (a gates file's `args:`), checked and normalized when the file
-loads, before any model runs: a wrong type or value is an InputError naming the gate and the
+"""The checks of a gate task's options (a gates file's `args:`; each task's are in tasks.TASKS),
+run when the file loads, before any model runs: a wrong type or value is an InputError naming the gate and the
 option. A file option (a ppl or json `dataset`, a needle `filler`) is found relative to the gates
 file unless absolute, and must exist; the built-in names (builtin, hf:NAME) pass as they are."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import InputError, NotFoundError
 
 
-def _int(low: int, high: int | None = None):
+def integer(low: int, high: int | None = None):
     """An integer in [low, high]."""
     def check(where: str, value, base: Path) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
@@ -19,9 +19,9 @@ def _int(low: int, high: int | None = None):
     return check
 
 
-def _int_list(low: int, high: int | None = None):
+def integers(low: int, high: int | None = None):
     """A non-empty list of integers in [low, high], sorted, each once (a repeat would count twice)."""
-    one = _int(low, high)
+    one = integer(low, high)
 
     def check(where: str, value, base: Path) -> list[int]:
         if not isinstance(value, list) or not value:
@@ -30,7 +30,7 @@ def _int_list(low: int, high: int | None = None):
     return check
 
 
-def _bool(where: str, value, base: Path) -> bool:
+def boolean(where: str, value, base: Path) -> bool:
     if not isinstance(value, bool):
         raise InputError(f"{where} must be true or false, got {value!r}")
     return value
@@ -47,7 +47,7 @@ def _file(where: str, value, base: Path) -> str:
     return str(path)
 
 
-def _source(hub: bool):
+def source(hub: bool):
     """builtin, hf:NAME (where the task reads the Hugging Face hub) or a file."""
     def check(where: str, value, base: Path) -> str:
         if value == "builtin" or (hub and isinstance(value, str) and value.startswith("hf:")):
@@ -56,35 +56,17 @@ def _source(hub: bool):
     return check
 
 
-TASK_ARGS = {
-    "ppl": {"seq_len": _int(2), "limit": _int(1), "dataset": _source(hub=True), "batch_size": _int(1)},
-    "needle": {"lengths": _int_list(16), "depths": _int_list(0, 100), "samples": _int(1), "filler": _source(hub=False)},
-    "json": {"limit": _int(1), "constrained": _bool, "dataset": _source(hub=False), "max_tokens": _int(1)},
-    "lm-eval": {"limit": _int(1), "num_fewshot": _int(0)},
-    "tasks": {"limit": _int(1)},  # a team's own cases (user_tasks.py)
-    "replay": {"limit": _int(1), "max_tokens": _int(1)},  # a request log replayed on both models (replay.py)
-}
 FILE_ARGS = ("dataset", "filler")  # the options that may name a file
 
 
-def check_args(where: str, kind: str, args, base: Path) -> dict:
-    """The task's `args` checked and normalized; `base` is the gates file's folder."""
+def check_args(where: str, kind: str, allowed: dict, args, base: Path) -> dict:
+    """The task's `args` checked and normalized: `allowed` maps each option to its check (the
+    task's row in tasks.TASKS); `base` is the gates file's folder."""
     if args is None:
         return {}
     if not isinstance(args, dict):
         raise InputError(f"{where}: args must be a mapping of option: value (e.g. {{limit: 8}}), got {args!r}")
-    unknown = set(args) - set(TASK_ARGS[kind])
+    unknown = set(args) - set(allowed)
     if unknown:
-        raise InputError(f"{where}: unknown arg(s) {sorted(unknown)} for task {kind}; "
-                         f"allowed: {sorted(TASK_ARGS[kind])}")
-    return {name: TASK_ARGS[kind][name](f"{where}: args.{name}", value, base) for name, value in args.items()}
-
-
-def input_files(gate) -> list[str]:
-    """The files a gate's scores depend on: its tasks/replay file and any file option."""
-    files = [gate.task.split(":", 1)[1]] if gate.kind in ("tasks", "replay") else []
-    for name in FILE_ARGS:
-        value = gate.args.get(name)
-        if isinstance(value, str) and value != "builtin" and not value.startswith("hf:"):
-            files.append(value)
-    return files
+        raise InputError(f"{where}: unknown arg(s) {sorted(unknown)} for task {kind}; allowed: {sorted(allowed)}")
+    return {name: allowed[name](f"{where}: args.{name}", value, base) for name, value in args.items()}

@@ -9,7 +9,7 @@ baseline's. A gates file (YAML; evals/gates/default.yaml is the default, comment
     gates:
       ppl:                          # a name of your choosing
         task: ppl                   # ppl | needle | json | lm-eval:TASK[,TASK] | tasks:FILE.jsonl | replay:LOG.jsonl
-        args: {seq_len: 1024, limit: 8}       # the task's options (gate_args.py)
+        args: {seq_len: 1024, limit: 8}       # the task's options (tasks.py)
         metric: ppl                 # one of the task's metrics (default: its first)
         max_increase_pct: 10        # hard: candidate <= baseline x 1.10 (a lower-is-better metric)
       needle:
@@ -46,43 +46,15 @@ from pathlib import Path
 
 from ..assets import eval_data
 from ..errors import InputError, NotFoundError
-from .gate_args import TASK_ARGS, check_args
-from .scoring import score_model  # noqa: F401  (the gates' API: benchmarks/quality_table.py imports it from here)
+from .gate_args import check_args
+from .tasks import HIGHER, LOWER, TASKS, TASKS_HELP, Gate, lookup, task_needs
 
 GATE_KEYS = {"task", "args", "metric", "max_increase_pct", "min_recovery_pct", "min", "max", "weight"}
 THRESHOLDS = ("max_increase_pct", "min_recovery_pct", "min", "max")
 RELATIVE = ("max_increase_pct", "min_recovery_pct", "weight")  # what needs the metric's direction
-PREFIXED = ("lm-eval", "tasks", "replay")  # kinds written KIND:WHAT
-FILE_KINDS = ("tasks", "replay")  # KIND:FILE, the file found relative to the gates file
-TASKS_HELP = "ppl, needle, json, lm-eval:TASK[,TASK], tasks:FILE.jsonl or replay:LOG.jsonl"
-
-HIGHER, LOWER = False, True  # values of lower_is_better
-METRICS = {  # qtk's tasks: each metric and its direction, the default first
-    "ppl": {"ppl": LOWER, "nll": LOWER},
-    "needle": {"accuracy": HIGHER},  # and accuracy@LENGTH
-    "tasks": {"accuracy": HIGHER},
-    "json": {"valid_rate": HIGHER, "parse_rate": HIGHER, "finished_valid_rate": HIGHER, "truncated_rate": LOWER,
-             "constrained_valid_rate": HIGHER, "constrained_parse_rate": HIGHER,
-             "constrained_finished_valid_rate": HIGHER, "constrained_truncated_rate": LOWER},
-    "replay": {"agreement": HIGHER, "first_divergence": HIGHER, "top1_agreement": HIGHER},
-}
 # lm-eval metrics by name, for checks before a run; a run's own higher_is_better decides after it
 LM_EVAL_LOWER = {"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ter", "brier_score", "nll"}
 LM_EVAL_HIGHER = {"acc", "acc_norm", "exact_match", "f1", "mcc", "bleu", "chrf", "em", "rouge1", "rouge2", "rougeL"}
-
-
-@dataclass(frozen=True)
-class Gate:
-    name: str
-    task: str  # ppl | needle | json | lm-eval:TASK[,TASK] | tasks:FILE.jsonl | replay:LOG.jsonl
-    args: dict
-    metric: str | None
-    thresholds: dict  # of THRESHOLDS
-    weight: float | None
-
-    @property
-    def kind(self) -> str:
-        return self.task.split(":", 1)[0]
 
 
 @dataclass
@@ -107,6 +79,15 @@ def load_gates(spec: str) -> GatesFile:
     if any(g.weight for g in gates) and min_score is None:
         raise InputError(f"{path}: gates have weights but soft.min_score_pct is not set")
     return GatesFile(gates, min_score, str(path))
+
+
+def gates_needs(gates: GatesFile) -> dict[str, str]:
+    """Every gate's task_needs (the packages beyond qtk's core), the first gate asking named."""
+    needs: dict[str, str] = {}
+    for g in gates.gates:
+        for module, why in task_needs(g.task, g.args, f"gate {g.name} ({g.task})").items():
+            needs.setdefault(module, why)
+    return needs
 
 
 def _gates_path(spec: str) -> Path:
@@ -160,7 +141,7 @@ def _gate(path: Path, name: str, g) -> Gate:
         raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(GATE_KEYS)}")
     task = _task(where, path, g["task"])
     kind = task.split(":", 1)[0]
-    args = check_args(where, kind, g.get("args"), path.parent.resolve())
+    args = check_args(where, kind, TASKS[kind].args, g.get("args"), path.parent.resolve())
     thresholds = {k: _number(f"{where}: {k}", g[k]) for k in THRESHOLDS if k in g}
     weight = _weight(where, g.get("weight"))
     if not thresholds and weight is None:
@@ -171,7 +152,7 @@ def _gate(path: Path, name: str, g) -> Gate:
             raise InputError(f"{where}: metric must be a name, got {metric!r}")
         _check_metric(where, kind, task, metric, args)
     gate = Gate(name, task, args, metric, thresholds, weight)
-    _check_direction(where, gate, metric or (next(iter(METRICS[kind])) if kind in METRICS else None), {})
+    _check_direction(where, gate, metric or next(iter(TASKS[kind].metrics), None), {})
     return gate
 
 
@@ -179,9 +160,9 @@ def _task(where: str, path: Path, task) -> str:
     """The task, a tasks:/replay: file resolved against the gates file's folder."""
     task = str(task)
     kind = task.split(":", 1)[0]
-    if kind not in TASK_ARGS or (kind in PREFIXED) != (":" in task) or not task.split(":", 1)[-1]:
+    if lookup(task) is None:
         raise InputError(f"{where}: unknown task {task!r}; tasks: {TASKS_HELP}")
-    if kind not in FILE_KINDS:
+    if not TASKS[kind].target_is_file:
         return task
     file = Path(task.split(":", 1)[1]).expanduser()
     file = (file if file.is_absolute() else path.parent / file).resolve()
@@ -209,8 +190,8 @@ def _check_metric(where: str, kind: str, task: str, metric: str, args: dict) -> 
             raise InputError(f"{where}: metric {metric!r} names no haystack length of this gate "
                              f"({args.get('lengths', 'the default lengths')}); write accuracy@LENGTH")
         return
-    if metric not in METRICS[kind]:
-        raise InputError(f"{where}: task {kind} has no metric {metric!r}; it has {', '.join(METRICS[kind])}"
+    if metric not in TASKS[kind].metrics:
+        raise InputError(f"{where}: task {kind} has no metric {metric!r}; it has {', '.join(TASKS[kind].metrics)}"
                          + (", accuracy@LENGTH" if kind == "needle" else ""))
     if metric.startswith("constrained_") and not args.get("constrained"):
         raise InputError(f"{where}: metric {metric} needs args: {{constrained: true}}")
@@ -233,13 +214,13 @@ def _check_lm_eval_metric(where: str, tasks: list[str], metric: str) -> None:
 
 
 def lower_is_better(gate: Gate, metric: str, results: dict) -> bool | None:
-    """The metric's direction: qtk's tables for qtk's tasks; for lm-eval's, the run's own
+    """The metric's direction: qtk's table for qtk's tasks (tasks.TASKS); for lm-eval's, the run's own
     higher_is_better (`results`: the task's metrics, "_higher_is_better" among them), else
     the metric's name when it is a well-known one; None where it is not known."""
     if gate.kind == "needle" and metric.startswith("accuracy@"):
         return HIGHER
     if gate.kind != "lm-eval":
-        return METRICS[gate.kind].get(metric)
+        return TASKS[gate.kind].metrics.get(metric)
     key = metric.split(",")[0]  # TASK/NAME,FILTER -> TASK/NAME
     higher = results.get("_higher_is_better", {}).get(key)
     if higher is not None:

@@ -16,15 +16,10 @@ import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..atomic import write_file
-from ..data import read_text
 from ..runtime.config import EngineConfig
-from .gate_args import input_files
-
-if TYPE_CHECKING:
-    from .gates import Gate
+from .tasks import TASKS, Gate, input_files
 
 log = logging.getLogger(__name__)
 
@@ -35,73 +30,7 @@ def run_task(llm, gate: Gate, seed: int = 0, reference: dict | None = None) -> d
     """The gate's task on one engine: {metric: value}, the default metric first (keys starting
     with "_" carry data, not metrics). `reference`: the baseline's result, for tasks that compare
     (replay)."""
-    return TASKS[gate.kind](llm, gate, seed, reference)
-
-
-def _ppl(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
-    from .perplexity import engine_perplexity, eval_windows
-
-    a = gate.args
-    windows = eval_windows(llm.tokenizer, a.get("dataset", "builtin"), a.get("seq_len", 1024), a.get("limit", 8))
-    r = engine_perplexity(llm, windows, batch_size=a.get("batch_size", 4), progress=False,
-                          dataset=a.get("dataset", "builtin"))
-    return {"ppl": r.ppl, "nll": r.nll}
-
-
-def _needle(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
-    from .needle import needle
-
-    a = gate.args
-    filler = a.get("filler", "builtin")
-    r = needle(llm, a.get("lengths"), a.get("depths"), a.get("samples", 1), seed,
-               None if filler == "builtin" else read_text(Path(filler), "needle filler"))
-    return {"accuracy": r.accuracy, **{f"accuracy@{n}": v for n, v in r.by_length().items()}, "_cells": r.to_dict()}
-
-
-def _json(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
-    from .json_validity import json_validity, load_prompts
-
-    a = gate.args
-    ds = a.get("dataset", "builtin")
-    prompts = load_prompts(None if ds == "builtin" else ds, a.get("limit"))
-    out = {}
-    for constrained in ([False, True] if a.get("constrained", False) else [False]):
-        r = json_validity(llm, prompts, constrained, a.get("max_tokens", 256))
-        prefix = "constrained_" if constrained else ""
-        out[f"{prefix}valid_rate"] = r.overall.valid_rate
-        out[f"{prefix}parse_rate"] = r.overall.parse_rate
-        out[f"{prefix}finished_valid_rate"] = r.overall.finished_valid_rate
-        out[f"{prefix}truncated_rate"] = r.overall.truncated / max(r.overall.n, 1)
-    return out
-
-
-def _replay(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
-    from .replay import load_requests, replay
-
-    cases = load_requests(gate.task.split(":", 1)[1], gate.args.get("limit"))
-    return replay(llm, cases, gate.args.get("max_tokens", 128), None if reference is None else reference["_responses"])
-
-
-def _user_tasks(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
-    from .user_tasks import load_cases, run_cases
-
-    return {"accuracy": run_cases(llm, load_cases(gate.task.split(":", 1)[1], gate.args.get("limit")))["accuracy"]}
-
-
-def _lm_eval(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
-    """TASK/METRIC values, and "_higher_is_better" {TASK/METRIC: bool}: lm-eval's own direction
-    of each metric, kept with the results (and the cache) for the verdict."""
-    from .lm_eval_adapter import run_lm_eval
-
-    res = run_lm_eval(llm, gate.task.split(":", 1)[1].split(","), limit=gate.args.get("limit"), seed=seed,
-                      num_fewshot=gate.args.get("num_fewshot"))
-    metrics = {f"{task}/{m}": v for task, values in res["results"].items() for m, v in values.items()}
-    higher = {f"{task}/{m}": h for task, values in res["higher_is_better"].items() for m, h in values.items()
-              if isinstance(h, bool)}
-    return {**metrics, "_higher_is_better": higher}
-
-
-TASKS = {"ppl": _ppl, "needle": _needle, "json": _json, "replay": _replay, "tasks": _user_tasks, "lm-eval": _lm_eval}
+    return TASKS[gate.kind].run(llm, gate, seed, reference)
 
 
 # -- the baseline's cache ------------------------------------------------------------------------

@@ -293,7 +293,7 @@ def pair_loss(block, pair: SmoothPair, st: PairStats, weights: dict[str, torch.T
 
 @torch.no_grad()
 def smooth_block(block, recipe) -> None:
-    """SMOOTHING["awq"]: scale search per pair, folding, then the clipping search.
+    """METHODS["awq"]: scale search per pair, folding, then the clipping search.
 
     When GPTQ follows, the observing forward also sums every input's Hessian, scaled with each
     fold (the linears read x / s), and leaves them in block.hessians: GPTQ then needs no forward

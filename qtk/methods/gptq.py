@@ -16,9 +16,9 @@ import torch
 
 from .. import quant
 from ..device import cpu_has_native_bf16
-from ..recipe import GPTQArgs
 from ..schemes import QuantArgs
 from . import rtn
+from .args import GPTQArgs
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ def activation_absmax(block, pairs: list[SmoothPair]) -> dict[SmoothPair, torch.
 
 @torch.no_grad()
 def smooth_block(block, recipe) -> None:
-    """SMOOTHING["smoothquant"]: fold s into each norm -> linears pair of the block."""
+    """METHODS["smoothquant"]: fold s into each norm -> linears pair of the block."""
     pairs = smoothed_pairs(block)
     absmax = activation_absmax(block, pairs)
     for pair in pairs:
