@@ -245,8 +245,8 @@ def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batc
     flags = {"dataset": dataset, "filler": dataset, "seq_len": seq_len, "limit": limit, "batch_size": batch_size,
              "lengths": _ints(lengths, "--lengths"), "depths": _ints(depths, "--depths")}
     args = {name: value for name, value in flags.items() if name in found.args}
-    engine = {"dtype": dtype, "device": device, "kv_cache_dtype": kv_cache_dtype}
-    return found.show(model, task.partition(":")[2] or None, args, seed, engine, click.echo)
+    engine = EngineConfig(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+    return found.show(engine, task.partition(":")[2] or None, args, seed, click.echo)
 
 
 def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype, json_path):

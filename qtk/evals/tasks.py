@@ -8,13 +8,14 @@ A task is written KIND, or KIND:TARGET for the kinds that take a target (lm-eval
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from ..data import read_text
 from ..errors import InputError, NotFoundError
 from ..optional import dataset_needs
+from ..runtime.config import EngineConfig
 from .gate_args import FILE_ARGS, boolean, integer, integers, source
 
 HIGHER, LOWER = False, True  # values of lower_is_better
@@ -39,16 +40,17 @@ class Task:
     args: dict[str, Callable]  # option -> its check (gate_args.py): where, value, the gates file's folder -> value
     metrics: dict[str, bool]  # metric -> lower is better, the default first ({}: the run says, lm-eval)
     run: Callable[..., dict]  # (llm, gate, seed, reference) -> {metric: value}; "_" keys carry data
-    show: Callable[..., dict]  # (model, target, args, seed, engine, echo) -> the result `qtk eval --json` writes
+    show: Callable[..., dict]  # (engine config, target, args, seed, echo) -> the result `qtk eval --json` writes
     target: str | None = None  # what follows KIND: (how the help writes it); None: the task takes none
     target_is_file: bool = False  # the target is a file (relative to the gates file in one)
     needs: Callable[[dict, str], dict[str, str]] | None = None  # (args, where) -> {import name: why} (optional.py)
 
 
-def _llm(model: str, **engine):
+def _llm(engine: EngineConfig, **overrides):
+    """The engine `qtk eval --task` runs (the runtime is imported here: `qtk --help` loads no torch)."""
     from ..runtime.engine import LLM
 
-    return LLM(model, **engine)
+    return LLM(config=replace(engine, **overrides))
 
 
 # -- perplexity ----------------------------------------------------------------------------------
@@ -62,16 +64,16 @@ def _ppl(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     return {"ppl": r.ppl, "nll": r.nll}
 
 
-def _show_ppl(model, target, a, seed, engine, echo) -> dict:
+def _show_ppl(engine, target, a, seed, echo) -> dict:
     from .perplexity import engine_perplexity, eval_windows
 
     if a["batch_size"] < 1 or a["seq_len"] < 2:
         raise InputError("--batch-size must be at least 1 and --seq-len at least 2")
-    llm = _llm(model, **engine, max_model_len=a["seq_len"] + 1, max_num_batched_tokens=a["batch_size"] * a["seq_len"],
+    llm = _llm(engine, max_model_len=a["seq_len"] + 1, max_num_batched_tokens=a["batch_size"] * a["seq_len"],
                enable_prefix_caching=False)
     windows = eval_windows(llm.tokenizer, a["dataset"], a["seq_len"], a["limit"])
     res = engine_perplexity(llm, windows, batch_size=a["batch_size"], dataset=a["dataset"])
-    echo(f"{model}: {res}")
+    echo(f"{engine.model}: {res}")
     return res.to_dict()
 
 
@@ -90,15 +92,15 @@ def _needle(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     return {"accuracy": r.accuracy, **{f"accuracy@{n}": v for n, v in r.by_length().items()}, "_cells": r.to_dict()}
 
 
-def _show_needle(model, target, a, seed, engine, echo) -> dict:
+def _show_needle(engine, target, a, seed, echo) -> dict:
     from .needle import needle
 
     filler = None if a["filler"] == "builtin" else Path(a["filler"])
     if filler is not None and not filler.is_file():
         raise NotFoundError(f"needle filler text {filler} not found")
     text = read_text(filler, "needle filler text") if filler else None
-    res = needle(_llm(model, **engine), a["lengths"], a["depths"], seed=seed, filler=text)
-    echo(f"{model}: {res}")
+    res = needle(_llm(engine), a["lengths"], a["depths"], seed=seed, filler=text)
+    echo(f"{engine.model}: {res}")
     return res.to_dict(answers=True)
 
 
@@ -120,15 +122,15 @@ def _json(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     return out
 
 
-def _show_json(model, target, a, seed, engine, echo) -> dict:
+def _show_json(engine, target, a, seed, echo) -> dict:
     from .json_validity import json_validity, load_prompts
 
     prompts = load_prompts(None if a["dataset"] == "builtin" else a["dataset"], a["limit"])
-    llm = _llm(model, **engine)
+    llm = _llm(engine)
     results = []
     for constrained in (False, True):
         res = json_validity(llm, prompts, constrained)
-        echo(f"{model}: {res}")
+        echo(f"{engine.model}: {res}")
         results.append(res.to_dict(answers=True))
     return {"dataset": a["dataset"], "results": results}
 
@@ -151,12 +153,12 @@ def _lm_eval(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     return {**metrics, "_higher_is_better": higher}
 
 
-def _show_lm_eval(model, target, a, seed, engine, echo) -> dict:
+def _show_lm_eval(engine, target, a, seed, echo) -> dict:
     from .lm_eval_adapter import run_lm_eval
 
-    res = run_lm_eval(_llm(model, **engine), target.split(","), limit=a["limit"], seed=seed)
+    res = run_lm_eval(_llm(engine), target.split(","), limit=a["limit"], seed=seed)
     for name, metrics in res["results"].items():
-        echo(f"{model}: {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        echo(f"{engine.model}: {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     return res
 
 
@@ -171,12 +173,12 @@ def _user_tasks(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     return {"accuracy": run_cases(llm, load_cases(gate.task.split(":", 1)[1], gate.args.get("limit")))["accuracy"]}
 
 
-def _show_user_tasks(model, target, a, seed, engine, echo) -> dict:
+def _show_user_tasks(engine, target, a, seed, echo) -> dict:
     from .user_tasks import load_cases, run_cases
 
     cases = load_cases(target, a["limit"])
-    res = run_cases(_llm(model, **engine), cases)
-    echo(f"{model}: {sum(x['matched'] for x in res['answers'])}/{len(cases)} matched ({res['accuracy']:.1%})")
+    res = run_cases(_llm(engine), cases)
+    echo(f"{engine.model}: {sum(x['matched'] for x in res['answers'])}/{len(cases)} matched ({res['accuracy']:.1%})")
     return res
 
 
@@ -188,13 +190,13 @@ def _replay(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     return replay(llm, cases, gate.args.get("max_tokens", 128), None if reference is None else reference["_responses"])
 
 
-def _show_replay(model, target, a, seed, engine, echo) -> dict:
+def _show_replay(engine, target, a, seed, echo) -> dict:
     from .replay import load_requests, replay
 
     cases = load_requests(target, a["limit"])
-    llm = _llm(model, **engine)
+    llm = _llm(engine)
     responses = replay(llm, cases)["_responses"]
-    echo(f"{model}: replayed {len(cases)} requests greedily (agreement needs a second model: "
+    echo(f"{engine.model}: replayed {len(cases)} requests greedily (agreement needs a second model: "
          "--baseline BASE --gates FILE)")
     return {"responses": [{"where": c["where"], "text": llm.tokenizer.decode(r, skip_special_tokens=True),
                            "token_ids": r} for c, r in zip(cases, responses)]}
