@@ -18,6 +18,7 @@ from .data import calibration_ids
 from .device import check_device, choose_dtype
 from .errors import InputError, OutputError, OutputExistsError
 from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, resolve
+from .moe import linearize_experts
 from .recipe import Recipe, to_yaml
 from .schemes import check_group_divides, dividing_group_size
 
@@ -53,6 +54,7 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     tok = load_tokenizer(path)
     ids = calibration_ids(tok, c.dataset, c.num_samples, c.seq_len, c.seed, c.chat_template) if recipe.needs_data else None
     model, tok = load_model(str(path), dtype=compute.dtype, tokenizer=tok)
+    linearize_experts(model)  # a MoE's experts as Linears: each quantized as its own layer
     report = quantize_model(model, recipe, ids, progress=progress)
     groups, ignore = checkpoint_groups(model, recipe)
     report.update(model=model_name, method=recipe.method, calibration_tokens=0 if ids is None else ids.numel(),
@@ -96,6 +98,7 @@ def fit_layers(path: Path, recipe: Recipe) -> Recipe:
     arch_for(config)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
+    linearize_experts(skeleton)
     check_ignore(skeleton, recipe)
     in_features = {n: m.in_features for n, m in targeted_linears(skeleton, recipe).items()}
     w = recipe.scheme.weights
