@@ -110,3 +110,111 @@ def test_router_names(model_type):
     if model_type == "qwen2_moe":
         expected |= {f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)}
     assert set(routers) == expected
+
+
+# --- calibration --------------------------------------------------------------------------
+
+def _expert_names(model, layer=0):
+    """The expert Linears of one block, relative to it, in execution order (expert by expert)."""
+    prefix = f"model.layers.{layer}."
+    return tuple(n[len(prefix):] for n, m in model.named_modules()
+                 if n.startswith(prefix) and ".experts." in n and isinstance(m, nn.Linear))
+
+
+def _block(model, names, skip_expert=None):
+    """Block 0 of a linearized tiny qwen3_moe with its calibration inputs; with skip_expert, a
+    router that never picks that expert."""
+    from qtk.arch import Arch
+    from qtk.calibrate import Block, capture_inputs
+
+    if skip_expert is not None:
+        for layer in model.model.layers:
+            layer.mlp.gate.register_forward_hook(_never(skip_expert))
+    arch = Arch(layers="model.layers", linears=names, smooth=())
+    ids = torch.randint(3, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    inputs = capture_inputs(model, arch, ids, torch.device("cpu"), 2)
+    return Block(0, "model.layers.0", model.model.layers[0], arch, inputs.for_block(0), torch.device("cpu"), names)
+
+
+def _never(expert):
+    def hook(module, args, out):  # Qwen3-MoE's router: (logits, top-k weights, top-k ids)
+        logits = out[0].clone()
+        logits[:, expert] = float("-inf")
+        weights, index = torch.softmax(logits, dim=-1).topk(module.top_k, dim=-1)
+        return out[0], weights / weights.sum(-1, keepdim=True), index
+    return hook
+
+
+def _moe_inputs(block):
+    """What the experts module receives on every batch: (hidden [T, H], top-k ids [T, k])."""
+    seen = []
+    handle = block.layer.mlp.experts.register_forward_pre_hook(lambda m, args: seen.append((args[0], args[1])))
+    try:
+        block.run()
+    finally:
+        handle.remove()
+    return torch.cat([x for x, _ in seen]), torch.cat([i for _, i in seen])
+
+
+@pytest.mark.parametrize("calibrate_all", [True, False])
+def test_gptq_hessian_of_each_expert_sees_the_tokens_the_recipe_says(monkeypatch, calibrate_all):
+    """Wired (llm-compressor's issue 2826 was this switch doing nothing): with calibrate_all_experts
+    every expert's Hessian is that of every calibration token, without it that of its routed ones."""
+    from dataclasses import replace
+
+    from qtk import calibrate
+    from qtk.methods import gptq
+    from qtk.recipe import CalibrationArgs, from_flags
+    from qtk.quant_linear import QuantLinear
+
+    model = tiny("qwen3_moe")
+    moe.linearize_experts(model)
+    names = _expert_names(model)
+    block = _block(model, names)
+    x, index = _moe_inputs(block)
+    solved = {}
+    real = gptq.quantize_linears
+    monkeypatch.setattr(gptq, "quantize_linears",
+                        lambda b, ns, H, *a: (solved.update({n: H for n in ns}), real(b, ns, H, *a)))
+    recipe = from_flags("gptq", scheme="w4a16", group_size=32)
+    recipe = replace(recipe, calibration=CalibrationArgs(calibrate_all_experts=calibrate_all))
+    calibrate.quantize_block(model, block, recipe, last=True)
+    assert set(solved) == set(names) and all(isinstance(block.linear(n), QuantLinear) for n in names)
+    counts = []
+    for e in range(4):
+        routed = (index == e).any(-1)
+        counts.append(int(routed.sum()))
+        xe = x if calibrate_all else x[routed]
+        torch.testing.assert_close(solved[f"mlp.experts.{e}.gate_proj"], 2 / len(xe) * xe.T @ xe, rtol=1e-4, atol=1e-5)
+        assert solved[f"mlp.experts.{e}.up_proj"] is solved[f"mlp.experts.{e}.gate_proj"]
+    assert len(set(counts)) > 1 and sum(counts) == 2 * len(x)  # the routed token sets do differ
+
+
+@pytest.mark.parametrize("calibrate_all", [False, True])
+def test_an_expert_the_router_never_picks_is_rounded_to_nearest_and_named(caplog, calibrate_all):
+    from dataclasses import replace
+
+    from qtk import calibrate
+    from qtk.quant_linear import QuantLinear
+    from qtk.recipe import CalibrationArgs, from_flags
+
+    model = tiny("qwen3_moe")
+    moe.linearize_experts(model)
+    names = _expert_names(model)
+    block = _block(model, names, skip_expert=3)
+    _, index = _moe_inputs(block)
+    assert not (index == 3).any()
+    recipe = from_flags("gptq", scheme="w4a16_asym", group_size=32)
+    recipe = replace(recipe, calibration=CalibrationArgs(calibrate_all_experts=calibrate_all))
+    with caplog.at_level("WARNING", logger="qtk.methods.gptq"):
+        calibrate.quantize_block(model, block, recipe, last=True)
+    starved = [r.getMessage() for r in caplog.records if "round-to-nearest" in r.getMessage()]
+    if calibrate_all:
+        assert not starved
+    else:
+        assert len(starved) == 1 and all(f"mlp.experts.3.{p}" in starved[0] for p in moe.PROJECTIONS)
+        assert "mlp.experts.2." not in starved[0]
+    for n in names:
+        q = block.linear(n)
+        assert isinstance(q, QuantLinear) and torch.isfinite(q.weight_scale).all() and (q.weight_scale > 0).all()
+    assert all(0 < block.errors[n] < 0.2 for n in names)
