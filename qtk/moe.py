@@ -58,8 +58,15 @@ class LinearExperts(nn.ModuleList):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)  # [T, H]
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)  # [T * k]
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=len(self)).tolist()  # one device sync per block
+        start = 0
         for e, expert in enumerate(self):
-            token, slot = torch.where(top_k_index == e)  # the tokens routed to e, and where in their top-k
+            pairs = order[start:start + counts[e]]
+            start += counts[e]
+            token, slot = pairs // k, pairs % k  # the tokens routed to e, and where in their top-k
             if self.calibrate_all:
                 y = expert(hidden_states)[token]  # hooks see every token; only the routed ones are summed
             elif len(token):
