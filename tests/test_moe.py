@@ -218,3 +218,77 @@ def test_an_expert_the_router_never_picks_is_rounded_to_nearest_and_named(caplog
         q = block.linear(n)
         assert isinstance(q, QuantLinear) and torch.isfinite(q.weight_scale).all() and (q.weight_scale > 0).all()
     assert all(0 < block.errors[n] < 0.2 for n in names)
+
+
+# --- quantize -> checkpoint -> load -----------------------------------------------------
+
+CALIB = torch.randint(3, 256, (8, 24), generator=torch.Generator().manual_seed(2))
+
+
+def _quantized(model_type, method):
+    from qtk.calibrate import quantize_model
+    from qtk.recipe import from_flags
+
+    model = tiny(model_type)
+    moe.linearize_experts(model)
+    recipe = from_flags(method, scheme="w4a16", group_size=32)
+    quantize_model(model, recipe, CALIB, progress=False)
+    return model, recipe
+
+
+def _kinds(model):
+    """(expert projections that are not QuantLinear, routers that are)."""
+    from qtk.quant_linear import QuantLinear
+
+    experts = [f"{n}.{i}.{p}" for n, m in moe.experts_modules(model).items() for i, x in enumerate(m)
+               for p in moe.PROJECTIONS if hasattr(x, p)]
+    assert experts
+    return ([e for e in experts if not isinstance(model.get_submodule(e), QuantLinear)],
+            [r for r in moe.router_names(model) if isinstance(model.get_submodule(r), QuantLinear)])
+
+
+@pytest.mark.parametrize("model_type,method", [(t, m) for t in ("qwen3_moe", "mixtral", "gpt_oss")
+                                               for m in ("rtn", "gptq")])
+def test_quantized_moe_checkpoint_loads_with_the_same_logits(model_type, method, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from interop import byte_tokenizer
+    from qtk.calibrate import checkpoint_groups
+    from qtk.checkpoint import load_quantized, save_quantized
+
+    model, recipe = _quantized(model_type, method)
+    assert _kinds(model) == ([], [])
+    ref = _logits(model)
+    groups, ignore = checkpoint_groups(model, recipe)
+    out = save_quantized(model, byte_tokenizer(), tmp_path / "q", groups, ignore, None, dtype=torch.float32)
+    loaded = load_quantized(out)
+    assert _kinds(loaded) == ([], [])
+    torch.testing.assert_close(_logits(loaded), ref, rtol=0, atol=1e-5)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    gate, _, down, router = HUB_NAMES[model_type]
+    assert {f"model.layers.1.{gate}.weight_packed", f"model.layers.1.{down}.weight_scale"} <= keys
+    assert not any("gate_proj" in k for k in keys) if model_type == "mixtral" else True
+    assert f"model.layers.1.{router}" in json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+
+
+def test_qtk_quantize_linearizes_a_moe_and_writes_what_loads(tmp_path):
+    """`qtk quantize` end to end (pipeline.quantize) on a saved tiny Qwen3-MoE."""
+    from qtk.checkpoint import load_quantized
+    from qtk.pipeline import quantize
+    from qtk.recipe import CalibrationArgs, from_flags
+    from zoo import saved
+
+    model = tiny("qwen3_moe")
+    src = saved(model, tmp_path / "src")
+    ref = _logits(model)
+    recipe = from_flags("gptq", scheme="w8a16")
+    recipe = __import__("dataclasses").replace(recipe, calibration=CalibrationArgs(num_samples=4, seq_len=32), dtype="float32")
+    report = quantize(src, recipe, tmp_path / "q", dtype=torch.float32, progress=False)
+    assert sum(".experts." in n for n in report["layers"]) == 2 * 4 * 3
+    loaded = load_quantized(tmp_path / "q")
+    assert _kinds(loaded) == ([], [])
+    got = _logits(loaded)
+    assert 0 < ((got - ref).norm() / ref.norm()).item() < 0.02
