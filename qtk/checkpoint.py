@@ -119,7 +119,9 @@ def _write(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files):
     cfg = model.config.to_dict()
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     cfg.pop("torch_dtype", None)
-    ignore = [i if i.startswith("re:") else moe.hub_name(model.config.model_type, i) for i in ignore]
+    # an ignored layer under the model's name (transformers' loader) and the hub's (vLLM's), where they differ
+    names = ((i,) if i.startswith("re:") else (i, moe.hub_name(model.config.model_type, i)) for i in ignore)
+    ignore = list(dict.fromkeys(n for pair in names for n in pair))
     cfg["quantization_config"] = quantization_config(groups, ignore, kv)
     (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if getattr(model, "generation_config", None) is not None:

@@ -292,3 +292,25 @@ def test_qtk_quantize_linearizes_a_moe_and_writes_what_loads(tmp_path):
     assert _kinds(loaded) == ([], [])
     got = _logits(loaded)
     assert 0 < ((got - ref).norm() / ref.norm()).item() < 0.02
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "phimoe"])
+def test_transformers_compressed_tensors_loader_reads_the_moe_checkpoint(model_type, tmp_path):
+    """The referee for the families whose hub names experts one by one: transformers (with the
+    compressed-tensors package) merges our per-expert tensors into its 3-D experts, router float.
+    GraniteMoE and gpt-oss store 3-D experts on the hub; transformers reads no per-expert names
+    there (vLLM's loaders do), so they are not asked here."""
+    from transformers import AutoModelForCausalLM
+
+    from interop import byte_tokenizer
+    from qtk.calibrate import checkpoint_groups
+    from qtk.checkpoint import save_quantized
+
+    model, recipe = _quantized(model_type, "rtn")
+    ref = _logits(model)
+    groups, ignore = checkpoint_groups(model, recipe)
+    out = save_quantized(model, byte_tokenizer(), tmp_path / "q", groups, ignore, None, dtype=torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert any(moe.is_fused_experts(m) for m in theirs.modules())
+    torch.testing.assert_close(_logits(theirs), ref, rtol=0, atol=1e-5)
