@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -62,17 +63,16 @@ class LinearExperts(nn.ModuleList):
         flat = top_k_index.reshape(-1)  # [T * k]
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=len(self)).tolist()  # one device sync per block
-        start = 0
+        ends = list(itertools.accumulate(counts))
         for e, expert in enumerate(self):
-            pairs = order[start:start + counts[e]]
-            start += counts[e]
+            if not counts[e] and not self.calibrate_all:
+                continue
+            pairs = order[ends[e] - counts[e]:ends[e]]
             token, slot = pairs // k, pairs % k  # the tokens routed to e, and where in their top-k
             if self.calibrate_all:
                 y = expert(hidden_states)[token]  # hooks see every token; only the routed ones are summed
-            elif len(token):
-                y = expert(hidden_states[token])
             else:
-                continue
+                y = expert(hidden_states[token])
             out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
         return out
 
