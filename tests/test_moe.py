@@ -314,3 +314,19 @@ def test_transformers_compressed_tensors_loader_reads_the_moe_checkpoint(model_t
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert any(moe.is_fused_experts(m) for m in theirs.modules())
     torch.testing.assert_close(_logits(theirs), ref, rtol=0, atol=1e-5)
+
+
+def test_calibrate_all_experts_is_a_recipe_option(tmp_path):
+    from qtk.errors import InputError
+    from qtk.recipe import build, to_yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text("method: gptq\nscheme: w4a16\ncalibration:\n  calibrate_all_experts: false\n")
+    recipe = build(recipe_file=str(path))
+    assert recipe.calibration.calibrate_all_experts is False
+    assert build(method="gptq").calibration.calibrate_all_experts is True  # llm-compressor's default too
+    path.write_text(to_yaml(recipe))
+    assert build(recipe_file=str(path)) == recipe
+    path.write_text("method: gptq\ncalibration:\n  calibrate_all_experts: 'no'\n")
+    with pytest.raises(InputError, match="calibration.calibrate_all_experts must be true or false"):
+        build(recipe_file=str(path))
