@@ -177,7 +177,8 @@ class LayerProbe:
             handles += [m.register_forward_pre_hook(keep(name), with_kwargs=True)
                         for name, m in self.layer.named_modules()]
         if scale is not None:
-            handles.append(self.layer.get_submodule(scale[0]).register_forward_hook(lambda _, __, y: y * scale[1]))
+            handles.append(self.layer.get_submodule(scale[0]).register_forward_hook(  # (a router's output is a tuple)
+                lambda _, __, y: y * scale[1] if isinstance(y, torch.Tensor) else y))
         try:
             with torch.no_grad():
                 y = self.layer(*self.args, **self.kwargs)

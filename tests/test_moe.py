@@ -124,13 +124,14 @@ def _expert_names(model, layer=0):
 def _block(model, names, skip_expert=None):
     """Block 0 of a linearized tiny qwen3_moe with its calibration inputs; with skip_expert, a
     router that never picks that expert."""
-    from qtk.arch import Arch
+    from qtk.arch import discover
     from qtk.calibrate import Block, capture_inputs
 
     if skip_expert is not None:
         for layer in model.model.layers:
             layer.mlp.gate.register_forward_hook(_never(skip_expert))
-    arch = Arch(layers="model.layers", linears=names, smooth=())
+    arch = discover(model)
+    assert tuple(n for n in arch.linears[0] if ".experts." in n) == names  # every expert found, in order
     ids = torch.randint(3, 256, (4, 16), generator=torch.Generator().manual_seed(1))
     inputs = capture_inputs(model, arch, ids, torch.device("cpu"), 2)
     return Block(0, "model.layers.0", model.model.layers[0], arch, inputs.for_block(0), torch.device("cpu"), names)
