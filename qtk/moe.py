@@ -153,11 +153,19 @@ def _glu(fused: nn.Module, layout: dict):
     shell._parameters = {}
     if not layout["has_gate"]:
         return functools.partial(_act, shell)
+    from transformers.integrations.moe import _default_apply_gate
+
+    if type(fused)._apply_gate is _default_apply_gate and layout["is_concatenated"]:  # act(gate) * up, unjoined
+        return functools.partial(_swiglu, shell)
     return functools.partial(_gated, shell, layout)
 
 
 def _gated(shell, layout, gate, up):
     return type(shell)._apply_gate(shell, _join(gate, up, layout))
+
+
+def _swiglu(shell, gate, up):
+    return shell.act_fn(gate) * up
 
 
 def _act(shell, up):

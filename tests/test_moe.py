@@ -331,3 +331,75 @@ def test_calibrate_all_experts_is_a_recipe_option(tmp_path):
     path.write_text("method: gptq\ncalibration:\n  calibrate_all_experts: 'no'\n")
     with pytest.raises(InputError, match="calibration.calibrate_all_experts must be true or false"):
         build(recipe_file=str(path))
+
+
+def _synthetic_experts(has_gate, is_transposed, is_concatenated, has_bias):
+    """A 3-D experts module of a layout no zoo family has, run by transformers' batched_mm."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    E, H, I = 3, 8, 6  # noqa: N806
+
+    @use_experts_implementation(has_gate=has_gate, is_transposed=is_transposed,
+                                is_concatenated=is_concatenated, has_bias=has_bias)
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = E
+            up = "gate_up_proj" if has_gate else "up_proj"
+            width = 2 * I if has_gate else I
+            setattr(self, up, nn.Parameter(torch.randn((E, H, width) if is_transposed else (E, width, H))))
+            self.down_proj = nn.Parameter(torch.randn((E, I, H) if is_transposed else (E, H, I)))
+            if has_bias:
+                setattr(self, up + "_bias", nn.Parameter(torch.randn(E, width)))
+                self.down_proj_bias = nn.Parameter(torch.randn(E, H))
+            self.act_fn = nn.GELU()
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            raise AssertionError("dispatched to batched_mm")
+
+    config = type("Config", (), {"_experts_implementation": "batched_mm"})()
+    torch.manual_seed(0)
+    return Experts(config)
+
+
+@pytest.mark.parametrize("has_gate,is_transposed,is_concatenated,has_bias", [
+    (True, False, False, False), (True, True, True, True), (False, False, True, True), (False, True, True, False)])
+def test_every_layout_of_use_experts_implementation(has_gate, is_transposed, is_concatenated, has_bias):
+    fused = _synthetic_experts(has_gate, is_transposed, is_concatenated, has_bias)
+    x = torch.randn(10, 8)
+    index = torch.stack([torch.randperm(3)[:2] for _ in range(10)])  # [10, 2], top-2 of 3 experts
+    weights = torch.rand(10, 2)
+    linear = moe.linear_experts(fused)
+    torch.testing.assert_close(linear(x, index, weights), fused(x, index, weights), rtol=1e-5, atol=1e-5)
+    params = dict(fused.named_parameters())
+    fused_again = moe.fuse(linear)
+    assert fused_again.keys() == params.keys() and all(torch.equal(fused_again[k], params[k]) for k in params)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "granitemoe"])
+def test_float_experts_are_written_3d_and_load_back(model_type, tmp_path):
+    """Experts left float (ignored) in a family whose hub stores them 3-D: written 3-D (hub names),
+    split per expert again by load_quantized."""
+    from dataclasses import replace
+
+    from safetensors import safe_open
+
+    from interop import byte_tokenizer
+    from qtk.calibrate import checkpoint_groups, quantize_model
+    from qtk.checkpoint import load_quantized, save_quantized
+    from qtk.recipe import from_flags
+
+    model = tiny(model_type)
+    moe.linearize_experts(model)
+    recipe = replace(from_flags("rtn", scheme="w8a16"), ignore=("lm_head", "re:.*experts.*"))
+    quantize_model(model, recipe, None, progress=False)
+    ref = _logits(model)
+    groups, ignore = checkpoint_groups(model, recipe)
+    out = save_quantized(model, byte_tokenizer(), tmp_path / "q", groups, ignore, None, dtype=torch.float32)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    fused = {"gpt_oss": "mlp.experts.gate_up_proj", "granitemoe": "block_sparse_moe.input_linear.weight"}[model_type]
+    assert f"model.layers.0.{fused}" in keys and not any(".experts.0." in k for k in keys)
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in keys
+    loaded = load_quantized(out)
+    torch.testing.assert_close(_logits(loaded), ref, rtol=0, atol=1e-5)
