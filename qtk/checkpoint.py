@@ -222,11 +222,10 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device:
     with init_empty_weights(include_buffers=False):  # buffers real: rotary inv_freq, embedding scales, ...
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     moe.linearize_experts(model)  # each expert's projections are their own (Quant)Linears
-    tensors = read_tensors(path)
+    tensors = moe.model_tensors(model, read_tensors(path))  # the hub's expert names -> the model's
     if hub_formats.is_hub_format(qc):  # GPTQ / AWQ: repacked into compressed-tensors' layout
         layers, tensors = hub_formats.convert(qc, tensors, model, path)
     else:
-        tensors = moe.model_tensors(model, tensors)  # the hub's expert names -> the model's
         layers = quantized_linear_names(model, schemes, ignore)
     for name, scheme in layers.items():
         lin = model.get_submodule(name)
