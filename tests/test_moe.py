@@ -191,8 +191,16 @@ def test_gptq_hessian_of_each_expert_sees_the_tokens_the_recipe_says(monkeypatch
     assert len(set(counts)) > 1 and sum(counts) == 2 * len(x)  # the routed token sets do differ
 
 
+# (method, scheme, weights): GPTQ alone, AWQ's scales then GPTQ, FP8 with static input scales
+NEVER_PICKED = [("gptq", "w4a16_asym", None), ("awq", "w4a16_asym", "gptq"), ("fp8", "fp8_static", None)]
+
+
 @pytest.mark.parametrize("calibrate_all", [False, True])
-def test_an_expert_the_router_never_picks_is_rounded_to_nearest_and_named(caplog, calibrate_all):
+@pytest.mark.parametrize("method,scheme,weights", NEVER_PICKED)
+def test_an_expert_the_router_never_picks_gets_finite_scales(caplog, calibrate_all, method, scheme, weights):
+    """No NaN or garbage for an expert no calibration token is routed to: GPTQ rounds it to
+    nearest and names it (unless every token goes through every expert); a static input range is
+    observed over every token, so it has one."""
     from dataclasses import replace
 
     from qtk import calibrate
@@ -205,12 +213,12 @@ def test_an_expert_the_router_never_picks_is_rounded_to_nearest_and_named(caplog
     block = _block(model, names, skip_expert=3)
     _, index = _moe_inputs(block)
     assert not (index == 3).any()
-    recipe = from_flags("gptq", scheme="w4a16_asym", group_size=32)
+    recipe = from_flags(method, scheme=scheme, group_size=32 if scheme.startswith("w4") else None, weights=weights)
     recipe = replace(recipe, calibration=CalibrationArgs(calibrate_all_experts=calibrate_all))
     with caplog.at_level("WARNING", logger="qtk.methods.gptq"):
         calibrate.quantize_block(model, block, recipe, last=True)
     starved = [r.getMessage() for r in caplog.records if "round-to-nearest" in r.getMessage()]
-    if calibrate_all:
+    if calibrate_all or recipe.weights != "gptq":
         assert not starved
     else:
         assert len(starved) == 1 and all(f"mlp.experts.3.{p}" in starved[0] for p in moe.PROJECTIONS)
@@ -218,6 +226,10 @@ def test_an_expert_the_router_never_picks_is_rounded_to_nearest_and_named(caplog
     for n in names:
         q = block.linear(n)
         assert isinstance(q, QuantLinear) and torch.isfinite(q.weight_scale).all() and (q.weight_scale > 0).all()
+        if scheme == "fp8_static":  # every expert's gate/up range is that of every token (expert 0's too)
+            ref = block.linear(n.replace(n.split(".")[2], "0", 1)).input_scale
+            assert float(q.input_scale) > 0 and (n.endswith("down_proj") or torch.equal(q.input_scale, ref))
+    assert all(torch.isfinite(p).all() for p in block.layer.parameters())
     assert all(0 < block.errors[n] < 0.2 for n in names)
 
 

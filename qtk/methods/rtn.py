@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from ..moe import all_experts
 from ..quant import dequantize_weight, qparams, quantize_weight
 from ..quant_linear import QuantLinear
@@ -46,7 +47,11 @@ def quantize_block(block, recipe) -> None:
 
 def quantize_linears(block, names, scheme, absmax) -> None:
     """Each named Linear of the block rounded to nearest and replaced by its QuantLinear."""
+    act = scheme.input_activations
     for name in names:
+        if act is not None and not act.dynamic and name not in absmax:  # no input ever reached it
+            raise InputError(f"{block.name}.{name} saw no calibration input, so it has no static input scale; "
+                             "add it to ignore or use a dynamic activation scheme")
         lin = block.linear(name)
         w = lin.weight.data
         q, scale, zp = quantize_weight(w, scheme.weights)
