@@ -217,7 +217,7 @@ class HubLayout:
 
 
 _W132 = ((".experts.*.gate_proj.", ".experts.*.w1."), (".experts.*.up_proj.", ".experts.*.w3."),
-         (".experts.*.down_proj.", ".experts.*.w2."))  # Mixtral's names, which vLLM's loaders read
+         (".experts.*.down_proj.", ".experts.*.w2."))  # Mixtral's names (vLLM's mixtral/phimoe ckpt_names)
 
 # model_type -> its hub layout (transformers' conversion_mapping.py read backwards); a type not
 # here names its experts as qtk does (Qwen2/3-MoE, OLMoE: mlp.experts.7.gate_proj, mlp.gate)
@@ -225,9 +225,9 @@ HUB: dict[str, HubLayout] = {
     "mixtral": HubLayout(((".mlp.", ".block_sparse_moe."), *_W132)),
     "phimoe": HubLayout(((".mlp.router.", ".block_sparse_moe.gate."), (".mlp.", ".block_sparse_moe."), *_W132)),
     # hub: block_sparse_moe.input_linear / output_linear [E, ..] and router.layer; quantized experts
-    # as vLLM's granitemoe loader splits them (experts.N.w1/w3/w2)
+    # as vLLM's granitemoe FusedMoE reads them (its default names: experts.N.gate_proj, vLLM 0.32)
     "granitemoe": HubLayout(((".router.", ".router.layer."), (".experts.gate_up_proj.", ".input_linear.weight."),
-                             (".experts.down_proj.", ".output_linear.weight."), *_W132), fused=True),
+                             (".experts.down_proj.", ".output_linear.weight.")), fused=True),
     # hub: mlp.experts.gate_up_proj [E, H, 2I] (+ bias, gate/up interleaved); quantized experts as
     # llm-compressor writes them (mlp.experts.N.gate_proj, with biases)
     "gpt_oss": HubLayout(fused=True),

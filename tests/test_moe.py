@@ -14,7 +14,8 @@ from zoo import MOE, tiny
 IDS = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
 # model_type -> the hub's names of layer 0's expert 1 projections and of its router (what
-# transformers' conversion_mapping.py reads, and vLLM's loaders); None where the hub holds 3-D
+# transformers' conversion_mapping.py reads, and vLLM 0.32's loaders: FusedMoE's ckpt_names, w1/w3/w2
+# for Mixtral and PhiMoE, its gate_proj/up_proj/down_proj default for the rest)
 HUB_NAMES = {
     "qwen3_moe": ("mlp.experts.1.gate_proj", "mlp.experts.1.up_proj", "mlp.experts.1.down_proj", "mlp.gate"),
     "qwen2_moe": ("mlp.experts.1.gate_proj", "mlp.experts.1.up_proj", "mlp.experts.1.down_proj", "mlp.gate"),
@@ -23,8 +24,8 @@ HUB_NAMES = {
                 "block_sparse_moe.gate"),
     "phimoe": ("block_sparse_moe.experts.1.w1", "block_sparse_moe.experts.1.w3", "block_sparse_moe.experts.1.w2",
                "block_sparse_moe.gate"),
-    "granitemoe": ("block_sparse_moe.experts.1.w1", "block_sparse_moe.experts.1.w3", "block_sparse_moe.experts.1.w2",
-                   "block_sparse_moe.router.layer"),
+    "granitemoe": ("block_sparse_moe.experts.1.gate_proj", "block_sparse_moe.experts.1.up_proj",
+                   "block_sparse_moe.experts.1.down_proj", "block_sparse_moe.router.layer"),
     "gpt_oss": ("mlp.experts.1.gate_proj", "mlp.experts.1.up_proj", "mlp.experts.1.down_proj", "mlp.router"),
 }
 
