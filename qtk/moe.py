@@ -229,7 +229,8 @@ HUB: dict[str, HubLayout] = {
     "granitemoe": HubLayout(((".router.", ".router.layer."), (".experts.gate_up_proj.", ".input_linear.weight."),
                              (".experts.down_proj.", ".output_linear.weight.")), fused=True),
     # hub: mlp.experts.gate_up_proj [E, H, 2I] (+ bias, gate/up interleaved); quantized experts as
-    # llm-compressor writes them (mlp.experts.N.gate_proj, with biases)
+    # llm-compressor 0.14 writes them (mlp.experts.N.gate_proj, with biases). vLLM 0.32's gpt-oss
+    # loader reads no per-expert compressed-tensors names (3-D, mxfp4 and quark only)
     "gpt_oss": HubLayout(fused=True),
 }
 
