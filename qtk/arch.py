@@ -42,7 +42,7 @@ class Arch:
 
 def decoder_layers(model: nn.Module) -> str:
     """Path of the ModuleList holding the config's num_hidden_layers decoder blocks (works on meta)."""
-    n = model.config.get_text_config().num_hidden_layers
+    n = model.config.get_text_config(decoder=True).num_hidden_layers
     for name, m in model.named_modules():
         if isinstance(m, nn.ModuleList) and len(m) == n and any(isinstance(x, nn.Linear) for x in m[0].modules()):
             return name
@@ -56,7 +56,7 @@ def static_linears(layer: nn.Module) -> tuple[str, ...]:
 
 
 def _trace_ids(model: nn.Module) -> torch.Tensor:
-    vocab = model.config.get_text_config().vocab_size
+    vocab = model.config.get_text_config(decoder=True).vocab_size
     device = next(model.parameters()).device
     return torch.randint(3, vocab, (1, TRACE_TOKENS), generator=torch.Generator().manual_seed(0)).to(device)
 
@@ -162,7 +162,7 @@ def check_supported(config) -> None:
         raise InputError(f"model_type {mt!r} is not a causal LM transformers loads (AutoModelForCausalLM has no "
                          "class for it); qtk quantizes and serves decoder-only causal LMs")
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt])
-    kinds = sorted(set(getattr(config.get_text_config(), "layer_types", None) or ()) - set(ATTENTION_LAYERS))
+    kinds = sorted(set(getattr(config.get_text_config(decoder=True), "layer_types", None) or ()) - set(ATTENTION_LAYERS))
     if getattr(cls, "_is_stateful", False) or kinds:
         what = f"layers of type {', '.join(kinds)}" if kinds else "recurrent (state-space) layers"
         raise InputError(f"model_type {mt!r} has {what}: qtk runs attention-only decoders (full or sliding "

@@ -250,3 +250,23 @@ def test_a_model_type_that_is_not_a_causal_lm_fails_with_one_line():
 @pytest.mark.parametrize("model_type", TYPES)
 def test_every_zoo_type_is_supported(model_type):
     check_supported(tiny_config(model_type))
+
+
+@pytest.mark.slow
+def test_every_causal_lm_type_is_accepted_or_refused_in_one_line():
+    """All of transformers' causal-LM model types: check_supported passes or says why in one line."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    accepted = []
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            config = CONFIG_MAPPING[model_type]()
+        except Exception:  # noqa: BLE001  (configs that need arguments raise their own validation errors)
+            continue
+        try:
+            check_supported(config)
+            accepted.append(model_type)
+        except InputError as e:
+            assert "\n" not in str(e) and model_type in str(e)
+    assert set(DENSE) <= set(accepted) and not {"mamba", "jamba", "qwen3_next", "rwkv"} & set(accepted)
