@@ -128,7 +128,9 @@ def test_quantize_save_load_gives_the_same_logits(model_type, method, tmp_path):
 @pytest.mark.parametrize("model_type", ["llama", "gpt_neox", "opt", "gemma3_text", "phi3", "cohere2"])
 def test_kv_cache_scales_on_the_discovered_attention(model_type, tmp_path):
     quantized, loaded = quantize_roundtrip(model_type, "gptq", tmp_path, kv_cache="fp8")
-    arch = discover(tiny(model_type))
+    arch = discover(loaded, smoothing=False)  # a quantized model's blocks, as found by its own trace
+    float_arch = discover(tiny(model_type))
+    assert (arch.layers, arch.linears, arch.attention) == (float_arch.layers, float_arch.linears, float_arch.attention)
     for i, attention in enumerate(arch.attention):
         name = f"{arch.layers}.{i}.{attention}"
         for m in (quantized, loaded):
