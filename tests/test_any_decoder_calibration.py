@@ -272,3 +272,29 @@ def test_every_causal_lm_type_is_accepted_or_refused_in_one_line():
         except InputError as e:
             assert "\n" not in str(e) and model_type in str(e)
     assert set(DENSE) <= set(accepted) and not {"mamba", "jamba", "qwen3_next", "rwkv"} & set(accepted)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "phi3", "gpt_neox", "opt"])
+def test_qtk_quantize_and_inspect_a_non_llama_model(model_type, tmp_path):
+    """`qtk quantize` (the default recipe: AWQ then GPTQ, with an FP8 KV cache) and `qtk inspect`
+    on a model directory of the type, as a user runs them; the checkpoint loads to finite logits."""
+    from click.testing import CliRunner
+
+    from qtk.cli import main
+    from zoo import saved
+
+    src = saved(tiny(model_type), tmp_path / "src")
+    out = tmp_path / "q"
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+
+    def run(*args):
+        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    result = run("quantize", src, "-o", out, "--dataset", text, "--num-samples", 4, "--seq-len", 32,
+                 "--kv-cache", "fp8")
+    assert result.exit_code == 0, result.output
+    assert f"(awq+gptq, {sum(len(ls) for ls in discover(tiny(model_type)).linears)} layers" in result.stdout
+    result = run("inspect", out)
+    assert result.exit_code == 0 and model_type in result.stdout, result.output
+    assert torch.isfinite(logits(load_quantized(out).eval(), calib(1))).all()
