@@ -188,7 +188,7 @@ class LayerProbe:
         return (y, calls) if record else y
 
     def linear_inputs(self, calls: dict) -> dict[str, torch.Tensor]:
-        return {n: calls[n][0][0] for n in self.order if n in calls}
+        return {n: calls[n][0][0] for n in self.order if n in calls and calls[n][0]}  # called as linear(x)
 
     def random_scale(self, n: int) -> torch.Tensor:
         return (torch.rand(n, generator=self.gen) * 1.5 + 0.5).to(self.base.device)  # s in [0.5, 2]
