@@ -41,11 +41,16 @@ class Arch:
     before: tuple[str, ...]  # modules outside the layers that run before block 0 (embeddings, rotary)
 
 
+def is_linear(m: nn.Module) -> bool:
+    """An nn.Linear, or a module standing in for one (qtk's QuantLinear: in_features, out_features)."""
+    return isinstance(m, nn.Linear) or (hasattr(m, "in_features") and hasattr(m, "out_features"))
+
+
 def decoder_layers(model: nn.Module) -> str:
     """Path of the ModuleList holding the config's num_hidden_layers decoder blocks (works on meta)."""
-    n = model.config.get_text_config().num_hidden_layers
+    n = model.config.get_text_config(decoder=True).num_hidden_layers
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) == n and any(isinstance(x, nn.Linear) for x in m[0].modules()):
+        if isinstance(m, nn.ModuleList) and len(m) == n and any(is_linear(x) for x in m[0].modules()):
             return name
     raise InputError(f"{model.config.model_type}: no list of {n} decoder layers (num_hidden_layers) with "
                      "Linear layers in the model; qtk quantizes decoders whose blocks sit in one nn.ModuleList")
@@ -53,11 +58,11 @@ def decoder_layers(model: nn.Module) -> str:
 
 def static_linears(layer: nn.Module) -> tuple[str, ...]:
     """A block's Linear layers in definition order (no forward: for a model on meta)."""
-    return tuple(n for n, m in layer.named_modules() if isinstance(m, nn.Linear))
+    return tuple(n for n, m in layer.named_modules() if is_linear(m))
 
 
 def _trace_ids(model: nn.Module) -> torch.Tensor:
-    vocab = model.config.get_text_config().vocab_size
+    vocab = model.config.get_text_config(decoder=True).vocab_size
     device = next(model.parameters()).device
     return torch.randint(3, vocab, (1, TRACE_TOKENS), generator=torch.Generator().manual_seed(0)).to(device)
 
@@ -87,7 +92,7 @@ def _trace(model: nn.Module, path: str) -> _Trace:
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(on_layer(i), with_kwargs=True))
         for rel, m in layer.named_modules():
-            if isinstance(m, nn.Linear):
+            if is_linear(m):
                 handles.append(m.register_forward_pre_hook(lambda *_, i=i, rel=rel: t.order[i].append(rel)))
     for name, m in model.named_modules():
         outside = not (name == path or name.startswith(path + ".") or path.startswith(name + ".") or name == "")
@@ -128,8 +133,9 @@ def _structure(layer: nn.Module) -> tuple:
                  for n, m in layer.named_modules())
 
 
-def discover(model: nn.Module) -> Arch:
-    """The Arch of a model with real weights (a traced forward of a few tokens on its device)."""
+def discover(model: nn.Module, smoothing: bool = True) -> Arch:
+    """The Arch of a model with real weights (a traced forward of a few tokens on its device);
+    smoothing=False leaves the pairs empty (no probing: e.g. a model already quantized)."""
     path = decoder_layers(model)
     layers = model.get_submodule(path)
     t = _trace(model, path)
@@ -145,7 +151,9 @@ def discover(model: nn.Module) -> Arch:
     smooth = []
     for i, layer in enumerate(layers):
         key = _structure(layer)
-        if key not in pairs_of:
+        if not smoothing:
+            pairs_of[key] = ()
+        elif key not in pairs_of:
             pairs_of[key] = layer_pairs(model_type, LayerProbe(layer, t.calls[i], linears[i]), t.attention[i])
         smooth.append(pairs_of[key])
     return Arch(model_type, path, tuple(linears), tuple(t.attention), tuple(smooth), _outermost(t.before))
@@ -163,7 +171,7 @@ def check_supported(config) -> None:
         raise InputError(f"model_type {mt!r} is not a causal LM transformers loads (AutoModelForCausalLM has no "
                          "class for it); qtk quantizes and serves decoder-only causal LMs")
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt])
-    kinds = sorted(set(getattr(config.get_text_config(), "layer_types", None) or ()) - set(ATTENTION_LAYERS))
+    kinds = sorted(set(getattr(config.get_text_config(decoder=True), "layer_types", None) or ()) - set(ATTENTION_LAYERS))
     if getattr(cls, "_is_stateful", False) or kinds:
         what = f"layers of type {', '.join(kinds)}" if kinds else "recurrent (state-space) layers"
         raise InputError(f"model_type {mt!r} has {what}: qtk runs attention-only decoders (full or sliding "

@@ -185,7 +185,7 @@ def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torc
     for batch in calls:
         args, kw = batch[0]  # block 0's call
         hidden.append((args[0] if args else kw["hidden_states"]).to("cpu"))
-        kwargs.append({k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "past_key_value")})
+        kwargs.append({k: v for k, v in kw.items() if k not in ("hidden_states", "cache", "past_key_values", "past_key_value")})
         kwargs[-1]["use_cache"] = False
         masks.append([block_kw.get("attention_mask") for _, block_kw in batch])
     return BlockInputs(hidden, kwargs, masks)

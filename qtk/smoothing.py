@@ -177,8 +177,7 @@ class LayerProbe:
             handles += [m.register_forward_pre_hook(keep(name), with_kwargs=True)
                         for name, m in self.layer.named_modules()]
         if scale is not None:
-            handles.append(self.layer.get_submodule(scale[0]).register_forward_hook(  # (a router's output is a tuple)
-                lambda _, __, y: y * scale[1] if isinstance(y, torch.Tensor) else y))
+            handles.append(self.layer.get_submodule(scale[0]).register_forward_hook(_scaled(scale[1])))
         try:
             with torch.no_grad():
                 y = self.layer(*self.args, **self.kwargs)
@@ -189,7 +188,7 @@ class LayerProbe:
         return (y, calls) if record else y
 
     def linear_inputs(self, calls: dict) -> dict[str, torch.Tensor]:
-        return {n: calls[n][0][0] for n in self.order if n in calls}
+        return {n: calls[n][0][0] for n in self.order if n in calls and calls[n][0]}  # called as linear(x)
 
     def random_scale(self, n: int) -> torch.Tensor:
         return (torch.rand(n, generator=self.gen) * 1.5 + 0.5).to(self.base.device)  # s in [0.5, 2]
@@ -230,6 +229,16 @@ class LayerProbe:
         if len(args) == 1 and not kwargs and args[0] is self.inputs[linears[0]]:
             return parent
         return None
+
+
+def _scaled(s: torch.Tensor):
+    """A forward hook multiplying a module's output channels by s (an output that is not one tensor
+    of that width is left alone: nothing then reads x * s)."""
+    def hook(_, __, y):
+        if isinstance(y, torch.Tensor) and y.shape[-1] == s.numel():
+            return y * s
+        return None
+    return hook
 
 
 def _to_float(call):
