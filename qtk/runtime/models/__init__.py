@@ -16,11 +16,12 @@ def is_native(hf_model: nn.Module) -> bool:
     return hf_model.config.model_type in FAMILIES
 
 
-def build(hf_model: nn.Module) -> LlamaModel | GenericModel:
+def build(hf_model: nn.Module, generic: bool = False) -> LlamaModel | GenericModel:
     """The runtime model over hf_model, its float32 CPU Linears packed for oneDNN (and, on the native
     path, q/k/v and gate/up fused; the generic path keeps the module names its modeling code calls).
-    InputError with one line where the generic path cannot run the model."""
-    if is_native(hf_model):
+    generic: the generic path even where a native one exists (vLLM's model_impl="transformers"; to
+    measure one against the other). InputError with one line where the generic path cannot run the model."""
+    if is_native(hf_model) and not generic:
         bf16_lm_head(hf_model)
         pack_linears(hf_model, fuse=FUSED)
         return LlamaModel(hf_model)
