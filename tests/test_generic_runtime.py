@@ -142,16 +142,31 @@ def test_generic_path_of_a_llama_model_agrees_with_the_native_path():
         torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=1e-5, rtol=1e-5)
 
 
-def test_packed_linears_keep_the_generic_path_exact():
-    """The engine's build packs every float32 Linear for oneDNN: the modeling code still runs and
-    gives transformers' logits (here against a twin that was not packed)."""
-    for model_type in ("gemma2", "gpt_oss", "opt", "phi3"):
-        model, twin = tiny(model_type), tiny(model_type)
-        runtime = build(model)
-        seqs, logits, _ = greedy_through_runtime(model, prompts(12), new_tokens=4, backend="torch", runtime=runtime)
-        with torch.no_grad():
-            want = twin(torch.tensor([seqs[0].token_ids])).logits[0, 11:-1]
-        torch.testing.assert_close(torch.stack(logits[seqs[0].seq_id]), want, atol=2e-4, rtol=1e-4)
+@pytest.mark.parametrize("model_type", TYPES)
+def test_the_engines_build_keeps_transformers_logits(model_type):
+    """The engine's build packs every float32 Linear for oneDNN (and the lm_head into bf16 where its
+    weight is bf16 numbers): the modeling code still runs and gives transformers' logits (against an
+    unpacked twin), on the backend the runner picks."""
+    model, twin = tiny(model_type), tiny(model_type)
+    runtime = build(model)
+    seqs, logits, _ = greedy_through_runtime(model, prompts(12), new_tokens=4, runtime=runtime)
+    with torch.no_grad():
+        want = twin(torch.tensor([seqs[0].token_ids])).logits[0, 11:-1]
+    torch.testing.assert_close(torch.stack(logits[seqs[0].seq_id]), want, atol=2e-4, rtol=1e-4)
+
+
+def test_longrope_is_fixed_at_load_on_the_generic_path():
+    """longrope's factors, which transformers picks per forward by its last position, are fixed at
+    load (the long ones, past original_max_position_embeddings 32): a 50-token prompt prefilled in
+    7-token chunks (the first ones below position 32) and its decodes get the logits of transformers'
+    one-shot forward (on an unpinned twin)."""
+    from test_model_families import LONGROPE
+
+    model, twin = (tiny("llama", rope_scaling=LONGROPE) for _ in range(2))
+    seqs, logits, _ = greedy_through_runtime(model, prompts(50), new_tokens=3, backend="torch", runtime=GenericModel)
+    with torch.no_grad():
+        want = twin(torch.tensor([seqs[0].token_ids])).logits[0, 49:-1]
+    torch.testing.assert_close(torch.stack(logits[seqs[0].seq_id]), want, atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("model_type", sorted(UNSUPPORTED))

@@ -66,7 +66,7 @@ class LayerProbe:
         self.calls.append(dict(module=module, layer_idx=getattr(module, "layer_idx", None), heads=query.shape[1],
                                kv_heads=key.shape[1], head_dim=key.shape[-1], v_head_dim=value.shape[-1],
                                window=sliding_window, softcap=softcap, sinks=s_aux is not None,
-                               causal=getattr(module, "is_causal", True)))
+                               causal=getattr(module, "is_causal", True), masked=attention_mask is not None))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
 
 
@@ -134,6 +134,8 @@ def _probe_problem(cfg, calls: list[dict]) -> str | None:
         return f"{where}: the layers' KV heads / head_dim differ; qtk's KV cache holds one shape for every layer"
     if not all(c["causal"] for c in calls):
         return f"{where}: an attention module is not causal; qtk's runtime runs causal decoders"
+    if any(c["masked"] for c in calls):  # masking_utils builds none for qtk_paged: this one is the model's own
+        return f"{where}: its modeling code builds an attention mask of its own, which qtk's paged attention cannot apply"
     return None
 
 
