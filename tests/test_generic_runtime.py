@@ -63,8 +63,8 @@ def test_generic_path_on_every_backend_sweep(model_type, backend):
 
 def test_the_probe_reads_each_layers_window_softcap_and_sinks():
     gemma2, gpt_oss = GenericModel(tiny("gemma2")), GenericModel(tiny("gpt_oss"))
-    assert (gemma2.windows, gemma2.softcaps, gemma2.sinks) == ([8, None], [50.0, 50.0], [False, False])
-    assert (gpt_oss.windows, gpt_oss.softcaps, gpt_oss.sinks) == ([8, None], [None, None], [True, True])
+    assert (gemma2.windows, gemma2.softcaps, gemma2.has_sinks) == ([8, None], [50.0, 50.0], [False, False])
+    assert (gpt_oss.windows, gpt_oss.softcaps, gpt_oss.has_sinks) == ([8, None], [None, None], [True, True])
     assert GenericModel(tiny("gemma3_text")).windows == [8, None]
     assert GenericModel(tiny("mistral")).windows == [8, 8]
     granite = GenericModel(tiny("granite"))

@@ -134,6 +134,10 @@ def _probe_problem(cfg, calls: list[dict]) -> str | None:
         return f"{where}: the layers' KV heads / head_dim differ; qtk's KV cache holds one shape for every layer"
     if not all(c["causal"] for c in calls):
         return f"{where}: an attention module is not causal; qtk's runtime runs causal decoders"
+    types, window = getattr(cfg, "layer_types", None) or [], getattr(cfg, "sliding_window", None)
+    if window and any(t == "sliding_attention" and c["window"] is None for t, c in zip(types, calls)):
+        return (f"{where}: its sliding layers apply their window through the mask only, not passing it to the "
+                "attention function, where qtk's paged attention would read it")
     if any(c["masked"] for c in calls):  # masking_utils builds none for qtk_paged: this one is the model's own
         return f"{where}: its modeling code builds an attention mask of its own, which qtk's paged attention cannot apply"
     return None
@@ -161,7 +165,7 @@ def pin_rope(model: nn.Module, max_positions: int) -> None:
         for lt in moving:
             kw = {} if lt is None else {"layer_type": lt}
             m(torch.zeros(1, device=device), torch.tensor([[max_positions - 1]], device=device), **kw)
-        m.rope_type = "default" if lt is None else {**types, **{lt: "default" for lt in moving}}
+        m.rope_type = "default" if isinstance(types, str) else {**types, **dict.fromkeys(moving, "default")}
 
 
 class GenericModel(nn.Module):
@@ -185,16 +189,18 @@ class GenericModel(nn.Module):
                               if hasattr(c, "_attn_implementation")}.values())
         pin_rope(self.base, getattr(cfg, "max_position_embeddings", None) or 2048)
         calls = self._probe()
+        calls.sort(key=lambda c: (c["layer_idx"] is None, c["layer_idx"] or 0))  # by layer
         why = _probe_problem(cfg, calls)
         if why:
             raise InputError(why)
-        calls.sort(key=lambda c: c["layer_idx"])
         self.attentions = [c["module"] for c in calls]  # per layer: the module owning k_scale / v_scale
         self.num_heads, self.num_kv_heads, self.head_dim = calls[0]["heads"], calls[0]["kv_heads"], calls[0]["head_dim"]
         self.windows = [c["window"] for c in calls]
         self.softcaps = [c["softcap"] for c in calls]
-        self.sinks = [c["sinks"] for c in calls]
+        self.has_sinks = [c["sinks"] for c in calls]
         self.cpu_ops = self._cpu_ops()
+        log.info("%s on the generic path: %d layers, windows %s, softcap %s, sinks %s", type(hf_model).__name__,
+                 len(calls), self.windows, self.softcaps, self.has_sinks)
 
     @property
     def dtype(self) -> torch.dtype:
