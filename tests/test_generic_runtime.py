@@ -222,3 +222,26 @@ def test_engine_end_to_end_with_prefix_caching(model_type, tmp_path, monkeypatch
             assert abs(entry[prompt[i]] - lp[i - 1, prompt[i]].item()) < 1e-4
         assert len(out.prompt_logprobs or []) == (len(prompt) if params.prompt_logprobs is not None else 0)
     assert llm.stats().prefix_cache_hits == 24  # the second prompt's first six 4-token blocks
+
+
+def test_engine_int8_kv_cache_on_the_generic_path(tmp_path, monkeypatch, caplog):
+    """gpt-oss (sinks, a window) through LLM with an INT8 KV cache whose scales are measured at load:
+    its prompt logprobs stay within 0.05 of transformers' float ones."""
+    from transformers import AutoModelForCausalLM
+
+    import qtk.loading
+    from qtk import LLM, SamplingParams
+
+    monkeypatch.setattr(qtk.loading, "arch_for", lambda config: None, raising=False)  # until loading reads any type
+    path = saved(tiny("gpt_oss"), tmp_path / "gpt_oss")
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22, block_size=4, max_num_batched_tokens=16,
+              kv_cache_dtype="int8")
+    assert llm.kv_dtype == torch.int8 and "measuring them on built-in text at load" in caplog.text
+    prompt, = prompts(30)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        lp = ref(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    errors = [abs(entry[prompt[i]] - lp[i - 1, prompt[i]].item()) for i, entry in enumerate(out.prompt_logprobs)
+              if i > 0]
+    assert 0 < max(errors) < 0.05
