@@ -416,3 +416,24 @@ def test_float_experts_are_written_3d_and_load_back(model_type, tmp_path):
     assert "model.layers.0.self_attn.q_proj.weight_scale" in keys
     loaded = load_quantized(out)
     torch.testing.assert_close(_logits(loaded), ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_engine_serves_the_quantized_moe_checkpoint(model_type, tmp_path):
+    """`qtk serve out/moe`'s engine (the generic path) on a quantized MoE checkpoint: greedy tokens
+    and prompt logprobs are the in-memory quantized model's (transformers' forward)."""
+    from interop import byte_tokenizer
+    from qtk import LLM, SamplingParams
+    from qtk.calibrate import checkpoint_groups
+    from qtk.checkpoint import save_quantized
+
+    model, recipe = _quantized(model_type, "gptq")
+    groups, ignore = checkpoint_groups(model, recipe)
+    out = save_quantized(model, byte_tokenizer(), tmp_path / "q", groups, ignore, None, dtype=torch.float32)
+    llm = LLM(str(out), dtype="float32", kv_cache_memory=2**22, block_size=4, max_num_batched_tokens=16)
+    prompt = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    res = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, prompt_logprobs=0))[0]
+    lp = _logits(model, torch.tensor([prompt + res.outputs[0].token_ids]))[0].log_softmax(-1)
+    assert res.outputs[0].token_ids == lp[len(prompt) - 1:-1].argmax(-1).tolist()
+    for i, entry in enumerate(res.prompt_logprobs[1:], start=1):
+        assert abs(entry[prompt[i]] - lp[i - 1, prompt[i]].item()) < 1e-4
