@@ -17,7 +17,7 @@ from .data import calibration_ids
 from .device import check_device, choose_dtype
 from .errors import InputError, OutputError, OutputExistsError
 from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, resolve
-from .moe import linearize_experts
+from .moe import linearize_experts, router_names
 from .recipe import Recipe, to_yaml
 from .schemes import check_group_divides, dividing_group_size
 
@@ -113,9 +113,11 @@ def fit_layers(path: Path, recipe: Recipe) -> Recipe:
 
 
 def check_ignore(model: nn.Module, recipe: Recipe) -> None:
-    """Every ignore pattern names at least one Linear layer (a mistyped name would quantize the
-    layer it meant to keep), and at least one decoder Linear is left to quantize."""
+    """Every ignore pattern names at least one Linear layer or MoE router (a mistyped name would
+    quantize the layer it meant to keep; llm-compressor's MoE recipes ignore 're:.*mlp.gate$', which
+    is no Linear in transformers 5 and never quantized), and at least one decoder Linear is left."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears.update({r: model.get_submodule(r) for r in router_names(model)})
     for pattern in recipe.ignore:
         if not any(target_matches(n, m, pattern) for n, m in linears.items()):
             example = next(n for n in linears if n.endswith("down_proj") or n != "lm_head")

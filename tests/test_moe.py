@@ -437,3 +437,18 @@ def test_engine_serves_the_quantized_moe_checkpoint(model_type, tmp_path):
     assert res.outputs[0].token_ids == lp[len(prompt) - 1:-1].argmax(-1).tolist()
     for i, entry in enumerate(res.prompt_logprobs[1:], start=1):
         assert abs(entry[prompt[i]] - lp[i - 1, prompt[i]].item()) < 1e-4
+
+
+def test_an_llm_compressor_moe_ignore_pattern_is_accepted():
+    """Its Qwen3-MoE recipes ignore 're:.*mlp.gate$' (a router, not a Linear here): no refusal."""
+    from dataclasses import replace
+
+    from qtk.errors import InputError
+    from qtk.pipeline import check_ignore
+    from qtk.recipe import from_flags
+
+    model = tiny("qwen3_moe")
+    moe.linearize_experts(model)
+    check_ignore(model, replace(from_flags("rtn"), ignore=("lm_head", "re:.*mlp.gate$")))
+    with pytest.raises(InputError, match="matches no Linear layer"):
+        check_ignore(model, replace(from_flags("rtn"), ignore=("lm_head", "re:.*mlp.gaet$")))
