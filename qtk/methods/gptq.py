@@ -206,24 +206,30 @@ class HessianSum:
 def collect_hessians(block, names) -> list[tuple[tuple[str, ...], torch.Tensor]]:
     """(names, H) for each distinct input among the named Linears, H = 2/n sum x x^T in float32.
 
-    Linears receiving the same tensor object (q/k/v, gate/up) share one H. `names` must be in
-    execution order: each forward stops at the last one's input. A Linear that saw fewer than
-    MIN_TOKENS tokens (an expert the router seldom or never picks) is left out: no H is worth
-    solving against there (zero tokens gave llm-compressor NaN scales, its issue 2826)."""
+    Linears receiving the same tensor object in a forward (q/k/v, gate/up; every expert's gate/up
+    when every token goes through every expert) share one H. `names` must be in execution order:
+    each forward stops at the last one's input. A Linear that saw fewer than MIN_TOKENS tokens (an
+    expert the router seldom or never picks) is left out: no H is worth solving against there
+    (zero tokens gave llm-compressor NaN scales, its issue 2826)."""
     sums: dict[str, HessianSum] = {}
     owner: dict[str, str] = {}  # Linear -> first Linear that received the same input tensor
-    last = {"x": None, "name": None}  # (held, so a later tensor can never reuse its identity)
+    seen: dict[int, tuple] = {}  # id -> (tensor, its first Linear) in this forward (held: ids stay unique)
 
     def accumulate(name, x):
-        if x is last["x"]:
-            owner[name] = owner[last["name"]]
+        first = seen.get(id(x))
+        if first is not None and first[0] is x:
+            owner[name] = first[1]
             return
-        last.update(x=x, name=name)
+        seen[id(x)] = (x, name)
         owner[name] = name
         sums.setdefault(name, HessianSum()).add(x)
 
-    with block.hooks(names, accumulate):
-        block.feed(until=names[-1])
+    new_forward = block.layer.register_forward_pre_hook(lambda *_: seen.clear())
+    try:
+        with block.hooks(names, accumulate):
+            block.feed(until=names[-1])
+    finally:
+        new_forward.remove()
     return [(tuple(n for n in names if owner.get(n) == key), h.H) for key, h in sums.items()
             if h.tokens >= MIN_TOKENS]
 
