@@ -190,7 +190,7 @@ def test_gptq_hessian_of_each_expert_sees_the_tokens_the_recipe_says(monkeypatch
         torch.testing.assert_close(solved[f"mlp.experts.{e}.gate_proj"], 2 / len(xe) * xe.T @ xe, rtol=1e-4, atol=1e-5)
         assert solved[f"mlp.experts.{e}.up_proj"] is solved[f"mlp.experts.{e}.gate_proj"]
         # every token's x x^T is the same for every expert: accumulated once, shared
-        assert (solved[f"mlp.experts.{e}.gate_proj"] is solved["mlp.experts.0.gate_proj"]) == calibrate_all
+        assert e == 0 or (solved[f"mlp.experts.{e}.gate_proj"] is solved["mlp.experts.0.gate_proj"]) == calibrate_all
     assert len(set(counts)) > 1 and sum(counts) == 2 * len(x)  # the routed token sets do differ
 
 
