@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 import torch
 
@@ -213,14 +214,14 @@ def collect_hessians(block, names) -> list[tuple[tuple[str, ...], torch.Tensor]]
     (zero tokens gave llm-compressor NaN scales, its issue 2826)."""
     sums: dict[str, HessianSum] = {}
     owner: dict[str, str] = {}  # Linear -> first Linear that received the same input tensor
-    seen: dict[int, tuple] = {}  # id -> (tensor, its first Linear) in this forward (held: ids stay unique)
+    seen: dict[int, tuple] = {}  # id -> (weak ref to the tensor, its first Linear) in this forward
 
     def accumulate(name, x):
         first = seen.get(id(x))
-        if first is not None and first[0] is x:
+        if first is not None and first[0]() is x:  # (a freed tensor's id may be reused: its ref is dead)
             owner[name] = first[1]
             return
-        seen[id(x)] = (x, name)
+        seen[id(x)] = (weakref.ref(x), name)
         owner[name] = name
         sums.setdefault(name, HessianSum()).add(x)
 
