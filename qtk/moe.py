@@ -270,7 +270,8 @@ def model_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
     mt = model.config.model_type
     out = {model_name(mt, k): v for k, v in tensors.items()}
     for name, experts in experts_modules(model).items():
-        fused = {k[len(name) + 1:]: out.pop(k) for k in list(out) if k.startswith(name + ".") and "." not in k[len(name) + 1:]}
+        own = [k for k in out if k.startswith(name + ".") and "." not in k[len(name) + 1:]]  # name.gate_up_proj
+        fused = {k[len(name) + 1:]: out.pop(k) for k in own}
         if fused:
             out.update({f"{name}.{k}": v for k, v in unfuse(experts, fused).items()})
     return out
@@ -291,7 +292,9 @@ def fuse(experts: LinearExperts) -> dict[str, torch.Tensor]:
         return _join(x.gate_proj.weight.detach().t(), x.up_proj.weight.detach().t(), lay).t()
 
     def bias(x):  # [2I or I]
-        return _join(x.gate_proj.bias.detach(), x.up_proj.bias.detach(), lay) if lay["has_gate"] else x.up_proj.bias.detach()
+        if not lay["has_gate"]:
+            return x.up_proj.bias.detach()
+        return _join(x.gate_proj.bias.detach(), x.up_proj.bias.detach(), lay)
 
     out = {up: torch.stack([_rows(rows(x), lay) for x in experts]),  # _rows is its own inverse
            "down_proj": torch.stack([_rows(x.down_proj.weight.detach(), lay) for x in experts])}

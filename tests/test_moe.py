@@ -3,6 +3,9 @@ MoE type of the zoo; their checkpoint names are the hub's; routing every token t
 expert (calibrate_all) changes no output."""
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -95,7 +98,8 @@ def test_hub_names_and_float_round_trip_through_transformers(model_type, tmp_pat
     back = moe.model_tensors(model, hub)
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     model.config.save_pretrained(tmp_path)
-    save_file({k: v.contiguous() for k, v in hub.items()}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in hub.items()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     torch.testing.assert_close(_logits(loaded), ref, rtol=0, atol=1e-5)
 
@@ -162,8 +166,6 @@ def _moe_inputs(block):
 def test_gptq_hessian_of_each_expert_sees_the_tokens_the_recipe_says(monkeypatch, calibrate_all):
     """Wired (llm-compressor's issue 2826 was this switch doing nothing): with calibrate_all_experts
     every expert's Hessian is that of every calibration token, without it that of its routed ones."""
-    from dataclasses import replace
-
     from qtk import calibrate
     from qtk.methods import gptq
     from qtk.recipe import CalibrationArgs, from_flags
@@ -204,8 +206,6 @@ def test_an_expert_the_router_never_picks_gets_finite_scales(caplog, calibrate_a
     """No NaN or garbage for an expert no calibration token is routed to: GPTQ rounds it to
     nearest and names it (unless every token goes through every expert); a static input range is
     observed over every token, so it has one."""
-    from dataclasses import replace
-
     from qtk import calibrate
     from qtk.quant_linear import QuantLinear
     from qtk.recipe import CalibrationArgs, from_flags
@@ -301,7 +301,7 @@ def test_qtk_quantize_linearizes_a_moe_and_writes_what_loads(tmp_path):
     src = saved(model, tmp_path / "src")
     ref = _logits(model)
     recipe = from_flags("gptq", scheme="w8a16")
-    recipe = __import__("dataclasses").replace(recipe, calibration=CalibrationArgs(num_samples=4, seq_len=32), dtype="float32")
+    recipe = replace(recipe, calibration=CalibrationArgs(num_samples=4, seq_len=32), dtype="float32")
     report = quantize(src, recipe, tmp_path / "q", dtype=torch.float32, progress=False)
     assert sum(".experts." in n for n in report["layers"]) == 2 * 4 * 3
     loaded = load_quantized(tmp_path / "q")
@@ -395,8 +395,6 @@ def test_every_layout_of_use_experts_implementation(has_gate, is_transposed, is_
 def test_float_experts_are_written_3d_and_load_back(model_type, tmp_path):
     """Experts left float (ignored) in a family whose hub stores them 3-D: written 3-D (hub names),
     split per expert again by load_quantized."""
-    from dataclasses import replace
-
     from safetensors import safe_open
 
     from interop import byte_tokenizer
@@ -443,8 +441,6 @@ def test_engine_serves_the_quantized_moe_checkpoint(model_type, tmp_path):
 
 def test_an_llm_compressor_moe_ignore_pattern_is_accepted():
     """Its Qwen3-MoE recipes ignore 're:.*mlp.gate$' (a router, not a Linear here): no refusal."""
-    from dataclasses import replace
-
     from qtk.errors import InputError
     from qtk.pipeline import check_ignore
     from qtk.recipe import from_flags
@@ -468,7 +464,7 @@ def _nll(model, windows):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(__import__("os").environ.get("QTK_VLLM_REFEREE") != "1",
+@pytest.mark.skipif(os.environ.get("QTK_VLLM_REFEREE") != "1",
                     reason="opt-in: QTK_VLLM_REFEREE=1 runs vLLM (a minute per checkpoint)")
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 @pytest.mark.parametrize("scheme", ["float", "w4a16"])
