@@ -30,13 +30,15 @@ def hf_model(family: str, **overrides):
     return model
 
 
-def greedy_through_runtime(model, prompts, new_tokens, budget=7, num_blocks=64, block_size=4, backend=None):
+def greedy_through_runtime(model, prompts, new_tokens, budget=7, num_blocks=64, block_size=4, backend=None,
+                           runtime=LlamaModel, **kv):
     """Greedy decoding through scheduler + runner (attention `backend`, or the device's), recording
-    the logits of every sampling step."""
-    runtime = LlamaModel(model)
+    the logits of every sampling step. runtime: the runtime model class (or one built already);
+    kv: the runner's kv_dtype and kv_scales."""
+    runtime = runtime(model) if isinstance(runtime, type) else runtime
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget), bm)
-    runner = ModelRunner(runtime, num_blocks, block_size, attention_backend=backend)
+    runner = ModelRunner(runtime, num_blocks, block_size, attention_backend=backend, **kv)
     seqs = [Sequence(p, block_size=block_size) for p in prompts]
     for s in seqs:
         sched.add(s)

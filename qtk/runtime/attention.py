@@ -19,6 +19,11 @@ A sliding window w (Mistral; Qwen2/Qwen3 sliding layers) limits the query at pos
 p - w < j <= p (transformers' sliding_window_overlay, vLLM's flash-attention window (w - 1, 0)). The
 Triton and C++ kernels have no window: a step with a context longer than a layer's window runs that
 layer on the torch path (shorter contexts: the window hides nothing).
+Two more per-layer terms of the scores, as transformers' eager attention applies them (torch path
+only: the kernels have neither, so a layer with one always runs in torch):
+    softcap c (Gemma 2):     s = c * tanh(s / c), after the scale, before the mask
+    sinks a_h (gpt-oss):     softmax over [s_0 .. s_L, a_h], the sink's column dropped: each head's
+                             weights sum to 1 - its sink's share
 A k_scale is applied to the scores and a v_scale to the output, not to the gathered tensors.
 """
 from __future__ import annotations
@@ -115,27 +120,54 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
 
 
+@dataclass(frozen=True)
+class ScoreTerms:
+    """A layer's terms of the attention scores beyond the scale (None: none)."""
+
+    softcap: float | None = None  # s = softcap * tanh(s / softcap)
+    sinks: torch.Tensor | None = None  # [heads]: one more logit per head in the softmax, its weight dropped
+
+    def __bool__(self) -> bool:
+        return bool(self.softcap) or self.sinks is not None
+
+    def softmax(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """scores [kv, ..., group, L] float32 (head h = kv * group + g), mask broadcastable (True:
+        seen) -> the attention weights, float32."""
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if self.sinks is None:
+            return scores.softmax(dim=-1)
+        kv, group = scores.shape[0], scores.shape[-2]
+        sinks = self.sinks.float().view(kv, *[1] * (scores.dim() - 3), group, 1).expand(*scores.shape[:-1], 1)
+        return torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+
+
+NO_TERMS = ScoreTerms()
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, scale: float, cpu_ops=None, window: int | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, cpu_ops=None, window: int | None = None,
+                    terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] of the step's tokens -> attention output [T, heads, D].
     cpu_ops: qtk's CPU kernel library for the "cpu" backend, where the caller holds it already;
-    window: the layer's sliding window, or None."""
-    windowed = window is not None and meta.max_context_len > window
-    if meta.backend == "triton" and not windowed:
+    window: the layer's sliding window, or None; terms: its softcap and sinks (the torch path's)."""
+    torch_only = (window is not None and meta.max_context_len > window) or bool(terms)
+    if meta.backend == "triton" and not torch_only:
         return _triton_attention(q, k, v, cache, meta, scale)
-    if meta.backend == "cpu" and not windowed:
+    if meta.backend == "cpu" and not torch_only:
         return _cpu_attention(q, k, v, cache, meta, scale, cpu_ops)
     write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_index.numel():
-        out[meta.decode_index] = _decode(q[meta.decode_index], cache, meta, scale, window)
+        out[meta.decode_index] = _decode(q[meta.decode_index], cache, meta, scale, window, terms)
     for p in meta.prefills:
-        out[p.start:p.start + p.length] = _prefill(q[p.start:p.start + p.length], cache, p, scale, window)
+        out[p.start:p.start + p.length] = _prefill(q[p.start:p.start + p.length], cache, p, scale, window, terms)
     return out
 
 
 def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-            window: int | None = None) -> torch.Tensor:
+            window: int | None = None, terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
     B, H, D = q.shape
     kv_heads = cache.k.shape[0]
     keys, values = meta.gather_buffers(cache)
@@ -151,8 +183,11 @@ def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: flo
     if cache.quantized:
         scores *= cache.k_scale[..., None]
     mask = meta.decode_mask if window is None else meta.window_mask(window)
-    scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
-    o = scores.softmax(dim=-1).to(q.dtype) @ values  # [kv, B, group, D]
+    if terms:
+        weights = terms.softmax(scores, mask[None, :, None, :])
+    else:
+        weights = scores.masked_fill_(~mask[None, :, None, :], float("-inf")).softmax(dim=-1)
+    o = weights.to(q.dtype) @ values  # [kv, B, group, D]
     if cache.quantized:
         o = o * cache.v_scale[..., None].to(o.dtype)
     return o.transpose(0, 1).reshape(B, H, D)
@@ -183,7 +218,7 @@ def _dequantized(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
 
 
 def _prefill(q: torch.Tensor, cache: KVCache, chunk: PrefillChunk, scale: float,
-             window: int | None = None) -> torch.Tensor:
+             window: int | None = None, terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
     n, L = chunk.length, chunk.slots.numel()
     keys = _dequantized(cache.k[:, chunk.slots], cache.k_scale, q.dtype)  # [kv_heads, L, D]
     values = _dequantized(cache.v[:, chunk.slots], cache.v_scale, q.dtype)
@@ -192,9 +227,23 @@ def _prefill(q: torch.Tensor, cache: KVCache, chunk: PrefillChunk, scale: float,
     mask = cols <= pos
     if window is not None:
         mask &= cols > pos - window
+    if terms:  # sdpa has neither term: the scores in float32, as _decode
+        return _prefill_with_terms(q, keys, values, mask, scale, terms)
     o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
                                        enable_gqa=keys.shape[0] != q.shape[1])
     return o.transpose(0, 1)
+
+
+def _prefill_with_terms(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                        scale: float, terms: ScoreTerms) -> torch.Tensor:
+    """q [n, heads, D], keys/values [kv_heads, L, D], mask bool [n, L] -> [n, heads, D]."""
+    n, H, D = q.shape
+    kv = keys.shape[0]
+    qg = q.transpose(0, 1).reshape(kv, H // kv * n, D)  # [kv, group * n, D]: head h -> kv head h // group
+    scores = (qg @ keys.transpose(-1, -2)).float().view(kv, H // kv, n, -1).transpose(1, 2) * scale  # [kv, n, group, L]
+    weights = terms.softmax(scores, mask[None, :, None, :])
+    o = weights.to(q.dtype).transpose(1, 2).reshape(kv, H // kv * n, -1) @ values  # [kv, group * n, D]
+    return o.view(H, n, D).transpose(0, 1)
 
 
 def _triton_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

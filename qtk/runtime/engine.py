@@ -24,9 +24,9 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .input_processor import EngineRequest, InputProcessor
 from .model_runner import ModelRunner
-from .models.llama import FUSED, LlamaModel
+from .models import build
 from .output_processor import CompletionOutput, OutputProcessor, RequestOutput
-from .packed_linear import bf16_lm_head, kernel_summary, pack_linears
+from .packed_linear import kernel_summary
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Batch, Scheduler, SchedulerConfig
@@ -63,9 +63,7 @@ class LLM:
         check_device(c.device)
         self.dtype = choose_dtype(c.dtype, c.device, kernels_built=cpu_kernels.built).dtype
         hf_model, self.tokenizer = load_model(c.model, dtype=self.dtype, device=c.device)
-        bf16_lm_head(hf_model)
-        pack_linears(hf_model, fuse=FUSED)
-        self.model = LlamaModel(hf_model)
+        self.model = build(hf_model)  # LlamaModel for its families, else GenericModel (models/__init__.py)
         limit = getattr(hf_model.config, "max_position_embeddings", None) or 2048
         if c.max_model_len is not None and c.max_model_len > limit:  # positions the model never saw: cut
             log.warning("max_model_len %d is longer than the model's context (max_position_embeddings %d): "
@@ -87,9 +85,10 @@ class LLM:
         self._next_id = 0
         tokens = self.runner.num_blocks * c.block_size
         log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %s), max_model_len %d; "
-                 "linear layers: %s; attention: %s; CUDA graphs: %s", time.perf_counter() - t0,
+                 "model: %s; linear layers: %s; attention: %s; CUDA graphs: %s", time.perf_counter() - t0,
                  self.runner.num_blocks, c.block_size, tokens, str(self.kv_dtype).removeprefix("torch."),
-                 self.max_model_len, kernel_summary(self.model), self.runner.attention_backend,
+                 self.max_model_len, type(self.model).__name__, kernel_summary(self.model),
+                 self.runner.attention_backend,
                  self.runner.graphs_status)
 
     @classmethod

@@ -30,7 +30,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
     """K and V of one token in every layer."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * len(model.layers) * model.num_kv_heads * model.head_dim * elem
+    return 2 * len(model.attentions) * model.num_kv_heads * model.head_dim * elem
 
 
 @torch.inference_mode()
@@ -62,7 +62,7 @@ def kv_cache_spec(model, kv_cache_dtype: str, dtype: torch.dtype, device, tokeni
     if kv_cache_dtype == "fp8" and cuda and not fp8_supported(torch.device(device)):
         raise InputError("kv_cache_dtype fp8 on CUDA needs a GPU with FP8 support (compute capability 8.9+: "
                          "Ada, Hopper); use kv_cache_dtype int8 on this one")
-    attns = [layer.self_attn for layer in model.layers]
+    attns = model.attentions
     if all(hasattr(a, "k_scale") and hasattr(a, "kv_scheme") for a in attns):
         scales, asked = [], grid_absmax(cache_scheme(kv_dtype))
         for a in attns:
@@ -109,7 +109,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         shape = (model.num_kv_heads, num_blocks * block_size, model.head_dim)
         self.kv_caches = []
-        for i in range(len(model.layers)):
+        for i in range(len(model.attentions)):
             k_scale, v_scale = kv_scales[i] if kv_scales else (None, None)
             self.kv_caches.append(KVCache(torch.zeros(shape, dtype=kv_dtype, device=self.device),
                                           torch.zeros(shape, dtype=kv_dtype, device=self.device), k_scale, v_scale))
@@ -160,6 +160,8 @@ class ModelRunner:
         return why
 
     def _why_no_graphs(self, max_model_len: int) -> str | None:
+        if self.model.why_no_graphs:
+            return self.model.why_no_graphs
         if self.attention_backend != "triton":
             return f"attention backend {self.attention_backend!r} (the graphs replay the Triton kernels)"
         window = min((w for w in self.model.windows if w is not None), default=None)

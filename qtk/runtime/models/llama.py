@@ -63,6 +63,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaModel(nn.Module):
+    why_no_graphs = None  # the decode step is captured (runtime/cuda_graphs.py)
+
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         cfg = hf_model.config
@@ -95,6 +97,11 @@ class LlamaModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @property
+    def attentions(self) -> list[nn.Module]:
+        """Per layer, the attention module (it owns the checkpoint's k_scale / v_scale)."""
+        return [layer.self_attn for layer in self.layers]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] of positions [T]: transformers' rotary forward over the frozen frequencies."""
