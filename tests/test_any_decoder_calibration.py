@@ -225,10 +225,14 @@ def test_smoothquant_without_norm_pairs_says_so(model_type):
         quantize_model(model, from_flags("smoothquant", scheme="w8a8"), calib(), progress=False)
 
 
-def test_awq_without_pairs_says_so():
-    arch = dataclasses.replace(discover(tiny("llama")), model_type="nopairs", smooth=((), ()))
-    with pytest.raises(InputError, match="awq needs smoothing pairs .*'nopairs'.*gptq or rtn"):
-        check_pairs(arch, "awq")
+def test_awq_without_pairs_that_fold_says_so():
+    model = tiny("llama")  # GQA: v -> o does not fold
+    arch = discover(model)
+    v_to_o = tuple(tuple(p for p in ps if p.prev == "self_attn.v_proj") for ps in arch.smooth)
+    check_pairs(model, arch, "awq")  # its norm and up -> down pairs fold
+    for smooth in (((), ()), v_to_o):
+        with pytest.raises(InputError, match="awq needs smoothing pairs .*'llama'.*gptq or rtn"):
+            check_pairs(model, dataclasses.replace(arch, smooth=smooth), "awq")
 
 
 @pytest.mark.parametrize("model_type, why", [
