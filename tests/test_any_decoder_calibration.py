@@ -116,6 +116,11 @@ def _groups(model, recipe):
 @pytest.mark.parametrize("model_type", TYPES)
 def test_quantize_save_load_gives_the_same_logits(model_type, method, tmp_path):
     quantized, loaded = quantize_roundtrip(model_type, method, tmp_path)
+    # every buffer, non-persistent ones included (rotary inv_freq, Gemma's embed_scale), is the model's own
+    buffers = dict(quantized.named_buffers())
+    assert buffers.keys() == dict(loaded.named_buffers()).keys()
+    for name, b in loaded.named_buffers():
+        torch.testing.assert_close(b, buffers[name], rtol=0, atol=0)
     ids = calib(2, seed=1)
     expected = logits(quantized, ids)
     assert torch.isfinite(expected).all()
