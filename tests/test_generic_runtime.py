@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qtk.errors import InputError
+from qtk.runtime.config import EngineConfig
 from qtk.runtime.model_runner import ModelRunner, kv_cache_spec, measure_kv_scales
 from qtk.runtime.models import build
 from qtk.runtime.models.generic import GenericModel
@@ -130,6 +131,17 @@ def test_the_llama_family_goes_through_llama_model_and_others_through_generic():
         assert type(build(tiny(model_type))) is LlamaModel
     for model_type in ("gemma", "mixtral", "gpt_neox"):
         assert type(build(tiny(model_type))) is GenericModel
+
+
+def test_model_impl_chooses_the_path_as_vllms_does():
+    """model_impl "transformers" runs a Llama-family model on the generic path; "qtk" refuses a type
+    qtk has no native forward for, in one line naming it."""
+    assert type(build(tiny("qwen3"), "transformers")) is GenericModel
+    assert type(build(tiny("qwen3"), "qtk")) is LlamaModel
+    with pytest.raises(InputError, match="no native forward for model_type 'gemma2'"):
+        build(tiny("gemma2"), "qtk")
+    with pytest.raises(InputError, match="model_impl must be one of"):
+        EngineConfig("m", model_impl="vllm")
 
 
 def test_generic_path_of_a_llama_model_agrees_with_the_native_path():
