@@ -23,12 +23,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .arch import Arch, arch_for, set_module
+from .arch import Arch, decoder_layers, discover, set_module, static_linears
 from .chunked_sdpa import chunked_attention
 from .kv_fake_quant import enable_kv_quant
 from .recipe import Recipe
 from .quant_linear import QuantLinear
 from .schemes import check_group_divides
+from .smoothing import widths_match
 from .errors import InputError
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,16 @@ class Block:
     # (linear names sharing an input, H = 2/n sum x x^T) left by a smoothing pass that saw every
     # input, kept exact under its scale folds, for the weight quantizer (GPTQ) to reuse
     hessians: list[tuple[tuple[str, ...], torch.Tensor]] | None = None
+
+    @property
+    def pairs(self) -> tuple:
+        """This block's smoothing pairs (SmoothPair), in execution order."""
+        return self.arch.smooth[self.index]
+
+    @property
+    def attention(self) -> str | None:
+        """Name of this block's attention module."""
+        return self.arch.attention[self.index]
 
     def linear(self, name: str) -> nn.Module:
         return self.layer.get_submodule(name)
@@ -154,7 +165,7 @@ def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torc
     """Run the model up to its blocks and keep what block 0 receives, one entry per batch, and the
     attention mask each block receives. The blocks stand aside meanwhile: none of them runs."""
     layers = model.get_submodule(arch.layers)
-    pre = [model.get_submodule(arch.embed), model.get_submodule(arch.rotary)]
+    pre = [model.get_submodule(name) for name in arch.before]
     for m in pre:
         onload(m, device)
     calls: list[list] = []  # per batch, (args, kwargs) of each block's call
@@ -174,21 +185,22 @@ def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torc
     for batch in calls:
         args, kw = batch[0]  # block 0's call
         hidden.append((args[0] if args else kw["hidden_states"]).to("cpu"))
-        kwargs.append({k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "past_key_value")})
+        kwargs.append({k: v for k, v in kw.items() if k not in ("hidden_states", "cache", "past_key_values", "past_key_value")})
         kwargs[-1]["use_cache"] = False
         masks.append([block_kw.get("attention_mask") for _, block_kw in batch])
     return BlockInputs(hidden, kwargs, masks)
 
 
-def targeted_linears(model: nn.Module, recipe: Recipe) -> dict[str, nn.Linear]:
-    """Full names of the block Linears the recipe quantizes (ignore patterns applied)."""
+def targeted_linears(model: nn.Module, recipe: Recipe, arch: Arch | None = None) -> dict[str, nn.Linear]:
+    """Full names of the block Linears the recipe quantizes (ignore patterns applied), in execution
+    order given the model's Arch; without one (a model on meta), every Linear inside the blocks."""
     from .checkpoint import target_matches
 
-    arch = arch_for(model.config)
+    path = arch.layers if arch is not None else decoder_layers(model)
     out = {}
-    for i, layer in enumerate(model.get_submodule(arch.layers)):
-        for rel in arch.linears:
-            name = f"{arch.layers}.{i}.{rel}"
+    for i, layer in enumerate(model.get_submodule(path)):
+        for rel in arch.linears[i] if arch is not None else static_linears(layer):
+            name = f"{path}.{i}.{rel}"
             mod = layer.get_submodule(rel)
             if not any(target_matches(name, mod, t) for t in recipe.ignore):
                 out[name] = mod
@@ -198,9 +210,13 @@ def targeted_linears(model: nn.Module, recipe: Recipe) -> dict[str, nn.Linear]:
 def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | None = None,
                    progress: bool = True) -> dict:
     """Quantize `model` in place, block by block; returns a report (per-layer errors, timings)."""
-    arch = arch_for(model.config)
+    arch = discover(model)
+    check_pairs(model, arch, recipe.smoothing)
+    if recipe.kv_cache is not None and None in arch.attention:
+        raise InputError(f"model_type {arch.model_type!r}: block {arch.attention.index(None)} calls no attention "
+                         "through transformers' attention interface, so its KV cache cannot be calibrated")
     device = torch.device(recipe.device)
-    targets = targeted_linears(model, recipe)
+    targets = targeted_linears(model, recipe, arch)
     check_group_divides(recipe.scheme, {n: m.in_features for n, m in targets.items()})
     if recipe.needs_data and calib_ids is None:
         raise InputError(f"method {recipe.method!r} with this scheme needs calibration data")
@@ -224,12 +240,25 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
                 bar.set_postfix(err=f"{max(block.errors.values()):.3g}", worst=max(block.errors, key=block.errors.get))
             log.debug("block %d errors %s", i, block.errors)
     if recipe.kv_cache is not None:
-        for layer in layers:
-            layer.get_submodule(arch.attention).kv_scheme = recipe.kv_cache
+        for layer, attention in zip(layers, arch.attention):
+            layer.get_submodule(attention).kv_scheme = recipe.kv_cache
         enable_kv_quant(model)
     model.config.use_cache = use_cache
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def check_pairs(model: nn.Module, arch: Arch, smoothing: str | None) -> None:
+    """A smoothing method needs pairs that fold: a norm feeding linears for smoothquant, any for awq."""
+    if smoothing is None:
+        return
+    layers = model.get_submodule(arch.layers)
+    pairs = [p for i, ps in enumerate(arch.smooth) for p in ps
+             if widths_match(layers[i], p) and (smoothing == "awq" or p.prev not in arch.linears[i])]
+    if not pairs:
+        feeds = "a norm feeding linears" if smoothing == "smoothquant" else "an op whose output channels fold"
+        raise InputError(f"{smoothing} needs smoothing pairs ({feeds}) and model_type {arch.model_type!r} has none "
+                         "qtk can fold exactly; use --method gptq or rtn")
 
 
 def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -> BlockInputs | None:
@@ -245,7 +274,7 @@ def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -
     if block.inputs is None or (last and recipe.kv_cache is None):
         return None
     kv = recipe.kv_cache
-    attn = start_observing(model, block.layer, block.arch, kv) if kv else None
+    attn = start_observing(model, block.layer.get_submodule(block.attention), kv) if kv else None
     outputs = BlockInputs(block.run(), block.inputs.kwargs, block.inputs.masks)
     if attn is not None:
         finish_observing(model, attn, kv, dtype=next(block.layer.parameters()).dtype)

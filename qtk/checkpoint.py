@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import hub_formats
-from .arch import arch_for, set_module
+from .arch import set_module
 from .atomic import write_dir
 from .kv_fake_quant import enable_kv_quant
 from .kv_scales import attach_kv_scales
@@ -105,11 +105,17 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, groups: lis
     return out
 
 
+def tied_keys(model: nn.Module) -> set[str]:
+    """The parameters transformers ties to another (lm_head.weight to the embeddings, by the config):
+    not written, and filled by tying at load."""
+    return set(model.get_expanded_tied_weights_keys(all_submodels=True))
+
+
 def _write(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files):
     state = {}
-    tied = getattr(model.config, "tie_word_embeddings", False)
+    tied = tied_keys(model)
     for k, v in model.state_dict().items():
-        if tied and k == "lm_head.weight":
+        if k in tied:
             continue
         v = v.detach().to("cpu")
         if v.is_floating_point() and v.dtype != torch.float8_e4m3fn:
@@ -189,6 +195,7 @@ def quantized_linear_names(model: nn.Module, schemes: list[Scheme], ignore: list
 
 def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
     """Build the model from config.json with QuantLinear layers and load the tensors into it."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
@@ -205,9 +212,8 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device:
         kv = None
     else:
         schemes, ignore, kv = parse_quantization_config(qc)
-    arch = arch_for(config)
     del config.quantization_config
-    with torch.device("meta"):
+    with init_empty_weights(include_buffers=False):  # buffers real: rotary inv_freq, embedding scales, ...
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tensors = read_tensors(path)
     if hub_formats.is_hub_format(qc):  # GPTQ / AWQ: repacked into compressed-tensors' layout
@@ -220,22 +226,24 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device:
         set_module(model, name, QuantLinear(lin.in_features, lin.out_features, scheme, lin.bias is not None,
                                             dtype=dtype, device="meta", g_idx=has_gidx))
     if kv is not None:
-        attach_kv_scales(model, arch, kv, device="meta")
+        attach_kv_scales(model, kv_modules(tensors), kv, device="meta")
         enable_kv_quant(model)  # transformers' attention fake-quantizes K and V with the scales
     _load_state(model, tensors, dtype, path)
-    with torch.device("cpu"):
-        rotary = model.get_submodule(arch.rotary)
-        set_module(model, arch.rotary, type(rotary)(config=model.config))
-    if getattr(config, "tie_word_embeddings", False):
-        model.lm_head.weight = model.get_input_embeddings().weight
+    model.tie_weights()
     model.config.quantization_config = qc
     return model.to(device)
 
 
+def kv_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The modules a checkpoint holds k_scale / v_scale of (each block's attention)."""
+    return sorted({k.rpartition(".")[0] for k in tensors if k.endswith(".k_scale")})
+
+
 def _load_state(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, path: Path):
     expected = model.state_dict()
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = [k for k in expected if k not in tensors and not (tied and k == "lm_head.weight")]
+    tied = tied_keys(model)
+    # parameters are on meta until filled; buffers the model built itself (real) may be absent
+    missing = [k for k in expected if k not in tensors and k not in tied and expected[k].is_meta]
     if missing:
         raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing from the checkpoint"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .arch import Arch
 from .quant import FP8_DTYPE, FP8_MAX, qparams
 from .schemes import KVCacheScheme
 
@@ -42,12 +41,12 @@ def cache_scheme(dtype: torch.dtype) -> KVCacheScheme:
     return KVCacheScheme(type=CACHE_TYPES[dtype], strategy="attn_head")
 
 
-def attach_kv_scales(model: nn.Module, arch: Arch, kv: KVCacheScheme, device="cpu", dtype=None) -> None:
-    """Register k_scale / v_scale buffers (ones) on every attention module, for a load to fill."""
+def attach_kv_scales(model: nn.Module, modules: list[str], kv: KVCacheScheme, device="cpu", dtype=None) -> None:
+    """Register k_scale / v_scale buffers (ones) on each named attention module, for a load to fill."""
     dtype = dtype or next(model.parameters()).dtype
     shape = scale_shape(model.config, kv)
-    for layer in model.get_submodule(arch.layers):
-        attn = layer.get_submodule(arch.attention)
-        for name in NAMES:
-            attn.register_buffer(name, torch.ones(shape, dtype=dtype, device=device))
+    for name in modules:
+        attn = model.get_submodule(name)
+        for buf in NAMES:
+            attn.register_buffer(buf, torch.ones(shape, dtype=dtype, device=device))
         attn.kv_scheme = kv

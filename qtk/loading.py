@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .arch import ARCHITECTURES, arch_for
+from .arch import check_supported
 from .atomic import write_dir
 from .checkpoint import check_weight_files, load_quantized
 from .errors import CheckpointError, InputError, NotFoundError
@@ -70,6 +70,13 @@ def _content_key(p: Path, edge: int = 1 << 20) -> str:
     return h.hexdigest()[:16]
 
 
+def gguf_architectures() -> list[str]:
+    """The GGUF architectures transformers reads (and dequantizes)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # those two: metadata sections
+
+
 def _gguf_to_dir(gguf: Path, target: Path) -> Path:
     """Dequantize a GGUF with transformers once and keep it as a bf16 safetensors dir."""
     if (target / "config.json").is_file():
@@ -81,9 +88,9 @@ def _gguf_to_dir(gguf: Path, target: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError, IndexError, EOFError, struct.error) as e:  # what a bad GGUF raises there
-        raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({e}); give a whole GGUF of a "
-                              f"supported architecture ({', '.join(sorted(ARCHITECTURES))}) or an HF model "
-                              "directory") from e
+        raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({e}); give a whole GGUF of an "
+                              f"architecture transformers dequantizes ({', '.join(gguf_architectures())}) or an HF "
+                              "model directory") from e
     # the loaded model carries the gguf quantization_config; the weights are plain floats now
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -115,7 +122,7 @@ def config_dict(path: Path) -> dict:
 
 
 def read_config(path: Path):
-    """transformers' config of a model dir; a supported architecture or a clear error."""
+    """transformers' config of a model dir; a supported model type (arch.check_supported) or a clear error."""
     from transformers import AutoConfig
 
     config_dict(path)
@@ -123,7 +130,7 @@ def read_config(path: Path):
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
         raise InputError(f"{path / 'config.json'} is not a config transformers can read: {e}") from e
-    arch_for(config)
+    check_supported(config)
     return config
 
 

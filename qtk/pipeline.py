@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arch import arch_for
 from .calibrate import checkpoint_groups, quantize_model, targeted_linears
 from .checkpoint import check_weight_files, save_quantized, target_matches
 from .data import calibration_ids
@@ -93,7 +92,6 @@ def fit_layers(path: Path, recipe: Recipe) -> Recipe:
     from transformers import AutoModelForCausalLM
 
     config = read_config(path)
-    arch_for(config)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     check_ignore(skeleton, recipe)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from qtk.arch import arch_for
+from qtk.arch import discover
 from qtk.calibrate import Block, capture_inputs, quantize_model
 from qtk.methods import METHODS, awq
 from qtk.methods.args import AWQArgs
@@ -19,10 +19,10 @@ from outliers import ids, logits, tiny_llama
 
 def blocks(model, recipe, calib):
     """The driver's Blocks for each layer, on float inputs (for tests that smooth only)."""
-    arch = arch_for(model.config)
+    arch = discover(model)
     inputs = capture_inputs(model, arch, calib, torch.device("cpu"), 8)
     for i, layer in enumerate(model.get_submodule(arch.layers)):
-        yield Block(i, f"{arch.layers}.{i}", layer, arch, inputs, torch.device("cpu"), arch.linears)
+        yield Block(i, f"{arch.layers}.{i}", layer, arch, inputs, torch.device("cpu"), arch.linears[i])
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])
@@ -32,7 +32,7 @@ def test_fold_scale_is_exact(kv_heads):
     recipe = from_flags("awq", scheme="w4a16_asym", group_size=32)
     folded = 0
     for block in blocks(model, recipe, ids(4, 0)):
-        for pair in block.arch.smooth:
+        for pair in block.pairs:
             if folds(block, pair):
                 n = block.linear(pair.linears[0]).in_features
                 fold_scale(block, pair, torch.rand(n, generator=torch.Generator().manual_seed(n)) * 4 + 0.25)
@@ -58,7 +58,7 @@ def test_gqa_skips_v_to_o():
     o_before = model.model.layers[0].self_attn.o_proj.weight.clone()
     recipe = from_flags("awq", scheme="w4a16_asym", group_size=32, awq=AWQArgs(clip=False))
     block = next(blocks(model, recipe, ids(8, 0)))
-    v_to_o = next(p for p in block.arch.smooth if p.prev == "self_attn.v_proj")
+    v_to_o = next(p for p in block.pairs if p.prev == "self_attn.v_proj")
     assert not folds(block, v_to_o)  # v_proj out 32 = 2 kv heads x 16, o_proj in 64
     awq.smooth_block(block, recipe)
     assert torch.equal(block.linear("self_attn.o_proj").weight, o_before)

@@ -153,19 +153,20 @@ def test_collect_hessians_shares_inputs_and_matches_direct(tiny):
     from transformers import LlamaForCausalLM
 
     from qtk.calibrate import Block, capture_inputs
-    from qtk.arch import arch_for
+    from qtk.arch import discover
 
     state, cfg, calib, _, _ = tiny
     model = LlamaForCausalLM(cfg).eval()
     model.load_state_dict(state)
-    arch = arch_for(cfg)
+    arch = discover(model)
+    linears = arch.linears[0]
     inputs = capture_inputs(model, arch, calib, torch.device("cpu"), 8)
-    block = Block(0, "model.layers.0", model.model.layers[0], arch, inputs, torch.device("cpu"), arch.linears)
+    block = Block(0, "model.layers.0", model.model.layers[0], arch, inputs, torch.device("cpu"), linears)
     seen = {}
-    with block.hooks(arch.linears, lambda n, x: seen.setdefault(n, []).append(x.reshape(-1, x.shape[-1]))):
+    with block.hooks(linears, lambda n, x: seen.setdefault(n, []).append(x.reshape(-1, x.shape[-1]))):
         block.run()
-    groups = dict(gptq.collect_hessians(block, arch.linears))
-    assert list(groups) == [arch.linears[:3], arch.linears[3:4], arch.linears[4:6], arch.linears[6:]]
+    groups = dict(gptq.collect_hessians(block, linears))
+    assert list(groups) == [linears[:3], linears[3:4], linears[4:6], linears[6:]]
     for names, H in groups.items():
         torch.testing.assert_close(H, hessian(torch.cat(seen[names[0]])), rtol=1e-4, atol=1e-5)
 

@@ -185,7 +185,7 @@ def loss_kind(block, pair: SmoothPair) -> str:
     sequences and its kwargs; tokens: a token-wise module (the mlp) on sampled tokens."""
     if pair.inspect is None or pair.inspect in pair.linears:
         return "gram"
-    return "sequences" if pair.inspect == block.arch.attention else "tokens"
+    return "sequences" if pair.inspect == block.attention else "tokens"
 
 
 def observe(block, pairs: list[SmoothPair], keep_hessians: bool = False) -> dict[SmoothPair, PairStats]:
@@ -301,7 +301,7 @@ def smooth_block(block, recipe) -> None:
     inputs of o_proj, gate/up and down_proj slightly (through v, o, up, gate); measured on SmolLM2
     it changes nothing visible (see benchmarks/results/cpu_dtype.md)."""
     args, awq = recipe.scheme.weights, recipe.awq
-    pairs = [p for p in block.arch.smooth if any(n in block.targets for n in p.linears)]
+    pairs = [p for p in block.pairs if any(n in block.targets for n in p.linears)]
     stats = observe(block, pairs, keep_hessians=recipe.weights == "gptq")
     for pair in pairs:
         if not folds(block, pair):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..arch import Arch
 from ..chunked_sdpa import chunked_causal_attention, register, set_implementation
 from ..kv_scales import kv_scale
 from ..schemes import KVCacheScheme
@@ -33,9 +32,9 @@ def _observe_attention(module, query, key, value, attention_mask, **kwargs):
     return chunked_causal_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-def start_observing(model: nn.Module, layer: nn.Module, arch: Arch, kv: KVCacheScheme) -> nn.Module:
+def start_observing(model: nn.Module, attn: nn.Module, kv: KVCacheScheme) -> nn.Module:
+    """Observe |K| and |V| at the attention module `attn` (a block's, as arch.discover found it)."""
     register(OBSERVE, _observe_attention)
-    attn = layer.get_submodule(arch.attention)
     attn._attn_before_observing = set_implementation(model, OBSERVE)
     attn.kv_scheme = kv
     attn._k_absmax = attn._v_absmax = None

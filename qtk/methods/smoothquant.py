@@ -27,8 +27,8 @@ def smoothing_scale(act_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: flo
 
 def smoothed_pairs(block) -> list[SmoothPair]:
     """The pairs whose `prev` is a norm (not a Linear of the block), with a targeted linear, that fold."""
-    return [p for p in block.arch.smooth
-            if p.prev not in block.arch.linears and any(n in block.targets for n in p.linears) and folds(block, p)]
+    return [p for p in block.pairs
+            if p.prev not in block.arch.linears[block.index] and any(n in block.targets for n in p.linears) and folds(block, p)]
 
 
 def activation_absmax(block, pairs: list[SmoothPair]) -> dict[SmoothPair, torch.Tensor]:
