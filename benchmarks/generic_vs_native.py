@@ -53,7 +53,7 @@ def decode_tokens_per_s(model: str = "smollm2-135m", generic: bool = False, batc
                         steps: int = 32, repeats: int = 3, dtype: torch.dtype = torch.float32) -> dict:
     """Decode tokens/s of `model` on the generic or the native path (CPU, as the engine builds it)."""
     hf_model, _ = load_model(model, dtype=dtype)
-    runtime = build(hf_model, generic=generic)
+    runtime = build(hf_model, "transformers" if generic else "auto")
     vocab = hf_model.config.vocab_size
     _decode_seconds(runtime, vocab, batch, prompt_len, 2)  # warm-up: kernels, buffers
     seconds = statistics.median(_decode_seconds(runtime, vocab, batch, prompt_len, steps) for _ in range(repeats))

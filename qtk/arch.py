@@ -24,7 +24,7 @@ from .smoothing import LayerProbe, SmoothPair, layer_pairs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Arch", "SmoothPair", "check_supported", "decoder_layers", "discover", "set_module"]
+__all__ = ["Arch", "SmoothPair", "check_supported", "decoder_layers", "discover", "set_module", "unsupported_reason"]
 
 TRACE_TOKENS = 16  # the traced forward's sequence length
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # config.layer_types qtk runs
@@ -159,26 +159,34 @@ def discover(model: nn.Module, smoothing: bool = True) -> Arch:
     return Arch(model_type, path, tuple(linears), tuple(t.attention), tuple(smooth), _outermost(t.before))
 
 
-def check_supported(config) -> None:
-    """A model type qtk can quantize and serve: one transformers loads as a causal LM, whose layers
-    are all attention (no recurrent state: Mamba, linear attention), through transformers' attention
-    interface. Otherwise an InputError saying what is missing."""
+def unsupported_reason(config) -> str | None:
+    """Why qtk cannot quantize and serve this model type (one line saying what is missing), or None:
+    it must be one transformers loads as a causal LM, whose layers are all attention (no recurrent
+    state: Mamba, linear attention), run through transformers' attention interface."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     mt = getattr(config, "model_type", None)
     if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise InputError(f"model_type {mt!r} is not a causal LM transformers loads (AutoModelForCausalLM has no "
-                         "class for it); qtk quantizes and serves decoder-only causal LMs")
+        return (f"model_type {mt!r} is not a causal LM transformers loads (AutoModelForCausalLM has no class for "
+                "it); qtk quantizes and serves decoder-only causal LMs")
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt])
     kinds = sorted(set(getattr(config.get_text_config(decoder=True), "layer_types", None) or ()) - set(ATTENTION_LAYERS))
     if getattr(cls, "_is_stateful", False) or kinds:
         what = f"layers of type {', '.join(kinds)}" if kinds else "recurrent (state-space) layers"
-        raise InputError(f"model_type {mt!r} has {what}: qtk runs attention-only decoders (full or sliding "
-                         "attention), not hybrid or recurrent models")
+        return (f"model_type {mt!r} has {what}: qtk runs attention-only decoders (full or sliding attention), "
+                "not hybrid or recurrent models")
     if not getattr(cls, "_supports_attention_backend", False):
-        raise InputError(f"model_type {mt!r} ({cls.__name__}) does not support transformers' attention interface, "
-                         "which qtk plugs its attention into")
+        return (f"model_type {mt!r} ({cls.__name__}) does not support transformers' attention interface, which "
+                "qtk plugs its attention into")
+    return None
+
+
+def check_supported(config) -> None:
+    """InputError with unsupported_reason's line unless the model type is one qtk runs."""
+    why = unsupported_reason(config)
+    if why:
+        raise InputError(why)
 
 
 def set_module(root: nn.Module, path: str, module: nn.Module) -> None:

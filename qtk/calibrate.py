@@ -30,6 +30,7 @@ from .moe import all_experts, router_names
 from .recipe import Recipe
 from .quant_linear import QuantLinear
 from .schemes import check_group_divides
+from .smoothing import widths_match
 from .errors import InputError
 
 log = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
                    progress: bool = True) -> dict:
     """Quantize `model` in place, block by block; returns a report (per-layer errors, timings)."""
     arch = discover(model)
-    check_pairs(arch, recipe.smoothing)
+    check_pairs(model, arch, recipe.smoothing)
     if recipe.kv_cache is not None and None in arch.attention:
         raise InputError(f"model_type {arch.model_type!r}: block {arch.attention.index(None)} calls no attention "
                          "through transformers' attention interface, so its KV cache cannot be calibrated")
@@ -249,11 +250,13 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
     return report
 
 
-def check_pairs(arch: Arch, smoothing: str | None) -> None:
-    """A smoothing method needs pairs: a norm feeding linears for smoothquant, any for awq."""
+def check_pairs(model: nn.Module, arch: Arch, smoothing: str | None) -> None:
+    """A smoothing method needs pairs that fold: a norm feeding linears for smoothquant, any for awq."""
     if smoothing is None:
         return
-    pairs = [p for i, ps in enumerate(arch.smooth) for p in ps if smoothing == "awq" or p.prev not in arch.linears[i]]
+    layers = model.get_submodule(arch.layers)
+    pairs = [p for i, ps in enumerate(arch.smooth) for p in ps
+             if widths_match(layers[i], p) and (smoothing == "awq" or p.prev not in arch.linears[i])]
     if not pairs:
         feeds = "a norm feeding linears" if smoothing == "smoothquant" else "an op whose output channels fold"
         raise InputError(f"{smoothing} needs smoothing pairs ({feeds}) and model_type {arch.model_type!r} has none "

@@ -249,7 +249,8 @@ def kv_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
 def _load_state(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, path: Path):
     expected = model.state_dict()
     tied = tied_keys(model)
-    missing = [k for k in expected if k not in tensors and k not in tied]
+    # parameters are on meta until filled; buffers the model built itself (real) may be absent
+    missing = [k for k in expected if k not in tensors and k not in tied and expected[k].is_meta]
     if missing:
         raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing from the checkpoint"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

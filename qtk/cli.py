@@ -310,6 +310,9 @@ ENGINE_OPTIONS = [  # EngineConfig's fields as flags (vLLM's names: --max-num-se
                  show_default=True, help="Reuse the KV blocks of a prompt prefix already computed."),
     click.option("--enforce-eager", is_flag=True, default=ENGINE_DEFAULTS["enforce_eager"],
                  help="CUDA: run every step eagerly, without the decode steps' CUDA graphs."),
+    click.option("--model-impl", type=click.Choice(["auto", "qtk", "transformers"]), default=ENGINE_DEFAULTS["model_impl"],
+                 show_default=True, help="Model code: qtk's native forward where it has one (auto), only that (qtk), "
+                                         "or transformers' modeling code with qtk's paged attention (transformers)."),
 ]
 
 

@@ -74,7 +74,7 @@ def gguf_architectures() -> list[str]:
     """The GGUF architectures transformers reads (and dequantizes)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    return sorted(GGUF_SUPPORTED_ARCHITECTURES)
+    return sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # those two: metadata sections
 
 
 def _gguf_to_dir(gguf: Path, target: Path) -> Path:

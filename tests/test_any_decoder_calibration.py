@@ -1,7 +1,9 @@
 """Calibration for any decoder (issue 28, part 1): over tests/zoo.py's dense types, discovery finds
 each block's Linear layers in the order a forward calls them, its attention and what runs before
 block 0; RTN and GPTQ quantize each type and the checkpoint loads back to the same logits (and to
-transformers' forward on the dequantized weights); smoothing pairs fold exactly (Gemma's (1 + w)
+transformers' forward on the dequantized weights), and qtk's engine on it gives transformers' logits
+(chunked prefill beside decodes; native path for the Llama family, generic elsewhere; the rtn / awq /
+smoothquant sweep is slow); smoothing pairs fold exactly (Gemma's (1 + w)
 norms included) and AWQ / SmoothQuant run where there are pairs, with a clear error where not;
 unsupported model types fail at load with one line."""
 import copy
@@ -114,6 +116,11 @@ def _groups(model, recipe):
 @pytest.mark.parametrize("model_type", TYPES)
 def test_quantize_save_load_gives_the_same_logits(model_type, method, tmp_path):
     quantized, loaded = quantize_roundtrip(model_type, method, tmp_path)
+    # every buffer, non-persistent ones included (rotary inv_freq, Gemma's embed_scale), is the model's own
+    buffers = dict(quantized.named_buffers())
+    assert buffers.keys() == dict(loaded.named_buffers()).keys()
+    for name, b in loaded.named_buffers():
+        torch.testing.assert_close(b, buffers[name], rtol=0, atol=0)
     ids = calib(2, seed=1)
     expected = logits(quantized, ids)
     assert torch.isfinite(expected).all()
@@ -223,10 +230,14 @@ def test_smoothquant_without_norm_pairs_says_so(model_type):
         quantize_model(model, from_flags("smoothquant", scheme="w8a8"), calib(), progress=False)
 
 
-def test_awq_without_pairs_says_so():
-    arch = dataclasses.replace(discover(tiny("llama")), model_type="nopairs", smooth=((), ()))
-    with pytest.raises(InputError, match="awq needs smoothing pairs .*'nopairs'.*gptq or rtn"):
-        check_pairs(arch, "awq")
+def test_awq_without_pairs_that_fold_says_so():
+    model = tiny("llama")  # GQA: v -> o does not fold
+    arch = discover(model)
+    v_to_o = tuple(tuple(p for p in ps if p.prev == "self_attn.v_proj") for ps in arch.smooth)
+    check_pairs(model, arch, "awq")  # its norm and up -> down pairs fold
+    for smooth in (((), ()), v_to_o):
+        with pytest.raises(InputError, match="awq needs smoothing pairs .*'llama'.*gptq or rtn"):
+            check_pairs(model, dataclasses.replace(arch, smooth=smooth), "awq")
 
 
 @pytest.mark.parametrize("model_type, why", [
@@ -298,3 +309,38 @@ def test_qtk_quantize_and_inspect_a_non_llama_model(model_type, tmp_path):
     result = run("inspect", out)
     assert result.exit_code == 0 and model_type in result.stdout, result.output
     assert torch.isfinite(logits(load_quantized(out).eval(), calib(1))).all()
+
+
+def _engine_matches_transformers(model_type, method, tmp_path, **kw):
+    """quantize -> checkpoint -> load: the runtime's logits (prefill chunks beside decodes; native
+    path for the Llama family, generic otherwise) are transformers' forward on the quantized weights."""
+    from qtk.runtime.models import build
+    from test_generic_runtime import UNSUPPORTED, check_against_transformers
+
+    if model_type in UNSUPPORTED:
+        pytest.skip(f"the generic runtime does not run {model_type}: {UNSUPPORTED[model_type]}")
+    model = tiny(model_type)
+    recipe = from_flags(method, group_size=None if kw.get("scheme") == "w8a8" else 32, **kw)
+    quantize_model(model, recipe, calib(4, 32), progress=False)
+    save_quantized(model, None, tmp_path / "q", *_groups(model, recipe), recipe.kv_cache, dtype=torch.float32)
+    loaded = load_quantized(tmp_path / "q").eval()
+    check_against_transformers(loaded, runtime=build(copy.deepcopy(loaded)))  # native: q/k/v fused in the copy
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_gptq_checkpoint_runs_in_the_engine_as_in_transformers(model_type, tmp_path):
+    _engine_matches_transformers(model_type, "gptq", tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3", "cohere2", "opt"])
+def test_awq_gptq_checkpoint_runs_in_the_engine_as_in_transformers(model_type, tmp_path):
+    _engine_matches_transformers(model_type, "awq", tmp_path, weights="gptq")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, kw", [("rtn", {}), ("awq", {}), ("smoothquant", {"scheme": "w8a8"})])
+@pytest.mark.parametrize("model_type", TYPES)
+def test_checkpoints_run_in_the_engine_as_in_transformers_sweep(model_type, method, kw, tmp_path):
+    if method == "smoothquant" and model_type in POST_NORM:
+        pytest.skip(f"smoothquant has no pairs for {model_type}")
+    _engine_matches_transformers(model_type, method, tmp_path, **kw)

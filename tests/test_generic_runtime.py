@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qtk.errors import InputError
+from qtk.runtime.config import EngineConfig
 from qtk.runtime.model_runner import ModelRunner, kv_cache_spec, measure_kv_scales
 from qtk.runtime.models import build
 from qtk.runtime.models.generic import GenericModel
@@ -19,8 +20,8 @@ from test_model_families import backend_context, prompts
 from test_runtime import greedy_through_runtime
 from zoo import ZOO, saved, tiny, tiny_config
 
-# model types whose modeling code the generic path cannot run, and what its error says
-UNSUPPORTED = {"nemotron": "does not pass the forward's kwargs on to the attention function"}
+# model types of the zoo whose modeling code the generic path cannot run, and what its error says
+UNSUPPORTED: dict[str, str] = {}
 TYPES = sorted(set(ZOO) - set(UNSUPPORTED))
 CPU_FEW = ["gemma2", "gemma3_text", "gpt_oss", "mixtral", "phi3"]  # the C++ backend, falling back where it must
 TRITON_FEW = ["gemma3_text", "gpt_oss", "phi3"]  # the Triton kernels (interpreted), falling back where they must
@@ -132,6 +133,17 @@ def test_the_llama_family_goes_through_llama_model_and_others_through_generic():
         assert type(build(tiny(model_type))) is GenericModel
 
 
+def test_model_impl_chooses_the_path_as_vllms_does():
+    """model_impl "transformers" runs a Llama-family model on the generic path; "qtk" refuses a type
+    qtk has no native forward for, in one line naming it."""
+    assert type(build(tiny("qwen3"), "transformers")) is GenericModel
+    assert type(build(tiny("qwen3"), "qtk")) is LlamaModel
+    with pytest.raises(InputError, match="no native forward for model_type 'gemma2'"):
+        build(tiny("gemma2"), "qtk")
+    with pytest.raises(InputError, match="model_impl must be one of"):
+        EngineConfig("m", model_impl="vllm")
+
+
 def test_generic_path_of_a_llama_model_agrees_with_the_native_path():
     """The same Llama weights through LlamaModel and GenericModel: the same logits at every step."""
     model = tiny("mistral")  # with its 8-token window
@@ -169,10 +181,14 @@ def test_longrope_is_fixed_at_load_on_the_generic_path():
     torch.testing.assert_close(torch.stack(logits[seqs[0].seq_id]), want, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", sorted(UNSUPPORTED))
-def test_a_model_whose_code_drops_the_kwargs_fails_with_one_line(model_type):
-    with pytest.raises(InputError, match=UNSUPPORTED[model_type]):
-        GenericModel(tiny(model_type))
+def test_a_model_whose_code_drops_the_kwargs_gets_the_step_on_its_attention_modules():
+    """Nemotron's decoder layer does not pass the forward's kwargs on to attention: the step goes to
+    its two attention modules for each forward instead (and is gone after it); its logits are
+    transformers' (the zoo sweep). Models that pass the kwargs hold nothing."""
+    nemotron = GenericModel(tiny("nemotron"))
+    assert nemotron._step_holders == nemotron.attentions and len(nemotron.attentions) == 2
+    assert all("qtk_step" not in m.__dict__ for m in nemotron.attentions)
+    assert GenericModel(tiny("gemma"))._step_holders == []
 
 
 def test_recurrent_and_linear_attention_layers_fail_at_construction():

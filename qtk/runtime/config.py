@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from ..errors import InputError
 
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+MODEL_IMPLS = ("auto", "qtk", "transformers")  # vLLM's model_impl, with qtk's native code in place of vLLM's
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: the fraction of the GPU's memory for weights + KV cache
     max_logprobs: int = 20  # the most logprobs a request may ask for (-1: the vocabulary)
     enforce_eager: bool = False  # CUDA: every step eagerly, without the decode steps' CUDA graphs
+    # which model code runs: auto (qtk's native forward where it has one, else transformers' modeling
+    # code with qtk's paged attention), qtk (native only: an error for other types) or transformers
+    model_impl: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.model, os.PathLike):
@@ -62,6 +66,8 @@ class EngineConfig:
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise InputError(f"max_logprobs must be an integer of at least -1 (-1: the vocabulary), "
                              f"got {self.max_logprobs!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise InputError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r}")

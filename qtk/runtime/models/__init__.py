@@ -16,12 +16,17 @@ def is_native(hf_model: nn.Module) -> bool:
     return hf_model.config.model_type in FAMILIES
 
 
-def build(hf_model: nn.Module, generic: bool = False) -> LlamaModel | GenericModel:
+def build(hf_model: nn.Module, model_impl: str = "auto") -> LlamaModel | GenericModel:
     """The runtime model over hf_model, its float32 CPU Linears packed for oneDNN (and, on the native
     path, q/k/v and gate/up fused; the generic path keeps the module names its modeling code calls).
-    generic: the generic path even where a native one exists (vLLM's model_impl="transformers"; to
-    measure one against the other). InputError with one line where the generic path cannot run the model."""
-    if is_native(hf_model) and not generic:
+    model_impl (EngineConfig's, vLLM's name): "auto" the native path where there is one, else the
+    generic one; "qtk" the native path only; "transformers" the generic path even where a native one
+    exists (to measure one against the other). InputError with one line where the chosen path cannot
+    run the model."""
+    if model_impl == "qtk" and not is_native(hf_model):
+        raise InputError(f"model_impl 'qtk': qtk has no native forward for model_type {hf_model.config.model_type!r} "
+                         f"(it has for {sorted(FAMILIES)}); use model_impl 'auto' or 'transformers'")
+    if is_native(hf_model) and model_impl != "transformers":
         bf16_lm_head(hf_model)
         pack_linears(hf_model, fuse=FUSED)
         return LlamaModel(hf_model)

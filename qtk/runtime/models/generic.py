@@ -71,7 +71,11 @@ class LayerProbe:
 
 
 def qtk_paged_attention(module, query, key, value, attention_mask, qtk_step=None, **kwargs):
-    """transformers' attention-function signature -> (output [1, T, H, D], None)."""
+    """transformers' attention-function signature -> (output [1, T, H, D], None). The step comes as the
+    kwarg qtk_step, or, where the modeling code drops the forward's kwargs on the way (Nemotron's
+    decoder layer), as the attention module's attribute of that name for the forward (GenericModel._run)."""
+    if qtk_step is None:
+        qtk_step = module.__dict__.get("qtk_step")
     if qtk_step is None:
         raise MissingStep("the qtk_paged attention runs inside GenericModel.forward only (no qtk_step given)")
     return qtk_step.attend(module, query, key, value, attention_mask=attention_mask, **kwargs), None
@@ -188,6 +192,7 @@ class GenericModel(nn.Module):
         self._configs = list({id(c): c for c in [cfg, *(getattr(m, "config", None) for m in hf_model.modules())]
                               if hasattr(c, "_attn_implementation")}.values())
         pin_rope(self.base, getattr(cfg, "max_position_embeddings", None) or 2048)
+        self._step_holders: list[nn.Module] = []  # see _probe
         calls = self._probe()
         calls.sort(key=lambda c: (c["layer_idx"] is None, c["layer_idx"] or 0))  # by layer
         why = _probe_problem(cfg, calls)
@@ -217,12 +222,15 @@ class GenericModel(nn.Module):
     def _probe(self) -> list[dict]:
         probe = LayerProbe()
         device = self.base.get_input_embeddings().weight.device
+        ids, positions = torch.tensor([1, 2], device=device), torch.arange(2, device=device)
         try:
-            self._run(torch.tensor([1, 2], device=device), torch.arange(2, device=device), probe)
-        except MissingStep:
-            raise InputError(f"model_type {self.config.model_type!r}: its modeling code does not pass the forward's "
-                             "kwargs on to the attention function, so qtk's paged attention cannot get the step's "
-                             "KV cache (a transformers bug to report)") from None
+            self._run(ids, positions, probe)
+        except MissingStep:  # the kwargs are dropped on the way: hand the step to the modules themselves
+            probe, self._step_holders = LayerProbe(), list(self.base.modules())
+            self._run(ids, positions, probe)
+            self._step_holders = [c["module"] for c in probe.calls]
+            log.info("%s drops the forward's kwargs before attention: the step is set on its attention modules",
+                     type(self.base).__name__)
         return probe.calls
 
     @contextlib.contextmanager
@@ -235,8 +243,15 @@ class GenericModel(nn.Module):
                 c._attn_implementation = name
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
-        with self._paged():
-            out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, qtk_step=step)
+        for m in self._step_holders:  # empty unless the modeling code drops the kwargs (see _probe)
+            m.__dict__["qtk_step"] = step
+        try:
+            with self._paged():
+                out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                qtk_step=step)
+        finally:
+            for m in self._step_holders:
+                m.__dict__.pop("qtk_step", None)
         return out.last_hidden_state[0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
