@@ -263,8 +263,8 @@ def _kinds(model):
             [r for r in moe.router_names(model) if isinstance(model.get_submodule(r), QuantLinear)])
 
 
-@pytest.mark.parametrize("model_type,method", [(t, m) for t in ("qwen3_moe", "mixtral", "gpt_oss")
-                                               for m in ("rtn", "gptq")])
+@pytest.mark.parametrize("model_type,method", [*((t, "gptq") for t in sorted(MOE)),
+                                               *((t, "rtn") for t in ("qwen3_moe", "mixtral", "gpt_oss"))])
 def test_quantized_moe_checkpoint_loads_with_the_same_logits(model_type, method, tmp_path):
     import json
 
@@ -418,7 +418,7 @@ def test_float_experts_are_written_3d_and_load_back(model_type, tmp_path):
     torch.testing.assert_close(_logits(loaded), ref, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("model_type", sorted(MOE))
 def test_engine_serves_the_quantized_moe_checkpoint(model_type, tmp_path):
     """`qtk serve out/moe`'s engine (the generic path) on a quantized MoE checkpoint: greedy tokens
     and prompt logprobs are the in-memory quantized model's (transformers' forward)."""
