@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .errors import InputError
+
 ROUTERS = ("gate", "router", "shared_expert_gate")  # a MoE block's children that route: never quantized
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -99,7 +101,8 @@ def linear_experts(fused: nn.Module) -> LinearExperts:
     """The LinearExperts computing what `fused` computes, its weights copied (not shared)."""
     layout = {k: bool(getattr(fused, k)) for k in ("has_gate", "has_bias", "is_transposed", "is_concatenated")}
     if getattr(fused, "has_post_expert_norm", False):
-        raise NotImplementedError(f"{type(fused).__name__}: experts with a post-expert norm are not supported")
+        raise InputError(f"{type(fused).__name__} normalizes each expert's output (has_post_expert_norm): "
+                         "qtk does not quantize such experts yet; use a model without it")
     glu = _glu(fused, layout)
     up = "gate_up_proj" if layout["has_gate"] else "up_proj"
     experts = []
