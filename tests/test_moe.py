@@ -507,3 +507,42 @@ def test_vllm_reads_the_expert_names(model_type, scheme, tmp_path):
         "tasks": [{"kind": "ppl", "name": "ppl", "windows": windows.tolist()}]})
     assert "error" not in theirs, theirs["error"]
     assert abs(theirs["tasks"]["ppl"]["nll"] - ours) < 0.1 * effect
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_a_gptq_hub_checkpoint_of_a_moe_loads(model_type, tmp_path):
+    """A GPTQ (v2) checkpoint naming experts as the hub does (Mixtral's
+    block_sparse_moe.experts.N.w1.qweight) is repacked onto the per-expert layers: the same weights
+    as the model it was packed from."""
+    import json
+
+    from interop import byte_tokenizer
+    from qtk.checkpoint import load_quantized
+    from qtk.quant import pack_int32
+    from qtk.quant_linear import QuantLinear
+
+    model, _ = _quantized(model_type, "rtn")  # w4a16 g32 symmetric
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    with torch.no_grad():
+        for m in layers.values():  # scales GPTQ stores in fp16
+            m.weight_scale.copy_(m.weight_scale.half().float())
+    ref = _logits(model)
+    tensors = {k: v for k, v in model.state_dict().items()
+               if k.rsplit(".", 1)[0] not in layers and not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    for n, m in layers.items():
+        scales = m.weight_scale.t().contiguous()  # [groups, out]
+        tensors.update({f"{n}.qweight": m.weight_packed.t().contiguous(),  # codes packed along in: [in/8, out]
+                        f"{n}.scales": scales.half(),
+                        f"{n}.qzeros": pack_int32(torch.zeros(scales.shape, dtype=torch.int8), 4)})  # v2: zero 8
+    d = tmp_path / "gptq"
+    d.mkdir()
+    save_file({moe.hub_name(model_type, k): v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
+                                  "desc_act": False, "checkpoint_format": "gptq_v2"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    byte_tokenizer().save_pretrained(d)
+    loaded = load_quantized(d)
+    assert _kinds(loaded) == ([], [])
+    torch.testing.assert_close(_logits(loaded), ref, rtol=0, atol=1e-4)
