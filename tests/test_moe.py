@@ -527,8 +527,9 @@ def test_a_gptq_hub_checkpoint_of_a_moe_loads(model_type, tmp_path):
         for m in layers.values():  # scales GPTQ stores in fp16
             m.weight_scale.copy_(m.weight_scale.half().float())
     ref = _logits(model)
+    tied = model.config.tie_word_embeddings
     tensors = {k: v for k, v in model.state_dict().items()
-               if k.rsplit(".", 1)[0] not in layers and not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+               if k.rsplit(".", 1)[0] not in layers and not (tied and k == "lm_head.weight")}
     for n, m in layers.items():
         scales = m.weight_scale.t().contiguous()  # [groups, out]
         tensors.update({f"{n}.qweight": m.weight_packed.t().contiguous(),  # codes packed along in: [in/8, out]
