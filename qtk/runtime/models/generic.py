@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ...arch import unsupported_reason
 from ...errors import InputError
 from ..attention import NO_TERMS, AttentionMetadata, KVCache, ScoreTerms, paged_attention
 
 log = logging.getLogger(__name__)
 
 NAME = "qtk_paged"
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # config.layer_types this path runs
+
 
 
 @dataclass(frozen=True)
@@ -112,16 +113,9 @@ class GivenHidden(nn.Module):
 
 
 def unsupported(hf_model: nn.Module) -> str | None:
-    """Why the generic path cannot run this model (what is missing), or None. From the class and config."""
-    cfg, cls = hf_model.config, type(hf_model).__name__
-    if not getattr(type(hf_model), "_supports_attention_backend", False):
-        return (f"model_type {cfg.model_type!r} ({cls}) does not run its attention through transformers' "
-                "AttentionInterface, which qtk's generic runtime plugs its paged attention into")
-    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
-    if other:
-        return (f"model_type {cfg.model_type!r} has layers of type {other} (recurrent or linear attention): "
-                f"qtk's runtime pages the KV cache of attention layers only ({list(ATTENTION_LAYER_TYPES)})")
-    return None
+    """Why the generic path cannot run this model (what is missing), or None: arch's support check
+    (a causal LM of attention layers only, run through the AttentionInterface), of the class and config."""
+    return unsupported_reason(hf_model.config)
 
 
 def _probe_problem(cfg, calls: list[dict]) -> str | None:
