@@ -176,10 +176,10 @@ def test_gptq_hessian_of_each_expert_sees_the_tokens_the_recipe_says(monkeypatch
     names = _expert_names(model)
     block = _block(model, names)
     x, index = _moe_inputs(block)
-    solved = {}
+    solved, solves = {}, []
     real = gptq.quantize_linears
-    monkeypatch.setattr(gptq, "quantize_linears",
-                        lambda b, ns, H, *a: (solved.update({n: H for n in ns}), real(b, ns, H, *a)))
+    monkeypatch.setattr(gptq, "quantize_linears", lambda b, ns, H, *a: (
+        solved.update({n: H for n in ns}), solves.append(ns), real(b, ns, H, *a)))
     recipe = from_flags("gptq", scheme="w4a16", group_size=32)
     recipe = replace(recipe, calibration=CalibrationArgs(calibrate_all_experts=calibrate_all))
     calibrate.quantize_block(model, block, recipe, last=True)
@@ -194,6 +194,9 @@ def test_gptq_hessian_of_each_expert_sees_the_tokens_the_recipe_says(monkeypatch
         # every token's x x^T is the same for every expert: accumulated once, shared
         assert e == 0 or (solved[f"mlp.experts.{e}.gate_proj"] is solved["mlp.experts.0.gate_proj"]) == calibrate_all
     assert len(set(counts)) > 1 and sum(counts) == 2 * len(x)  # the routed token sets do differ
+    # each expert solved on its own (gate with up, then down), as a dense MLP is
+    assert solves == [ns for e in range(4) for ns in ((f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.up_proj"),
+                                                      (f"mlp.experts.{e}.down_proj",))]
 
 
 # (method, scheme, weights): GPTQ alone, AWQ's scales then GPTQ, FP8 with static input scales

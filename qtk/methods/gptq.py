@@ -205,18 +205,22 @@ class HessianSum:
 
 
 def collect_hessians(block, names) -> list[tuple[tuple[str, ...], torch.Tensor]]:
-    """(names, H) for each distinct input among the named Linears, H = 2/n sum x x^T in float32.
-
-    Linears receiving the same tensor object in a forward (q/k/v, gate/up; every expert's gate/up
-    when every token goes through every expert) share one H. `names` must be in execution order:
-    each forward stops at the last one's input. A Linear that saw fewer than MIN_TOKENS tokens (an
-    expert the router seldom or never picks) is left out: no H is worth solving against there
-    (zero tokens gave llm-compressor NaN scales, its issue 2826)."""
+    """(names, H) for each run of consecutive named Linears fed one input tensor (q/k/v, gate/up),
+    solved together; H = 2/n sum x x^T in float32. A tensor fed to several runs in a forward (every
+    expert's gate/up when every token goes through every expert) is accumulated once, and those runs
+    share its H. `names` must be in execution order: each forward stops at the last one's input.
+    A Linear that saw fewer than MIN_TOKENS tokens (an expert the router seldom or never picks) is
+    left out: no H is worth solving against there (zero tokens gave llm-compressor NaN scales, its
+    issue 2826)."""
     sums: dict[str, HessianSum] = {}
     owner: dict[str, str] = {}  # Linear -> first Linear that received the same input tensor
+    run: dict[str, str] = {}  # Linear -> first Linear of its run (consecutive calls on one tensor)
     seen: dict[int, tuple] = {}  # id -> (weak ref to the tensor, its first Linear) in this forward
+    last = {"ref": lambda: None, "name": None}
 
     def accumulate(name, x):
+        run[name] = run[last["name"]] if last["ref"]() is x else name
+        last.update(ref=weakref.ref(x), name=name)
         first = seen.get(id(x))
         if first is not None and first[0]() is x:  # (a freed tensor's id may be reused: its ref is dead)
             owner[name] = first[1]
@@ -231,8 +235,9 @@ def collect_hessians(block, names) -> list[tuple[tuple[str, ...], torch.Tensor]]
             block.feed(until=names[-1])
     finally:
         new_forward.remove()
-    return [(tuple(n for n in names if owner.get(n) == key), h.H) for key, h in sums.items()
-            if h.tokens >= MIN_TOKENS]
+    H = {key: h.H for key, h in sums.items() if h.tokens >= MIN_TOKENS}
+    firsts = dict.fromkeys(run[n] for n in names if n in run)
+    return [(tuple(n for n in names if run.get(n) == r), H[owner[r]]) for r in firsts if owner[r] in H]
 
 
 HESSIAN_BAND = 384  # columns per band of the upper-triangle accumulation
