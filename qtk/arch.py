@@ -19,6 +19,7 @@ from torch import nn
 
 from .chunked_sdpa import register, set_implementation
 from .errors import InputError
+from .moe import all_experts
 from .smoothing import LayerProbe, SmoothPair, layer_pairs
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def _trace(model: nn.Module, path: str) -> _Trace:
     register(_RECORD, record)
     old = set_implementation(model, _RECORD)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), all_experts(model):  # every expert runs (and is found), in order
             model(input_ids=_trace_ids(model), use_cache=False)
     finally:
         set_implementation(model, old)

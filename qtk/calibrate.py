@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from .arch import Arch, decoder_layers, discover, set_module, static_linears
 from .chunked_sdpa import chunked_attention
 from .kv_fake_quant import enable_kv_quant
+from .moe import all_experts, router_names
 from .recipe import Recipe
 from .quant_linear import QuantLinear
 from .schemes import check_group_divides
@@ -197,12 +198,13 @@ def targeted_linears(model: nn.Module, recipe: Recipe, arch: Arch | None = None)
     from .checkpoint import target_matches
 
     path = arch.layers if arch is not None else decoder_layers(model)
+    routers = set(router_names(model))  # a MoE block's router stays float
     out = {}
     for i, layer in enumerate(model.get_submodule(path)):
         for rel in arch.linears[i] if arch is not None else static_linears(layer):
             name = f"{path}.{i}.{rel}"
             mod = layer.get_submodule(rel)
-            if not any(target_matches(name, mod, t) for t in recipe.ignore):
+            if name not in routers and not any(target_matches(name, mod, t) for t in recipe.ignore):
                 out[name] = mod
     return out
 
@@ -268,9 +270,10 @@ def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -
     from .methods.kv_cache import finish_observing, start_observing
 
     if block.targets:  # an ignored block is still run: the next block needs its outputs
-        if recipe.smoothing is not None:
-            METHODS[recipe.smoothing].run(block, recipe)
-        METHODS[recipe.weights].run(block, recipe)
+        with all_experts(block.layer, recipe.calibration.calibrate_all_experts):  # statistics only
+            if recipe.smoothing is not None:
+                METHODS[recipe.smoothing].run(block, recipe)
+            METHODS[recipe.weights].run(block, recipe)
     if block.inputs is None or (last and recipe.kv_cache is None):
         return None
     kv = recipe.kv_cache
@@ -284,4 +287,5 @@ def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -
 def checkpoint_groups(model: nn.Module, recipe: Recipe) -> tuple[list, list[str]]:
     """(config groups, ignore list) describing a quantized model: every Linear left float is ignored."""
     ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear)]
+    ignore += [r for r in router_names(model) if r not in ignore]  # routers that are not Linear (readers' may be)
     return [(recipe.stored_scheme, ["Linear"])], ignore

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from . import hub_formats
+from . import hub_formats, moe
 from .arch import set_module
 from .atomic import write_dir
 from .kv_fake_quant import enable_kv_quant
@@ -121,10 +121,13 @@ def _write(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files):
         if v.is_floating_point() and v.dtype != torch.float8_e4m3fn:
             v = v.to(dtype)
         state[k] = v.contiguous()
-    _save_shards(state, d)
+    _save_shards(moe.hub_state(model, state), d)  # experts under the hub's names
     cfg = model.config.to_dict()
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     cfg.pop("torch_dtype", None)
+    # an ignored layer under the model's name (transformers' loader) and the hub's (vLLM's), where they differ
+    names = ((i,) if i.startswith("re:") else (i, moe.hub_name(model.config.model_type, i)) for i in ignore)
+    ignore = list(dict.fromkeys(n for pair in names for n in pair))
     cfg["quantization_config"] = quantization_config(groups, ignore, kv)
     (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if getattr(model, "generation_config", None) is not None:
@@ -179,15 +182,18 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def quantized_linear_names(model: nn.Module, schemes: list[Scheme], ignore: list[str]) -> dict[str, Scheme]:
-    """Which Linear layers a config's groups target (first group wins), minus ignored ones."""
+    """Which Linear layers a config's groups target (first group wins), minus ignored ones. A target
+    or ignore entry may name a layer as qtk's model does or as the hub does (moe.hub_name: Mixtral's
+    block_sparse_moe.experts.7.w1 is qtk's mlp.experts.7.gate_proj)."""
     chosen = {}
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             continue
-        if any(target_matches(name, mod, t) for t in ignore):
+        names = {name, moe.hub_name(model.config.model_type, name)}
+        if any(target_matches(n, mod, t) for t in ignore for n in names):
             continue
         for s in schemes:
-            if any(target_matches(name, mod, t) for t in s.targets):
+            if any(target_matches(n, mod, t) for t in s.targets for n in names):
                 chosen[name] = s
                 break
     return chosen
@@ -215,7 +221,8 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device:
     del config.quantization_config
     with init_empty_weights(include_buffers=False):  # buffers real: rotary inv_freq, embedding scales, ...
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tensors = read_tensors(path)
+    moe.linearize_experts(model)  # each expert's projections are their own (Quant)Linears
+    tensors = moe.model_tensors(model, read_tensors(path))  # the hub's expert names -> the model's
     if hub_formats.is_hub_format(qc):  # GPTQ / AWQ: repacked into compressed-tensors' layout
         layers, tensors = hub_formats.convert(qc, tensors, model, path)
     else:

@@ -17,6 +17,7 @@ from .data import calibration_ids
 from .device import check_device, choose_dtype
 from .errors import InputError, OutputError, OutputExistsError
 from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, resolve
+from .moe import linearize_experts, router_names
 from .recipe import Recipe, to_yaml
 from .schemes import check_group_divides, dividing_group_size
 
@@ -52,6 +53,7 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     tok = load_tokenizer(path)
     ids = calibration_ids(tok, c.dataset, c.num_samples, c.seq_len, c.seed, c.chat_template) if recipe.needs_data else None
     model, tok = load_model(str(path), dtype=compute.dtype, tokenizer=tok)
+    linearize_experts(model)  # a MoE's experts as Linears: each quantized as its own layer
     report = quantize_model(model, recipe, ids, progress=progress)
     groups, ignore = checkpoint_groups(model, recipe)
     report.update(model=model_name, method=recipe.method, calibration_tokens=0 if ids is None else ids.numel(),
@@ -94,6 +96,7 @@ def fit_layers(path: Path, recipe: Recipe) -> Recipe:
     config = read_config(path)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
+    linearize_experts(skeleton)
     check_ignore(skeleton, recipe)
     in_features = {n: m.in_features for n, m in targeted_linears(skeleton, recipe).items()}
     w = recipe.scheme.weights
@@ -110,9 +113,11 @@ def fit_layers(path: Path, recipe: Recipe) -> Recipe:
 
 
 def check_ignore(model: nn.Module, recipe: Recipe) -> None:
-    """Every ignore pattern names at least one Linear layer (a mistyped name would quantize the
-    layer it meant to keep), and at least one decoder Linear is left to quantize."""
+    """Every ignore pattern names at least one Linear layer or MoE router (a mistyped name would
+    quantize the layer it meant to keep; llm-compressor's MoE recipes ignore 're:.*mlp.gate$', which
+    is no Linear in transformers 5 and never quantized), and at least one decoder Linear is left."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears.update({r: model.get_submodule(r) for r in router_names(model)})
     for pattern in recipe.ignore:
         if not any(target_matches(n, m, pattern) for n, m in linears.items()):
             example = next(n for n in linears if n.endswith("down_proj") or n != "lm_head")

@@ -20,6 +20,11 @@ class CalibrationArgs:
     seed: int = 0
     chat_template: bool = False
     batch_size: int = 8
+    # mixture of experts: every calibration token goes through every expert, for statistics only
+    # (the block's output still sums the routed ones), so no expert's Hessian or ranges starve;
+    # llm-compressor's moe_calibrate_all_experts (its default too). false: each expert sees the
+    # tokens routed to it, and one that saw too few is rounded to nearest (logged)
+    calibrate_all_experts: bool = True
 
     def __post_init__(self):
         check_types(self, "calibration")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 import torch
 
@@ -22,6 +23,7 @@ from .args import GPTQArgs
 
 log = logging.getLogger(__name__)
 
+MIN_TOKENS = 16  # a Linear whose input saw fewer calibration tokens is rounded to nearest instead
 DAMPING_RETRIES = 3  # each retry multiplies the dampening by 10; then RTN for that layer
 CLIP_SHRINK = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.86, 0.84, 0.82, 0.8)  # mse_clip grid on min/max
 
@@ -203,25 +205,39 @@ class HessianSum:
 
 
 def collect_hessians(block, names) -> list[tuple[tuple[str, ...], torch.Tensor]]:
-    """(names, H) for each distinct input among the named Linears, H = 2/n sum x x^T in float32.
-
-    Linears receiving the same tensor object (q/k/v, gate/up) share one H. `names` must be in
-    execution order: each forward stops at the last one's input."""
+    """(names, H) for each run of consecutive named Linears fed one input tensor (q/k/v, gate/up),
+    solved together; H = 2/n sum x x^T in float32. A tensor fed to several runs in a forward (every
+    expert's gate/up when every token goes through every expert) is accumulated once, and those runs
+    share its H. `names` must be in execution order: each forward stops at the last one's input.
+    A Linear that saw fewer than MIN_TOKENS tokens (an expert the router seldom or never picks) is
+    left out: no H is worth solving against there (zero tokens gave llm-compressor NaN scales, its
+    issue 2826)."""
     sums: dict[str, HessianSum] = {}
     owner: dict[str, str] = {}  # Linear -> first Linear that received the same input tensor
-    last = {"x": None, "name": None}  # (held, so a later tensor can never reuse its identity)
+    run: dict[str, str] = {}  # Linear -> first Linear of its run (consecutive calls on one tensor)
+    seen: dict[int, tuple] = {}  # id -> (weak ref to the tensor, its first Linear) in this forward
+    last = {"ref": lambda: None, "name": None}
 
     def accumulate(name, x):
-        if x is last["x"]:
-            owner[name] = owner[last["name"]]
+        run[name] = run[last["name"]] if last["ref"]() is x else name
+        last.update(ref=weakref.ref(x), name=name)
+        first = seen.get(id(x))
+        if first is not None and first[0]() is x:  # (a freed tensor's id may be reused: its ref is dead)
+            owner[name] = first[1]
             return
-        last.update(x=x, name=name)
+        seen[id(x)] = (weakref.ref(x), name)
         owner[name] = name
         sums.setdefault(name, HessianSum()).add(x)
 
-    with block.hooks(names, accumulate):
-        block.feed(until=names[-1])
-    return [(tuple(n for n in names if owner[n] == key), h.H) for key, h in sums.items()]
+    new_forward = block.layer.register_forward_pre_hook(lambda *_: seen.clear())
+    try:
+        with block.hooks(names, accumulate):
+            block.feed(until=names[-1])
+    finally:
+        new_forward.remove()
+    H = {key: h.H for key, h in sums.items() if h.tokens >= MIN_TOKENS}
+    firsts = dict.fromkeys(run[n] for n in names if n in run)
+    return [(tuple(n for n in names if run.get(n) == r), H[owner[r]]) for r in firsts if owner[r] in H]
 
 
 HESSIAN_BAND = 384  # columns per band of the upper-triangle accumulation
@@ -253,8 +269,16 @@ def quantize_block(block, recipe) -> None:
     absmax = rtn.static_input_scales(block, block.targets) if act is not None and not act.dynamic else {}
     kept = block.hessians
     covered = kept is not None and {n for names, _ in kept for n in names} == set(block.targets)
-    for names, H in kept if covered else collect_hessians(block, block.targets):
+    groups = kept if covered else collect_hessians(block, block.targets)
+    for names, H in groups:
         quantize_linears(block, names, H, recipe, absmax)
+    solved = {n for names, _ in groups for n in names}
+    starved = [n for n in block.targets if n not in solved]
+    if starved:
+        log.warning("%s: %s saw fewer than %d calibration tokens (experts the router seldom picks; "
+                    "calibration.calibrate_all_experts routes every token through every expert): "
+                    "round-to-nearest for them", block.name, ", ".join(starved), MIN_TOKENS)
+        rtn.quantize_linears(block, starved, recipe.scheme, absmax)
 
 
 def quantize_linears(block, names, H, recipe, absmax) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
+from ..moe import all_experts
 from ..quant import dequantize_weight, qparams, quantize_weight
 from ..quant_linear import QuantLinear
 
@@ -23,7 +25,7 @@ def static_input_scales(block, names) -> dict[str, torch.Tensor]:
         m = x.detach().float().abs().amax().reshape(1)
         absmax[name] = m if name not in absmax else torch.maximum(absmax[name], m)
 
-    with block.hooks(names, observe):
+    with block.hooks(names, observe), all_experts(block.layer):  # a range covers any token an expert may get
         block.run()
     return absmax
 
@@ -40,7 +42,16 @@ def quantize_block(block, recipe) -> None:
     scheme = recipe.scheme
     act = scheme.input_activations
     absmax = static_input_scales(block, block.targets) if act is not None and not act.dynamic else {}
-    for name in block.targets:
+    quantize_linears(block, block.targets, scheme, absmax)
+
+
+def quantize_linears(block, names, scheme, absmax) -> None:
+    """Each named Linear of the block rounded to nearest and replaced by its QuantLinear."""
+    act = scheme.input_activations
+    for name in names:
+        if act is not None and not act.dynamic and name not in absmax:  # no input ever reached it
+            raise InputError(f"{block.name}.{name} saw no calibration input, so it has no static input scale; "
+                             "add it to ignore or use a dynamic activation scheme")
         lin = block.linear(name)
         w = lin.weight.data
         q, scale, zp = quantize_weight(w, scheme.weights)
