@@ -1,8 +1,11 @@
 """Decode throughput of the generic runtime path (transformers' modeling code with qtk's paged
 attention, runtime/models/generic.py) against the native one (runtime/models/llama.py) on the
-same Llama-family model, each built as the engine builds it (runtime.models.build).
+same model, each built as the engine builds it (runtime.models.build).
 
     python benchmarks/generic_vs_native.py [--model smollm2-135m] [--batch 8] [--steps 32] [--threads 2]
+    python benchmarks/generic_vs_native.py --zoo [--out benchmarks/results]
+        # every type of tests/zoo.py (tiny random models): the generic path, and the native one
+        # where the type has one; recorded as --name .json
 
 A batch of `batch` sequences of `prompt_len` random tokens is prefilled in one step, then `steps`
 steps of `batch` greedy decodes are timed (the median of `repeats` runs): tokens/s = batch * steps
@@ -53,11 +56,18 @@ def decode_tokens_per_s(model: str = "smollm2-135m", generic: bool = False, batc
                         steps: int = 32, repeats: int = 3, dtype: torch.dtype = torch.float32) -> dict:
     """Decode tokens/s of `model` on the generic or the native path (CPU, as the engine builds it)."""
     hf_model, _ = load_model(model, dtype=dtype)
+    return {"model": model, **model_tokens_per_s(hf_model, generic, batch, prompt_len, steps, repeats)}
+
+
+def model_tokens_per_s(hf_model, generic: bool = False, batch: int = 8, prompt_len: int = 32, steps: int = 32,
+                       repeats: int = 3) -> dict:
+    """decode_tokens_per_s of a loaded model (which the build packs: give each path its own copy)."""
+    dtype = hf_model.get_input_embeddings().weight.dtype
     runtime = build(hf_model, "transformers" if generic else "auto")
     vocab = hf_model.config.vocab_size
     _decode_seconds(runtime, vocab, batch, prompt_len, 2)  # warm-up: kernels, buffers
     seconds = statistics.median(_decode_seconds(runtime, vocab, batch, prompt_len, steps) for _ in range(repeats))
-    return {"path": type(runtime).__name__, "model": model, "dtype": str(dtype).removeprefix("torch."),
+    return {"path": type(runtime).__name__, "dtype": str(dtype).removeprefix("torch."),
             "batch": batch, "prompt_len": prompt_len, "steps": steps, "threads": torch.get_num_threads(),
             "tokens_per_s": round(batch * steps / seconds, 1)}
 
@@ -70,11 +80,39 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--zoo", action="store_true", help="Every type of tests/zoo.py instead of --model.")
+    p.add_argument("--out", default="benchmarks/results", help="Where --zoo records its JSON.")
+    p.add_argument("--name", default="generic_vs_native-zoo", help="--zoo's JSON file name (add the CPU and date).")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.zoo:
+        return zoo(a)
     for generic in (False, True):
         print(json.dumps(decode_tokens_per_s(a.model, generic, a.batch, a.prompt_len, a.steps, a.repeats)))
+
+
+def zoo(a) -> None:
+    """Per zoo type, the generic path's decode tokens/s and the native path's where there is one."""
+    import sys
+    from pathlib import Path
+
+    from qtk.bench.engine import record
+    from qtk.runtime.models import is_native
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from zoo import ZOO, tiny
+
+    rows = {}
+    for model_type in sorted(ZOO):
+        paths = (False, True) if is_native(tiny(model_type)) else (True,)
+        rows[model_type] = {("generic" if g else "native"): model_tokens_per_s(tiny(model_type), g, a.batch,
+                                                                             a.prompt_len, a.steps, a.repeats)["tokens_per_s"]
+                            for g in paths}
+        print(model_type, json.dumps(rows[model_type]), flush=True)
+    record({"models": "tests/zoo.py (2 layers, hidden 64, float32)", "batch": a.batch, "prompt_len": a.prompt_len,
+            "steps": a.steps, "threads": torch.get_num_threads(), "decode_tokens_per_s": rows}, a.out,
+           a.name, " ".join(["python", *sys.argv]))
 
 
 if __name__ == "__main__":
