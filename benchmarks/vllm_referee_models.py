@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 SIZES = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
              pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
 TYPES = {"qwen3_moe": MOE, "mixtral": MOE, "olmoe": MOE, "gemma3_text": {}, "phi3": {}, "qwen3": {}}
@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--work", default="build/vllm_referee_models")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="vllm_referee_models", help="JSON file name (add the CPU and date).")
     args = ap.parse_args()
     ref = _referee_module()
     g = torch.Generator().manual_seed(0)
@@ -79,7 +80,7 @@ def main() -> None:
         results[t] = {name: ref.referee(d, windows, prompts, "bfloat16") for name, d in (("float", src), ("w4a16", q))}
         print(t, json.dumps(results[t], indent=1), flush=True)
     record({"sizes": SIZES, "moe": MOE, "dtype": "bfloat16", "windows": "4 x 128 random ids", "prompts": 8,
-            "new_tokens": ref.NEW_TOKENS, "types": results}, args.out, "vllm_referee_models",
+            "new_tokens": ref.NEW_TOKENS, "types": results}, args.out, args.name,
            " ".join(["python", *sys.argv]))
 
 

@@ -112,12 +112,15 @@ def _section(**kw):
 @click.option("--batch-size", type=int, default=None, help="Calibration samples per forward (8).")
 @click.option("--chat-template", is_flag=True, default=None, help="Wrap calibration samples in the chat template.")
 @click.option("--seed", type=SEED, default=None, help="Seed for picking calibration samples (0).")
+@click.option("--calibrate-all-experts/--no-calibrate-all-experts", default=None,
+              help="MoE: route every calibration token through every expert for statistics (the block's output "
+                   "still uses the routed ones). On by default, as in llm-compressor.")
 @click.option("--device", default=None, help="Calibration device: cpu or cuda[:N] (one block at a time goes there).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default=None,
               help="Model dtype while calibrating (auto: bfloat16 on CUDA and CPUs with bf16 units, float32 "
                    "elsewhere): block forwards run in it; Hessians, solves and searches accumulate in float32.")
 def quantize(model, output, force, recipe_file, act_order, dampening, alpha, dataset, num_samples, seq_len,
-             batch_size, chat_template, seed, **top):
+             batch_size, chat_template, seed, calibrate_all_experts, **top):
     """Quantize MODEL and write a compressed-tensors checkpoint to --output."""
     from . import pipeline, recipe as rec
 
@@ -125,7 +128,8 @@ def quantize(model, output, force, recipe_file, act_order, dampening, alpha, dat
                        gptq=_section(act_order=act_order, dampening=dampening),
                        smoothquant=_section(alpha=alpha),
                        calibration=_section(dataset=dataset, num_samples=num_samples, seq_len=seq_len,
-                                            batch_size=batch_size, chat_template=chat_template, seed=seed))
+                                            batch_size=batch_size, chat_template=chat_template, seed=seed,
+                                            calibrate_all_experts=calibrate_all_experts))
     optional.require(optional.model_needs(model), optional.dataset_needs(recipe.calibration.dataset, "--dataset"))
     report = pipeline.quantize(model, recipe, output, force=force)
     method = recipe.method if recipe.smoothing is None or recipe.weights == "rtn" else f"{recipe.method}+{recipe.weights}"

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from qtk import moe
-from zoo import MOE, tiny
+from zoo import MOE, saved, tiny
 
 IDS = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -550,3 +550,16 @@ def test_a_gptq_hub_checkpoint_of_a_moe_loads(model_type, tmp_path):
     loaded = load_quantized(d)
     assert _kinds(loaded) == ([], [])
     torch.testing.assert_close(_logits(loaded), ref, rtol=0, atol=1e-4)
+
+
+def test_calibrate_all_experts_is_a_quantize_flag(tmp_path):
+    """`qtk quantize --no-calibrate-all-experts` reaches the recipe the checkpoint records."""
+    from click.testing import CliRunner
+
+    from qtk.cli import main
+
+    src = saved(tiny("qwen3_moe"), tmp_path / "src")
+    r = CliRunner().invoke(main, ["quantize", src, "--method", "gptq", "--group-size", "16", "--num-samples", "4",
+                                  "--seq-len", "32", "--no-calibrate-all-experts", "-o", str(tmp_path / "q")])
+    assert r.exit_code == 0, r.output
+    assert "calibrate_all_experts: false" in (tmp_path / "q" / "recipe.yaml").read_text()
