@@ -8,7 +8,9 @@ fused projection: Phi-3's qkv_proj -> o_proj reads v, gate_up_proj -> down_proj 
 linears unchanged up to a per-channel factor (v -> o through attention, up -> down through
 act(gate) * up). The pairs of a model type come from PAIRS (the families, as llm-compressor's and
 AutoAWQ's mappings) or, for any other type, are inferred by probing one layer: scale a candidate's
-output by a random s and see which linears' inputs become exactly x * s. Every pair whose widths
+output by a random s and see which linears' inputs become exactly x * s (a MoE router reading x * s
+joins the pair, its input held at x, so the routing stays and every expert's gate/up reads x * s:
+llm-compressor's norm -> router + experts mapping). Every pair whose widths
 match is then checked the same way the methods will use it: a random s folded into a float32 copy
 of the layer leaves its output unchanged, or the pair is dropped. A pair whose widths do not match
 (v -> o under GQA) is kept, unfolded: the methods skip its fold but still observe its inputs.
@@ -22,7 +24,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from .moe import ROUTERS, all_experts
+
 log = logging.getLogger(__name__)
+
+# the routers that pick experts: a fold through a MoE block scales their columns too, so the routing
+# stays exact (llm-compressor's MoE mappings: the norm -> router and every expert's gate/up)
+EXPERT_ROUTERS = tuple(r for r in ROUTERS if r != "shared_expert_gate")
 
 FOLD_TOLERANCE = 1e-4  # relative: a fold is exact up to float32 rounding
 
@@ -92,12 +100,17 @@ PAIRS: dict[str, tuple[SmoothPair, ...]] = {
 
 # --- the fold ---------------------------------------------------------------------------------
 
+def in_width(m: nn.Module) -> int:
+    """Input channels of a Linear, or of a router holding a bare weight [experts, in]."""
+    return m.in_features if hasattr(m, "in_features") else m.weight.shape[-1]
+
+
 def fold_width(layer: nn.Module, pair: SmoothPair) -> int:
     """Number of prev's output channels the scale divides."""
     prev = layer.get_submodule(pair.prev)
     if not isinstance(prev, nn.Linear):
         return prev.weight.numel()
-    return layer.get_submodule(pair.linears[0]).in_features if pair.tail else prev.out_features
+    return in_width(layer.get_submodule(pair.linears[0])) if pair.tail else prev.out_features
 
 
 def widths_match(layer: nn.Module, pair: SmoothPair) -> bool:
@@ -106,7 +119,7 @@ def widths_match(layer: nn.Module, pair: SmoothPair) -> bool:
     width = fold_width(layer, pair)
     if isinstance(prev, nn.Linear) and width > prev.out_features:
         return False
-    return all(layer.get_submodule(n).in_features == width for n in pair.linears)
+    return all(in_width(layer.get_submodule(n)) == width for n in pair.linears)
 
 
 @torch.no_grad()
@@ -161,13 +174,17 @@ class LayerProbe:
         self.layer = copy.deepcopy(layer).float()
         self.args, self.kwargs = _to_float(call)
         self.order = order  # its Linear layers in execution order
+        self.routers = [n for n, m in self.layer.named_modules() if n.rsplit(".", 1)[-1] in EXPERT_ROUTERS
+                        and getattr(m, "weight", None) is not None and m.weight.dim() == 2]
         self.gen = torch.Generator().manual_seed(0)
         self.base, self.calls = self.run(record=True)
         self.inputs = self.linear_inputs(self.calls)
 
-    def run(self, record: bool = False, scale: tuple[str, torch.Tensor] | None = None):
-        """The layer's output; with `record` also each module's first call {name: (args, kwargs)};
-        with `scale` = (module, s) that module's output multiplied by s."""
+    def run(self, record: bool = False, scale: tuple[str, torch.Tensor] | None = None,
+            unscale: tuple[list[str], torch.Tensor] = ((), None)):
+        """The layer's output (every token through every expert too, for the records); with `record`
+        also each module's first call {name: (args, kwargs)}; with `scale` = (module, s) that
+        module's output multiplied by s; with `unscale` = (routers, s) their inputs divided by s."""
         calls, handles = {}, []
         if record:
             def keep(name):
@@ -178,8 +195,10 @@ class LayerProbe:
                         for name, m in self.layer.named_modules()]
         if scale is not None:
             handles.append(self.layer.get_submodule(scale[0]).register_forward_hook(_scaled(scale[1])))
+        handles += [self.layer.get_submodule(r).register_forward_pre_hook(
+            lambda _, args, s=unscale[1]: (args[0] / s, *args[1:])) for r in unscale[0]]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), all_experts(self.layer):
                 y = self.layer(*self.args, **self.kwargs)
         finally:
             for h in handles:
@@ -206,12 +225,24 @@ class LayerProbe:
         return _close(out, self.base)
 
     def fed_by(self, prev: str) -> tuple[str, ...]:
-        """The linears whose input becomes exactly x * s when prev's output is multiplied by s."""
+        """The linears whose input becomes exactly x * s when prev's output is multiplied by s. A
+        router reading x * s takes the fold too (first, so its input is what the pair observes):
+        with its input kept at x the routing stays, and the experts' gate/up read x * s."""
         width = self._output_width(prev)
         s = self.random_scale(width)
-        after = self.linear_inputs(self.run(record=True, scale=(prev, s))[1])
-        return tuple(n for n in self.order if n != prev and n in after and after[n].shape[-1] == width
-                     and _close(after[n], self.inputs[n] * s))
+        calls = self.run(record=True, scale=(prev, s))[1]
+        routers = [r for r in self.routers if r != prev and r in calls and calls[r][0]
+                   and self._scaled_input(calls[r][0][0], self.calls[r][0][0], s)]
+        if routers:
+            calls = self.run(record=True, scale=(prev, s), unscale=(routers, s))[1]
+        after = self.linear_inputs(calls)
+        fed = tuple(n for n in self.order if n != prev and n not in routers and n in after
+                    and self._scaled_input(after[n], self.inputs[n], s))
+        return (*routers, *fed) if fed else ()
+
+    @staticmethod
+    def _scaled_input(after: torch.Tensor, before: torch.Tensor, s: torch.Tensor) -> bool:
+        return after.shape[-1] == s.numel() and _close(after, before * s)
 
     def _output_width(self, name: str) -> int:
         m = self.layer.get_submodule(name)
@@ -226,7 +257,8 @@ class LayerProbe:
         if parent and parent == attention:
             return parent
         args, kwargs = self.calls.get(parent, ((), {})) if parent else ((), {})
-        if len(args) == 1 and not kwargs and args[0] is self.inputs[linears[0]]:
+        first = self.calls.get(linears[0], ((None,), {}))[0]
+        if len(args) == 1 and not kwargs and first and args[0] is first[0]:
             return parent
         return None
 
@@ -276,7 +308,8 @@ def infer_pairs(probe: LayerProbe, attention: str | None) -> tuple[SmoothPair, .
         linears = probe.fed_by(prev)
         if linears:
             pairs.append(SmoothPair(prev, linears, probe.inspect_for(linears, attention)))
-    return tuple(sorted(pairs, key=lambda p: probe.order.index(p.linears[0])))
+    # in execution order of each pair's first Linear (a router that leads a pair is not one of them)
+    return tuple(sorted(pairs, key=lambda p: probe.order.index(next(n for n in p.linears if n in probe.order))))
 
 
 def layer_pairs(model_type: str, probe: LayerProbe, attention: str | None) -> tuple[SmoothPair, ...]:

@@ -563,3 +563,21 @@ def test_calibrate_all_experts_is_a_quantize_flag(tmp_path):
                                   "--seq-len", "32", "--no-calibrate-all-experts", "-o", str(tmp_path / "q")])
     assert r.exit_code == 0, r.output
     assert "calibrate_all_experts: false" in (tmp_path / "q" / "recipe.yaml").read_text()
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE))
+def test_the_norm_before_the_experts_smooths_the_router_and_every_experts_gate_up(model_type):
+    """llm-compressor's MoE mapping: the norm feeding a MoE block pairs with the router (first: its
+    input is every token, what AWQ observes) and every expert's gate/up; the router's columns take the
+    scale too, so the routing is unchanged (discover keeps a pair only if a random fold leaves the
+    layer's output exact)."""
+    from qtk.arch import discover
+
+    model = tiny(model_type)
+    moe.linearize_experts(model)
+    arch = discover(model)
+    layer = arch.linears[0]
+    pair = next(p for p in arch.smooth[0] if any(".experts." in n for n in p.linears) and "norm" in p.prev)
+    assert pair.linears[0].rsplit(".", 1)[-1] in ("gate", "router")
+    gate_up = [n for n in layer if ".experts." in n and n.endswith(("gate_proj", "up_proj"))]
+    assert len(gate_up) == 8 and set(gate_up) <= set(pair.linears)

@@ -303,6 +303,11 @@ def smooth_block(block, recipe) -> None:
     args, awq = recipe.scheme.weights, recipe.awq
     pairs = [p for p in block.pairs if any(n in block.targets for n in p.linears)]
     stats = observe(block, pairs, keep_hessians=recipe.weights == "gptq")
+    unseen = [p for p in pairs if stats[p].gram is None]  # an expert no calibration token reached
+    if unseen:
+        log.info("awq %s: no calibration token reached %s: no scales for them", block.name,
+                 ", ".join(n for p in unseen for n in p.linears))
+        pairs = [p for p in pairs if p not in unseen]
     for pair in pairs:
         if not folds(block, pair):
             log.debug("awq %s: %s -> %s does not fold (GQA), skipped", block.name, pair.prev, pair.linears)
@@ -318,7 +323,9 @@ def smooth_block(block, recipe) -> None:
         st.gram = st.gram / s[:, None] / s[None, :]  # the linears now read x / s
         if st.hessian is not None:
             st.hessian.scale_inputs(s)
-    if recipe.weights == "gptq":
+    # a pair led by a MoE router observed every token: its experts' Hessians only if they see every token too
+    routed = any(p.linears[0] not in block.targets for p in pairs)
+    if recipe.weights == "gptq" and (recipe.calibration.calibrate_all_experts or not routed):
         block.hessians = [(tuple(n for n in p.linears if n in block.targets), stats[p].hessian.H) for p in pairs]
     if awq.clip:
         for pair in pairs:
