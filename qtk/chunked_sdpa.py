@@ -70,14 +70,18 @@ def register(name: str = NAME, attention=chunked_causal_attention) -> None:
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
-def set_implementation(model, name: str) -> str:
-    """Point the model (and any sub-config, e.g. a text model's) at attention `name`; returns the old one."""
+def attention_configs(model) -> list:
+    """The model's config and every distinct sub-config (e.g. a text model's) naming an attention."""
+    configs = [model.config, *(getattr(m, "config", None) for m in model.modules())]
+    return list({id(c): c for c in configs if hasattr(c, "_attn_implementation")}.values())
+
+
+def set_implementation(model, name: str, configs: list | None = None) -> str:
+    """Point the model (and any sub-config) at attention `name`; returns the old one. configs:
+    attention_configs(model), where the caller keeps them (no walk over the modules per call)."""
     old = model.config._attn_implementation
-    model.config._attn_implementation = name
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = name
+    for cfg in attention_configs(model) if configs is None else configs:
+        cfg._attn_implementation = name
     return old
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ...arch import unsupported_reason
+from ...chunked_sdpa import attention_configs, set_implementation
 from ...errors import InputError
 from ..attention import NO_TERMS, AttentionMetadata, KVCache, ScoreTerms, paged_attention
 
@@ -141,14 +142,6 @@ def _probe_problem(cfg, calls: list[dict]) -> str | None:
     return None
 
 
-def _set_attention(configs: list, name: str) -> list:
-    """Point each config at attention `name`; returns their previous names."""
-    old = [c._attn_implementation for c in configs]
-    for c in configs:
-        c._attn_implementation = name
-    return old
-
-
 def pin_rope(model: nn.Module, max_positions: int) -> None:
     """Fix the RoPE frequencies that transformers picks per forward by its last position ("dynamic",
     "longrope") at their value for max_positions (as models/llama.py frozen_rope and vLLM do), so a
@@ -183,8 +176,7 @@ class GenericModel(nn.Module):
         self.head = copy.copy(hf_model)  # the causal LM sharing every module, its base stood in by GivenHidden
         self.head._modules = dict(hf_model._modules)
         setattr(self.head, hf_model.base_model_prefix, GivenHidden([n for n, _ in self.base.named_children()]))
-        self._configs = list({id(c): c for c in [cfg, *(getattr(m, "config", None) for m in hf_model.modules())]
-                              if hasattr(c, "_attn_implementation")}.values())
+        self._configs = attention_configs(hf_model)  # switched to qtk_paged for each forward
         pin_rope(self.base, getattr(cfg, "max_position_embeddings", None) or 2048)
         self._step_holders: list[nn.Module] = []  # see _probe
         calls = self._probe()
@@ -229,12 +221,11 @@ class GenericModel(nn.Module):
 
     @contextlib.contextmanager
     def _paged(self):
-        old = _set_attention(self._configs, NAME)
+        old = set_implementation(self.base, NAME, self._configs)
         try:
             yield
         finally:
-            for c, name in zip(self._configs, old):
-                c._attn_implementation = name
+            set_implementation(self.base, old, self._configs)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
         for m in self._step_holders:  # empty unless the modeling code drops the kwargs (see _probe)
