@@ -1,0 +1,126 @@
+"""Mixture-of-experts blocks on the native path (Mixtral, Qwen3-MoE, gpt-oss's experts): the block's
+own router, then the experts over the tokens routed to each, as direct kernel calls.
+
+    ids, w = router(x)                     x [T, H] -> top-k expert ids, weights [T, k] (float, the block's)
+    pairs (token, slot) sorted by expert   order [T*k]; counts [E] (one sync per block)
+    xs = x[order // k]                     [T*k, H], each expert's rows side by side
+    per expert e with n_e rows:  ys_e = down_e(act(gate_up_e(xs_e)))     gate/up fused: one matmul
+    out = zeros [T, H].index_add_(order // k, ys * w[order])
+
+The experts are qtk.moe.LinearExperts (a checkpoint's, or transformers' 3-D experts linearized at
+build), each Expert's gate_proj and up_proj joined by packed_linear.pack_linears into gate_up_proj
+(oneDNN PackedLinear for float, WOQLinear / W8A8Linear for quantized ones), [gate | up] side by side.
+Adding a family is a row of MOE: the router's name and the activation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...moe import LinearExperts, is_fused_experts, linearize_experts
+from ..packed_linear import KernelLinear, PackedLinear, packed_linear
+
+WHY_NO_GRAPHS = "MoE routing sizes each expert's matmul by its token count (a device sync per block): not captured"
+
+
+@dataclass(frozen=True)
+class MoEFamily:
+    router: str  # the block's child: hidden [T, H] -> (logits, top-k weights [T, k], top-k ids [T, k])
+    act: str = "swiglu"  # ACTIVATIONS' key: gate_up [n, 2I] -> [n, I]
+
+
+MOE = {"mixtral": MoEFamily("gate"), "qwen3_moe": MoEFamily("gate"), "gpt_oss": MoEFamily("router", "clamped_swiglu")}
+
+
+def swiglu(y: torch.Tensor, cfg, ops) -> torch.Tensor:
+    """y [n, 2I] = [gate | up] -> silu(gate) * up [n, I]."""
+    if ops is not None:
+        return ops.silu_and_mul(y)
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(y: torch.Tensor, cfg, ops) -> torch.Tensor:
+    """gpt-oss: y [n, 2I] = [gate | up] -> (clamp(up, ±limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+    (transformers' GptOssExperts._apply_gate, on gate/up rows the checkpoint interleaves)."""
+    gate, up = y.chunk(2, dim=-1)
+    gate = gate.clamp(max=cfg.swiglu_limit)
+    up = up.clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
+    return ((up + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha))).contiguous()
+
+
+ACTIVATIONS = {"swiglu": swiglu, "clamped_swiglu": clamped_swiglu}
+
+
+def is_moe_block(module: nn.Module, family: MoEFamily) -> bool:
+    experts = getattr(module, "experts", None)
+    return (isinstance(experts, LinearExperts) or (experts is not None and is_fused_experts(experts))) and \
+        isinstance(getattr(module, family.router, None), nn.Module)
+
+
+def install(layers: nn.ModuleList, cfg, ops) -> bool:
+    """Give each layer whose mlp is a MoE block of cfg's family a SparseMoE in its place (its experts
+    linearized first where transformers holds them 3-D). True if any layer has one."""
+    family = MOE.get(cfg.model_type)
+    if family is None:
+        return False
+    found = False
+    for layer in layers:
+        if not isinstance(layer.mlp, SparseMoE) and is_moe_block(layer.mlp, family):
+            linearize_experts(layer.mlp)
+            layer.mlp = SparseMoE(layer.mlp, family, cfg, ops)
+        found = found or isinstance(layer.mlp, SparseMoE)
+    return found
+
+
+def direct(module: nn.Module):
+    """The kernel call of a packed layer for float32 [n, K] contiguous x, else the module."""
+    if isinstance(module, KernelLinear):
+        return module.direct()
+    if isinstance(module, PackedLinear):
+        packed, bias = module.packed, module.bias
+        return lambda x: packed_linear(x, packed, bias)
+    return module
+
+
+def expert_plan(expert: nn.Module) -> tuple:
+    """(gate_up, down) callables of one Expert: gate_up x [n, H] -> [gate | up] [n, 2I]."""
+    if hasattr(expert, "gate_up_proj"):  # fused by pack_linears
+        return direct(expert.gate_up_proj), direct(expert.down_proj)
+    gate, up = expert.gate_proj, expert.up_proj  # not fused (a CUDA model, or kernels that cannot join)
+    return (lambda x: torch.cat((gate(x), up(x)), dim=-1)), expert.down_proj
+
+
+class SparseMoE(nn.Module):
+    """A MoE block over a packed batch, x [T, H] -> [T, H]: its router and LinearExperts (same modules,
+    same names under the layer's mlp), run as the module docstring says."""
+
+    def __init__(self, block: nn.Module, family: MoEFamily, cfg, ops):
+        super().__init__()
+        self.family, self.cfg, self.ops = family, cfg, ops
+        setattr(self, family.router, getattr(block, family.router))
+        self.experts: LinearExperts = block.experts
+        self.act = ACTIVATIONS[family.act]
+        self._plan = None  # per expert (gate_up, down), built at the first forward (after packing)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._plan is None:
+            self._plan = [expert_plan(e) for e in self.experts]
+        _, weights, ids = getattr(self, self.family.router)(x)  # [T, k], [T, k]
+        k = ids.shape[-1]
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=len(self._plan)).tolist()  # one device sync per block
+        tokens = order // k
+        xs = x.index_select(0, tokens)  # [T*k, H]
+        ys, start = [], 0
+        for (gate_up, down), n in zip(self._plan, counts):
+            if n:
+                ys.append(down(self.act(gate_up(xs[start:start + n]), self.cfg, self.ops)))
+                start += n
+        y = torch.cat(ys) if len(ys) > 1 else ys[0]  # [T*k, H]
+        y = y * weights.reshape(-1, 1)[order]
+        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
