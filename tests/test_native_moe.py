@@ -153,3 +153,63 @@ def test_w8a8_experts_are_the_blocks_own_quantized_forward(model_type):
     x = _x(13, cfg.hidden_size)
     with torch.no_grad():
         assert_float32_close(native(x), _block_forward(block, x))
+
+
+# --- the engine on the native path ------------------------------------------------------
+
+@pytest.mark.parametrize("model_type, overrides, backend", [
+    ("mixtral", {}, "cpu"), ("mixtral", {}, "torch"), ("qwen3_moe", {}, "cpu"),
+    ("qwen3_moe", dict(mlp_only_layers=[0]), "cpu")])  # a dense layer first
+def test_native_path_gives_the_generic_paths_logits(model_type, overrides, backend):
+    """Prompts of 23, 9 and 5 tokens prefilled in 7-token chunks beside decodes, each path as the
+    engine builds it, on qtk's fused CPU ops ("cpu") and without ("torch"): the same greedy tokens,
+    and every step's logits transformers' (on an unpacked twin)."""
+    from qtk.runtime.models import build
+    from qtk.runtime.models.generic import GenericModel
+    from qtk.runtime.models.llama import LlamaModel
+    from test_model_families import backend_context, prompts
+    from test_runtime import greedy_through_runtime
+
+    models = [_strong(tiny(model_type, **overrides)) for _ in range(3)]
+    native, generic = build(models[0]), build(models[1], "transformers")
+    assert type(native) is LlamaModel and type(generic) is GenericModel and native.why_no_graphs
+    assert [isinstance(layer.mlp, SparseMoE) for layer in native.layers] == [0 not in overrides.get(
+        "mlp_only_layers", []), True]
+    with backend_context(backend):
+        runs = [greedy_through_runtime(m, prompts(23, 9, 5), new_tokens=6, runtime=r, backend=backend)[:2]
+                for m, r in ((models[0], native), (models[1], generic))]
+    (seqs, native_logits), (generic_seqs, generic_logits) = runs
+    assert [s.token_ids for s in seqs] == [s.token_ids for s in generic_seqs]
+    for s, g in zip(seqs, generic_seqs):
+        with torch.no_grad():
+            want = models[2](torch.tensor([s.token_ids])).logits[0, s.num_prompt_tokens - 1:len(s) - 1]
+        for got in (native_logits[s.seq_id], generic_logits[g.seq_id]):
+            assert_float32_close(torch.stack(got), want)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_engine_serves_a_quantized_moe_checkpoint_natively_as_generically(model_type, tmp_path):
+    """`qtk serve` on an RTN w4a16 checkpoint, model_impl "qtk" (experts on qtk's WOQ kernel, tokens
+    grouped by expert) against "transformers": the same tokens and logprobs, chunked prefill beside
+    decodes (an 8-token budget)."""
+    from qtk import LLM, SamplingParams
+    from qtk.runtime.models.generic import GenericModel
+    from qtk.runtime.models.llama import LlamaModel
+    from test_any_decoder import prompts, quantize
+    from zoo import saved
+
+    ckpt = quantize(saved(_strong(tiny(model_type)), tmp_path / "src"), "rtn", tmp_path / "q")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    outs = {}
+    for impl, runtime in (("qtk", LlamaModel), ("transformers", GenericModel)):
+        llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=2**22, block_size=4, max_num_batched_tokens=8,
+                  model_impl=impl)
+        assert type(llm.model) is runtime
+        outs[impl] = llm.generate(prompts(), params)
+        if impl == "qtk" and _cpu_ops() is not None:
+            expert = llm.model.layers[0].mlp.experts[0]
+            assert isinstance(expert.gate_up_proj, KernelLinear) and expert.gate_up_proj.weights == "int4"
+    for a, b in zip(outs["qtk"], outs["transformers"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs, b.prompt_logprobs[1:] + b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...errors import InputError
+from ...moe import linearize_experts
 from ..packed_linear import bf16_lm_head, pack_linears
 from .generic import GenericModel, unsupported
 from .llama import FAMILIES, FUSED, LlamaModel
@@ -28,6 +29,7 @@ def build(hf_model: nn.Module, model_impl: str = "auto") -> LlamaModel | Generic
                          f"(it has for {sorted(FAMILIES)}); use model_impl 'auto' or 'transformers'")
     if is_native(hf_model) and model_impl != "transformers":
         bf16_lm_head(hf_model)
+        linearize_experts(hf_model)  # 3-D experts as per-expert Linears, each gate/up fused below
         pack_linears(hf_model, fuse=FUSED)
         return LlamaModel(hf_model)
     why = unsupported(hf_model)

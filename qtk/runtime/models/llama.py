@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..attention import AttentionMetadata, KVCache, paged_attention
+from . import moe
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class Family:
     qk_norm: bool = False  # q_norm / k_norm over head_dim before RoPE (Qwen3)
 
 
-FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm=True)}
+FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm=True),
+            "mixtral": Family(), "qwen3_moe": Family(qk_norm=True)}  # MoE blocks: models/moe.py
 # sibling projections the engine may fuse into one matmul (packed_linear.pack_linears)
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -83,6 +85,8 @@ class LlamaModel(nn.Module):
         inv_freq, self.rope_scaling = frozen_rope(self.rotary_emb, cfg.max_position_embeddings)
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         self.cpu_ops = self._cpu_ops()
+        if moe.install(self.layers, cfg, self.cpu_ops):  # each MoE layer's mlp now a SparseMoE over [T, H]
+            self.why_no_graphs = moe.WHY_NO_GRAPHS
         self._plan = None  # per layer, the projections' callables (built at the first fused forward)
 
     def _cpu_ops(self):
@@ -187,7 +191,7 @@ class LlamaModel(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         get = lambda m, name: getattr(m, name, None)  # noqa: E731
         return (fn(get(attn, "qkv_proj")), fn(get(attn, "q_proj")), fn(get(attn, "k_proj")), fn(get(attn, "v_proj")),
-                fn(attn.o_proj), fn(get(mlp, "gate_up_proj")), fn(mlp.down_proj))
+                fn(attn.o_proj), fn(get(mlp, "gate_up_proj")), fn(get(mlp, "down_proj")))
 
     @staticmethod
     def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
