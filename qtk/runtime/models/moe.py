@@ -114,7 +114,7 @@ class SparseMoE(nn.Module):
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=len(self._plan)).tolist()  # one device sync per block
-        tokens = order // k
+        tokens = order.div(k, rounding_mode="floor")
         xs = x.index_select(0, tokens)  # [T*k, H]
         ys, start = [], 0
         for (gate_up, down), n in zip(self._plan, counts):
@@ -122,5 +122,5 @@ class SparseMoE(nn.Module):
                 ys.append(down(self.act(gate_up(xs[start:start + n]), self.cfg, self.ops)))
                 start += n
         y = torch.cat(ys) if len(ys) > 1 else ys[0]  # [T*k, H]
-        y = y * weights.reshape(-1, 1)[order]
+        y = y * weights.reshape(-1).index_select(0, order)[:, None]
         return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
