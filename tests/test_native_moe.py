@@ -15,7 +15,7 @@ from qtk import moe
 from qtk.runtime.models.llama import FUSED
 from qtk.runtime.models.moe import MOE, SparseMoE
 from qtk.runtime.packed_linear import KernelLinear, PackedLinear, pack_linears
-from zoo import tiny
+from zoo import tiny, tiny_config
 
 TYPES = ["mixtral", "qwen3_moe", "gpt_oss"]
 CALIB = torch.randint(3, 256, (8, 24), generator=torch.Generator().manual_seed(2))
@@ -77,6 +77,25 @@ def test_sparse_moe_is_the_blocks_forward(model_type, pack):
         assert want.abs().mean() > 0.1
         with torch.no_grad():
             assert_float32_close(native(x), want)
+
+
+@pytest.mark.parametrize("model_type, overrides", [*((t, {}) for t in TYPES), ("qwen3_moe", dict(mlp_only_layers=[1]))])
+def test_install_gives_each_moe_layer_a_sparse_moe(model_type, overrides):
+    """install (what LlamaModel runs at construction, and a gpt-oss native forward would): every MoE
+    layer's mlp a SparseMoE over [T, H] computing transformers' block (its 3-D experts linearized on
+    the way), a dense layer (Qwen3-MoE's mlp_only_layers) left as it is."""
+    from qtk.runtime.models.moe import install
+
+    model = _strong(tiny(model_type, **overrides))
+    x = _x(5, model.config.hidden_size)
+    want = [_block_forward(layer.mlp, x) for layer in model.model.layers]
+    assert install(model.model.layers, model.config, _cpu_ops())
+    sparse = [isinstance(layer.mlp, SparseMoE) for layer in model.model.layers]
+    assert sparse == [i not in overrides.get("mlp_only_layers", []) for i in range(2)]
+    with torch.no_grad():
+        for layer, w in zip(model.model.layers, want):
+            assert_float32_close(layer.mlp(x) if isinstance(layer.mlp, SparseMoE) else layer.mlp(x[None])[0], w)
+    assert not install(tiny("llama").model.layers, tiny_config("llama"), None)
 
 
 def test_gpt_oss_clamp_and_biases_matter():

@@ -1,5 +1,5 @@
 """The Llama family over a packed, ragged batch (no padding): Llama 2/3, SmolLM, Mistral, Qwen2
-(q/k/v bias), Qwen3 (q/k RMSNorm per head).
+(q/k/v bias), Qwen3 (q/k RMSNorm per head); Mixtral and Qwen3-MoE, their MoE blocks by models/moe.py.
 
     h = embed(tokens)                                             [T, hidden]
     per layer:  x = rmsnorm(h); q, k, v = x Wq, x Wk, x Wv (+ bias)   [T, heads | kv_heads, D]
