@@ -5,7 +5,8 @@ tests/zoo.py's tiny Mixtral and Qwen3-MoE, float32 and RTN w4a16 (experts quanti
 `qtk quantize --method rtn` does).
 
     python benchmarks/moe_native.py [--batch 8] [--steps 32] [--repeats 3] [--threads 2]
-        [--size tiny|small]    # small: hidden 512, 8 experts of 256, top-2, 4 layers
+        [--size tiny|small|many]    # small: hidden 512, 8 experts of 256, top-2, 4 layers;
+                                    # many: hidden 256, 64 experts of 64, top-8, 4 layers
 
 Prints one line per (model, weights): native and generic decode tokens/s and their ratio
 (generic_vs_native.model_tokens_per_s: the median of `repeats` runs of `steps` batched decodes).
@@ -25,7 +26,11 @@ from generic_vs_native import model_tokens_per_s  # noqa: E402
 
 SIZES = {"tiny": {}, "small": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                                    num_local_experts=8, num_experts=8, num_hidden_layers=4, num_attention_heads=8,
-                                   num_key_value_heads=2, head_dim=64)}
+                                   num_key_value_heads=2, head_dim=64),
+         # many small experts, as Qwen3-30B-A3B's 128 of top-8
+         "many": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_local_experts=64,
+                      num_experts=64, num_experts_per_tok=8, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64)}
 
 
 def model(model_type: str, weights: str, size: str):
