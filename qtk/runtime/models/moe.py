@@ -9,7 +9,8 @@ own router, then the experts over the tokens routed to each, as direct kernel ca
 
 The experts are qtk.moe.LinearExperts (a checkpoint's, or transformers' 3-D experts linearized at
 build), each Expert's gate_proj and up_proj joined by packed_linear.pack_linears into gate_up_proj
-(oneDNN PackedLinear for float, WOQLinear / W8A8Linear for quantized ones), [gate | up] side by side.
+(PackedLinear for float, run on oneDNN or, below SMALL_FLOAT, F.linear; WOQLinear / W8A8Linear
+for quantized ones), [gate | up] side by side.
 Adding a family is a row of MOE: the router's name and the activation.
 """
 from __future__ import annotations
