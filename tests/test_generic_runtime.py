@@ -126,10 +126,10 @@ def test_checkpoint_kv_scales_are_read_from_the_attention_modules():
     assert [t.flatten()[0].item() for pair in scales for t in pair] == pytest.approx([0.01, 0.02, 0.02, 0.04])
 
 
-def test_the_llama_family_goes_through_llama_model_and_others_through_generic():
-    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
+def test_native_families_go_through_llama_model_and_others_through_generic():
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"):
         assert type(build(tiny(model_type))) is LlamaModel
-    for model_type in ("gemma", "mixtral", "gpt_neox"):
+    for model_type in ("olmo2", "cohere", "gpt_neox"):
         assert type(build(tiny(model_type))) is GenericModel
 
 
@@ -138,8 +138,8 @@ def test_model_impl_chooses_the_path_as_vllms_does():
     qtk has no native forward for, in one line naming it."""
     assert type(build(tiny("qwen3"), "transformers")) is GenericModel
     assert type(build(tiny("qwen3"), "qtk")) is LlamaModel
-    with pytest.raises(InputError, match="no native forward for model_type 'gemma2'"):
-        build(tiny("gemma2"), "qtk")
+    with pytest.raises(InputError, match="no native forward for model_type 'olmo2'"):
+        build(tiny("olmo2"), "qtk")
     with pytest.raises(InputError, match="model_impl must be one of"):
         EngineConfig("m", model_impl="vllm")
 
