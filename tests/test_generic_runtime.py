@@ -128,7 +128,7 @@ def test_checkpoint_kv_scales_are_read_from_the_attention_modules():
 
 def test_native_families_go_through_llama_model_and_others_through_generic():
     for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-                       "mixtral", "qwen3_moe"):
+                       "mixtral", "qwen3_moe", "gpt_oss"):
         assert type(build(tiny(model_type))) is LlamaModel
     for model_type in ("olmo2", "cohere", "gpt_neox"):
         assert type(build(tiny(model_type))) is GenericModel
@@ -250,7 +250,7 @@ def test_engine_int8_kv_cache_on_the_generic_path(tmp_path, monkeypatch, caplog)
 
     path = saved(tiny("gpt_oss"), tmp_path / "gpt_oss")
     llm = LLM(path, dtype="float32", kv_cache_memory=2**22, block_size=4, max_num_batched_tokens=16,
-              kv_cache_dtype="int8")
+              kv_cache_dtype="int8", model_impl="transformers")  # gpt-oss has a native path too
     assert llm.kv_dtype == torch.int8 and "measuring them on built-in text at load" in caplog.text
     prompt, = prompts(30)
     out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]

@@ -28,7 +28,8 @@ def _cpu_ops():
 
 
 def _strong(model):
-    """Expert weights large enough that outputs are O(1) and gpt-oss's clamp at 7 is reached."""
+    """Expert weights large enough that outputs are O(1) and gpt-oss's clamp at 7 is reached; gpt-oss's
+    attention sinks large enough to matter (random ones are ~0.02)."""
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -36,6 +37,8 @@ def _strong(model):
                 p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "gate_up" in name else 0.05))
             elif ".experts." in name:  # gpt-oss's biases
                 p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith(".sinks"):
+                p.copy_(torch.randn(p.shape, generator=g) * 3)
     return model
 
 
@@ -182,7 +185,8 @@ def test_w8a8_experts_are_the_blocks_own_quantized_forward(model_type):
 
 @pytest.mark.parametrize("model_type, overrides, backend", [
     ("mixtral", {}, "cpu"), ("mixtral", {}, "torch"), ("qwen3_moe", {}, "cpu"),
-    ("qwen3_moe", dict(mlp_only_layers=[0]), "cpu")])  # a dense layer first
+    ("qwen3_moe", dict(mlp_only_layers=[0]), "cpu"),  # a dense layer first
+    ("gpt_oss", {}, "cpu"), ("gpt_oss", {}, "torch")])  # sinks, a window of 8, biases, clamped SwiGLU
 def test_native_path_gives_the_generic_paths_logits(model_type, overrides, backend):
     """Prompts of 23, 9 and 5 tokens prefilled in 7-token chunks beside decodes, each path as the
     engine builds it, on qtk's fused CPU ops ("cpu") and without ("torch"): the same greedy tokens,
@@ -210,7 +214,7 @@ def test_native_path_gives_the_generic_paths_logits(model_type, overrides, backe
             assert_float32_close(torch.stack(got), want)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_engine_serves_a_quantized_moe_checkpoint_natively_as_generically(model_type, tmp_path):
     """`qtk serve` on an RTN w4a16 checkpoint, model_impl "qtk" (experts on qtk's WOQ kernel, tokens
     grouped by expert) against "transformers": the same tokens and logprobs, chunked prefill beside

@@ -1,8 +1,8 @@
 """qtk's native forward over a packed, ragged batch (no padding), for the families in FAMILIES:
 Llama 2/3, SmolLM, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm per head), Gemma 1-3 ((1 + w)
 norms, GeGLU, Gemma 2/3's sandwich norms, soft-capping, alternating windows, Gemma 3's local and
-global RoPE), Phi-3/4 (q/k/v and gate/up fused in the checkpoint, partial RoPE); Mixtral and
-Qwen3-MoE, their MoE blocks by models/moe.py.
+global RoPE), Phi-3/4 (q/k/v and gate/up fused in the checkpoint, partial RoPE); Mixtral,
+Qwen3-MoE and gpt-oss (sinks, alternating windows), their MoE blocks by models/moe.py.
 
     h = embed(tokens)                                             [T, hidden]   (Gemma: * sqrt(hidden))
     per layer:  x = norm(h); q, k, v = x Wq, x Wk, x Wv (+ bias)      [T, heads | kv_heads, D]
@@ -45,7 +45,7 @@ GEMMA = Family(norm_offset=True)
 FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm=True),
             "gemma": GEMMA, "gemma2": Family(norm_offset=True, sandwich=True),
             "gemma3_text": Family(qk_norm=True, norm_offset=True, sandwich=True), "phi3": Family(),
-            "mixtral": Family(), "qwen3_moe": Family(qk_norm=True)}  # MoE blocks: models/moe.py
+            "mixtral": Family(), "qwen3_moe": Family(qk_norm=True), "gpt_oss": Family()}  # MoE blocks: models/moe.py
 # sibling projections the engine may fuse into one matmul (packed_linear.pack_linears); Phi-3's
 # checkpoint holds them fused already, under these names
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
