@@ -1,7 +1,7 @@
 """Decode throughput of MoE models on the native path (runtime/models/moe.py: tokens grouped by
 expert, each expert's gate/up one packed matmul) against the generic one (transformers' modeling
 code: its grouped_mm experts for float, qtk.moe.LinearExperts of QuantLinears for a checkpoint), on
-tests/zoo.py's tiny Mixtral and Qwen3-MoE, float32 and RTN w4a16 (experts quantized in memory as
+tests/zoo.py's tiny Mixtral, Qwen3-MoE and gpt-oss, float32 and RTN w4a16 (experts quantized in memory as
 `qtk quantize --method rtn` does).
 
     python benchmarks/moe_native.py [--batch 8] [--steps 32] [--repeats 3] [--threads 2]
@@ -61,7 +61,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     print(f"{'model':10} {'weights':8} {'native tok/s':>13} {'generic tok/s':>14} {'ratio':>6}   "
           f"({a.size}, batch {a.batch}, {torch.get_num_threads()} threads)")
-    for model_type in ("mixtral", "qwen3_moe"):
+    for model_type in ("mixtral", "qwen3_moe", "gpt_oss"):
         for weights in ("float32", "w4a16"):
             native, generic = (model_tokens_per_s(model(model_type, weights, a.size), g, a.batch, a.prompt_len,
                                                   a.steps, a.repeats)["tokens_per_s"] for g in (False, True))
