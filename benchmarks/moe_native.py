@@ -34,9 +34,12 @@ SIZES = {"tiny": {}, "small": dict(hidden_size=512, intermediate_size=1024, moe_
 
 
 def model(model_type: str, weights: str, size: str):
-    from zoo import tiny
+    from zoo import tiny, tiny_config
 
-    m = tiny(model_type, **SIZES[size])
+    sizes, types = dict(SIZES[size]), getattr(tiny_config(model_type), "layer_types", None)
+    if types and "num_hidden_layers" in sizes:  # gpt-oss: the zoo's alternating windows over every layer
+        sizes["layer_types"] = (types * sizes["num_hidden_layers"])[:sizes["num_hidden_layers"]]
+    m = tiny(model_type, **sizes)
     if weights == "float32":
         return m
     from qtk.calibrate import quantize_model

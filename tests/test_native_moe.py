@@ -1,8 +1,8 @@
 """The native path's MoE blocks (runtime/models/moe.py): the block's router, tokens grouped by expert,
 each expert's gate/up one packed matmul on qtk's CPU kernels. Against transformers' block forward on
 the same weights (float, and quantized experts against their dequantized weights), for Mixtral,
-Qwen3-MoE and gpt-oss's experts (biases, clamped SwiGLU); then the engine on the native path against
-the generic one."""
+Qwen3-MoE and gpt-oss (biases, clamped SwiGLU); then the engine on the native path against the
+generic one and transformers, chunked prefills beside decodes (gpt-oss with large attention sinks)."""
 from __future__ import annotations
 
 import copy

@@ -4,7 +4,9 @@ own router, then the experts over the tokens routed to each, as direct kernel ca
     ids, w = router(x)                     x [T, H] -> top-k expert ids, weights [T, k] (float, the block's)
     pairs (token, slot) sorted by expert   order [T*k]; counts [E] (one sync per block)
     xs = x[order // k]                     [T*k, H], each expert's rows side by side
-    per expert e with n_e rows:  ys_e = down_e(act(gate_up_e(xs_e)))     gate/up fused: one matmul
+    per expert e with n_e rows:  hs_e = gate_up_e(xs_e)        [n_e, 2I], gate/up fused: one matmul
+    h = act(hs)                            [T*k, I], one call for every expert's rows
+    per expert e:                ys_e = down_e(h_e)            [n_e, H]
     out = zeros [T, H].index_add_(order // k, ys * w[order])
 
 The experts are qtk.moe.LinearExperts (a checkpoint's, or transformers' 3-D experts linearized at
@@ -77,10 +79,11 @@ def install(layers: nn.ModuleList, cfg, ops) -> bool:
     return found
 
 
-# an expert sees a few rows per step: below this many weight elements (512 KB float32) F.linear's
-# MKL beats oneDNN's fixed ~14 us per call at every row count up to 16 (1 thread, AVX-512: 256x256
-# 6 against 17 us at 1 row, 28 against 33 at 16; 512x256 12 against 22 at 1 row, equal past 4)
-SMALL_FLOAT = 2 ** 17
+# an expert sees a few rows per step, its weight out of cache: up to this many weight elements
+# (128 KB float32) F.linear's MKL beats or ties oneDNN's fixed ~15 us per call (1 thread, AVX-512,
+# a pool of 64 MB of weights: 256x64 7 against 22 us at 1 row, 17 against 23 at 8; 128x256 19 against
+# 26 at 1 row, equal at 4-8; 256x256 oneDNN ahead from 2 rows, 46 against 40)
+SMALL_FLOAT = 2 ** 15
 
 
 def direct(module: nn.Module):
@@ -126,11 +129,16 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat, minlength=len(self._plan)).tolist()  # one device sync per block
         tokens = order.div(k, rounding_mode="floor")
         xs = x.index_select(0, tokens)  # [T*k, H]
-        ys, start = [], 0
-        for (gate_up, down), n in zip(self._plan, counts):
+        rows, start = [], 0  # (expert's plan, its rows' slice) for each expert with tokens
+        for plan, n in zip(self._plan, counts):
             if n:
-                ys.append(down(self.act(gate_up(xs[start:start + n]), self.cfg, self.ops)))
+                rows.append((plan, slice(start, start + n)))
                 start += n
-        y = torch.cat(ys) if len(ys) > 1 else ys[0]  # [T*k, H]
+        h = self.act(_cat([gate_up(xs[r]) for (gate_up, _), r in rows]), self.cfg, self.ops)  # [T*k, I]: one call
+        y = _cat([down(h[r]) for (_, down), r in rows])  # [T*k, H]
         y = y * weights.reshape(-1).index_select(0, order)[:, None]
         return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
