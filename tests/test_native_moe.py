@@ -167,6 +167,25 @@ def test_quantized_experts_on_qtks_kernel_are_the_dequantized_block(model_type, 
             assert_float32_close(native(x), _block_forward(reference, x))
 
 
+def test_bf16_activations_call_the_modules_not_the_float32_kernels():
+    """A bf16 model (no fused CPU ops: ops None): the experts' fused WOQLinear modules, which cast to
+    the kernel's float32, give the dequantized block's output within bf16 rounding."""
+    if _cpu_ops() is None:
+        pytest.skip("no C++ compiler: no qtk CPU kernels")
+    model = _quantized("mixtral", "w4a16")
+    block, cfg = model.model.layers[0].mlp, model.config
+    reference = _dequantized(block)
+    native = copy.deepcopy(block).to(torch.bfloat16)
+    pack_linears(native, fuse=FUSED)
+    native = SparseMoE(native, MOE["mixtral"], cfg, None)
+    assert isinstance(native.experts[0].gate_up_proj, KernelLinear)
+    x = _x(13, cfg.hidden_size)
+    with torch.no_grad():
+        got, want = native(x.to(torch.bfloat16)), _block_forward(reference, x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.02 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
 def test_w8a8_experts_are_the_blocks_own_quantized_forward(model_type):
     """W8A8: activations quantized per token inside the kernel, so the reference is the block's own

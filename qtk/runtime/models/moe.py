@@ -99,10 +99,12 @@ def direct(module: nn.Module):
     return module
 
 
-def expert_plan(expert: nn.Module) -> tuple:
-    """(gate_up, down) callables of one Expert: gate_up x [n, H] -> [gate | up] [n, 2I]."""
+def expert_plan(expert: nn.Module, kernels: bool) -> tuple:
+    """(gate_up, down) callables of one Expert: gate_up x [n, H] -> [gate | up] [n, 2I]; the kernels
+    called directly where `kernels` (float32 activations on CPU), else the modules."""
+    call = direct if kernels else (lambda m: m)
     if hasattr(expert, "gate_up_proj"):  # fused by pack_linears
-        return direct(expert.gate_up_proj), direct(expert.down_proj)
+        return call(expert.gate_up_proj), call(expert.down_proj)
     gate, up = expert.gate_proj, expert.up_proj  # not fused (a CUDA model, or kernels that cannot join)
     return (lambda x: torch.cat((gate(x), up(x)), dim=-1)), expert.down_proj
 
@@ -113,7 +115,8 @@ class SparseMoE(nn.Module):
 
     def __init__(self, block: nn.Module, family: MoEFamily, cfg, ops):
         super().__init__()
-        self.family, self.cfg, self.ops = family, cfg, ops
+        self.family, self.cfg = family, cfg
+        self.ops = ops  # qtk's CPU ops where activations are float32 on CPU, else None
         setattr(self, family.router, getattr(block, family.router))
         self.experts: LinearExperts = block.experts
         self.act = ACTIVATIONS[family.act]
@@ -121,7 +124,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._plan is None:
-            self._plan = [expert_plan(e) for e in self.experts]
+            self._plan = [expert_plan(e, self.ops is not None) for e in self.experts]
         _, weights, ids = getattr(self, self.family.router)(x)  # [T, k], [T, k]
         k = ids.shape[-1]
         flat = ids.reshape(-1)
