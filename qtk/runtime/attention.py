@@ -227,10 +227,13 @@ def _dequantized(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
 def _prefill(q: torch.Tensor, cache: KVCache, chunk: PrefillChunk, scale: float,
              window: int | None = None, terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
     n, L = chunk.length, chunk.slots.numel()
-    keys = _dequantized(cache.k[:, chunk.slots], cache.k_scale, q.dtype)  # [kv_heads, L, D]
-    values = _dequantized(cache.v[:, chunk.slots], cache.v_scale, q.dtype)
-    # query i sits at context position p = L - n + i and sees keys 0 .. p (in a window: p - window + 1 .. p)
-    cols, pos = torch.arange(L, device=q.device)[None, :], torch.arange(L - n, L, device=q.device)[:, None]
+    # query i sits at context position p = L - n + i and sees keys 0 .. p (in a window: p - window + 1 .. p,
+    # so no query sees a key before `first`: the keys from there on are read)
+    first = 0 if window is None else max(0, L - n - window + 1)
+    slots = chunk.slots[first:]
+    keys = _dequantized(cache.k[:, slots], cache.k_scale, q.dtype)  # [kv_heads, L - first, D]
+    values = _dequantized(cache.v[:, slots], cache.v_scale, q.dtype)
+    cols, pos = torch.arange(first, L, device=q.device)[None, :], torch.arange(L - n, L, device=q.device)[:, None]
     mask = cols <= pos
     if window is not None:
         mask &= cols > pos - window
