@@ -1,5 +1,5 @@
 """Decode throughput of the generic runtime path (transformers' modeling code with qtk's paged
-attention, runtime/models/generic.py) against the native one (runtime/models/llama.py) on the
+attention, runtime/models/generic.py) against the native one (runtime/models/native.py) on the
 same model, each built as the engine builds it (runtime.models.build).
 
     python benchmarks/generic_vs_native.py [--model smollm2-135m] [--batch 8] [--steps 32] [--threads 2]

@@ -468,13 +468,13 @@ def test_fused_forward_equals_the_torch_forward():
     from tests.test_runtime import hf_model
     from qtk.runtime.block_manager import BlockManager
     from qtk.runtime.model_runner import ModelRunner
-    from qtk.runtime.models.llama import LlamaModel
+    from qtk.runtime.models.native import NativeModel
     from qtk.runtime.scheduler import Scheduler, SchedulerConfig
     from qtk.runtime.sequence import Sequence
 
     if cpu.ops() is None:
         pytest.skip("no C++ compiler")
-    model = LlamaModel(hf_model("qwen3"))
+    model = NativeModel(hf_model("qwen3"))
     assert model.cpu_ops is not None
     for kv in (None, torch.int8):
         runs = []

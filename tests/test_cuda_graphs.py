@@ -17,7 +17,7 @@ import torch
 from qtk.runtime.block_manager import BlockManager
 from qtk.runtime.cuda_graphs import capture_sizes
 from qtk.runtime.model_runner import ModelRunner
-from qtk.runtime.models.llama import LlamaModel
+from qtk.runtime.models.native import NativeModel
 from qtk.runtime.scheduler import Scheduler, SchedulerConfig
 from qtk.runtime.sequence import Sequence
 
@@ -73,7 +73,7 @@ def run_steps(runner, prompts, steps, num_blocks, bs, finish_after):
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8])
 def test_graph_steps_give_the_eager_logits_and_cache(kv_dtype):
-    model = LlamaModel(hf_model("llama"))
+    model = NativeModel(hf_model("llama"))
     num_blocks, bs = 32, 4
     scales = kv_scales(model, kv_dtype)
     eager = ModelRunner(model, num_blocks, bs, kv_dtype, scales, attention_backend="triton")
@@ -100,15 +100,15 @@ def test_graph_steps_give_the_eager_logits_and_cache(kv_dtype):
 
 
 def test_graphs_are_not_captured_where_they_cannot_replay():
-    cpu = ModelRunner(LlamaModel(hf_model("llama")), 8, 4, attention_backend="torch")
+    cpu = ModelRunner(NativeModel(hf_model("llama")), 8, 4, attention_backend="torch")
     assert "attention backend" in cpu.capture_graphs(4, 16, record=EagerRecord())
     windowed = hf_model("mistral", sliding_window=8)
-    runner = ModelRunner(LlamaModel(windowed), 8, 4, attention_backend="triton")
+    runner = ModelRunner(NativeModel(windowed), 8, 4, attention_backend="triton")
     assert "sliding window 8 < max_model_len 16" in runner.capture_graphs(4, 16, record=EagerRecord())
     assert cpu.graphs is None and runner.graphs is None
     # RoPE frequencies are fixed at load for every scaling type: dynamic and longrope are captured too
     dynamic = hf_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    runner = ModelRunner(LlamaModel(dynamic), 8, 4, attention_backend="triton")
+    runner = ModelRunner(NativeModel(dynamic), 8, 4, attention_backend="triton")
     assert runner.capture_graphs(4, 16, record=EagerRecord()) is None and runner.graphs is not None
 
 

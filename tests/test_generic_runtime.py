@@ -15,7 +15,7 @@ from qtk.runtime.config import EngineConfig
 from qtk.runtime.model_runner import ModelRunner, kv_cache_spec, measure_kv_scales
 from qtk.runtime.models import build
 from qtk.runtime.models.generic import GenericModel
-from qtk.runtime.models.llama import LlamaModel
+from qtk.runtime.models.native import NativeModel
 from test_model_families import backend_context, prompts
 from test_runtime import greedy_through_runtime
 from zoo import ZOO, saved, tiny, tiny_config
@@ -129,7 +129,7 @@ def test_checkpoint_kv_scales_are_read_from_the_attention_modules():
 def test_native_families_go_through_llama_model_and_others_through_generic():
     for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
                        "mixtral", "qwen3_moe", "gpt_oss"):
-        assert type(build(tiny(model_type))) is LlamaModel
+        assert type(build(tiny(model_type))) is NativeModel
     for model_type in ("olmo2", "cohere", "gpt_neox"):
         assert type(build(tiny(model_type))) is GenericModel
 
@@ -138,7 +138,7 @@ def test_model_impl_chooses_the_path_as_vllms_does():
     """model_impl "transformers" runs a Llama-family model on the generic path; "qtk" refuses a type
     qtk has no native forward for, in one line naming it."""
     assert type(build(tiny("qwen3"), "transformers")) is GenericModel
-    assert type(build(tiny("qwen3"), "qtk")) is LlamaModel
+    assert type(build(tiny("qwen3"), "qtk")) is NativeModel
     with pytest.raises(InputError, match="no native forward for model_type 'olmo2'"):
         build(tiny("olmo2"), "qtk")
     with pytest.raises(InputError, match="model_impl must be one of"):
@@ -146,7 +146,7 @@ def test_model_impl_chooses_the_path_as_vllms_does():
 
 
 def test_generic_path_of_a_llama_model_agrees_with_the_native_path():
-    """The same Llama weights through LlamaModel and GenericModel: the same logits at every step."""
+    """The same Llama weights through NativeModel and GenericModel: the same logits at every step."""
     model = tiny("mistral")  # with its 8-token window
     _, native = greedy_through_runtime(model, prompts(23, 9, 5), new_tokens=6, backend="torch")[:2]
     _, generic = greedy_through_runtime(model, prompts(23, 9, 5), new_tokens=6, backend="torch",

@@ -11,7 +11,7 @@ import torch
 
 from interop import TINY, byte_tokenizer
 from qtk.runtime.model_runner import ModelRunner
-from qtk.runtime.models.llama import sliding_windows
+from qtk.runtime.models.native import sliding_windows
 from test_runtime import greedy_through_runtime
 
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),

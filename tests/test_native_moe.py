@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from qtk import moe
-from qtk.runtime.models.llama import FUSED
+from qtk.runtime.models.native import FUSED
 from qtk.runtime.models.moe import MOE, SparseMoE
 from qtk.runtime.packed_linear import KernelLinear, PackedLinear, pack_linears
 from zoo import tiny, tiny_config
@@ -88,7 +88,7 @@ def test_sparse_moe_is_the_blocks_forward(model_type, pack, monkeypatch):
 
 @pytest.mark.parametrize("model_type, overrides", [*((t, {}) for t in TYPES), ("qwen3_moe", dict(mlp_only_layers=[1]))])
 def test_install_gives_each_moe_layer_a_sparse_moe(model_type, overrides):
-    """install (what LlamaModel runs at construction, and a gpt-oss native forward would): every MoE
+    """install (what NativeModel runs at construction, and a gpt-oss native forward would): every MoE
     layer's mlp a SparseMoE over [T, H] computing transformers' block (its 3-D experts linearized on
     the way), a dense layer (Qwen3-MoE's mlp_only_layers) left as it is."""
     from qtk.runtime.models.moe import install
@@ -212,13 +212,13 @@ def test_native_path_gives_the_generic_paths_logits(model_type, overrides, backe
     and every step's logits transformers' (on an unpacked twin)."""
     from qtk.runtime.models import build
     from qtk.runtime.models.generic import GenericModel
-    from qtk.runtime.models.llama import LlamaModel
+    from qtk.runtime.models.native import NativeModel
     from test_model_families import backend_context, prompts
     from test_runtime import greedy_through_runtime
 
     models = [_strong(tiny(model_type, **overrides)) for _ in range(3)]
     native, generic = build(models[0]), build(models[1], "transformers")
-    assert type(native) is LlamaModel and type(generic) is GenericModel and native.why_no_graphs
+    assert type(native) is NativeModel and type(generic) is GenericModel and native.why_no_graphs
     assert [isinstance(layer.mlp, SparseMoE) for layer in native.layers] == [0 not in overrides.get(
         "mlp_only_layers", []), True]
     with backend_context(backend):
@@ -240,14 +240,14 @@ def test_engine_serves_a_quantized_moe_checkpoint_natively_as_generically(model_
     decodes (an 8-token budget)."""
     from qtk import LLM, SamplingParams
     from qtk.runtime.models.generic import GenericModel
-    from qtk.runtime.models.llama import LlamaModel
+    from qtk.runtime.models.native import NativeModel
     from test_any_decoder import prompts, quantize
     from zoo import saved
 
     ckpt = quantize(saved(_strong(tiny(model_type)), tmp_path / "src"), "rtn", tmp_path / "q")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     outs = {}
-    for impl, runtime in (("qtk", LlamaModel), ("transformers", GenericModel)):
+    for impl, runtime in (("qtk", NativeModel), ("transformers", GenericModel)):
         llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=2**22, block_size=4, max_num_batched_tokens=8,
                   model_impl=impl)
         assert type(llm.model) is runtime

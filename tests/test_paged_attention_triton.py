@@ -444,11 +444,11 @@ def test_runtime_steps_through_the_triton_kernels(kv_dtype):
 
     from qtk.runtime.block_manager import BlockManager
     from qtk.runtime.model_runner import ModelRunner
-    from qtk.runtime.models.llama import LlamaModel
+    from qtk.runtime.models.native import NativeModel
     from qtk.runtime.scheduler import Scheduler, SchedulerConfig
     from qtk.runtime.sequence import Sequence
 
-    model = LlamaModel(hf_model("llama"))
+    model = NativeModel(hf_model("llama"))
     num_blocks, bs = 32, 4
     scales = kv_scales(model, kv_dtype)
     runners = {b: ModelRunner(model, num_blocks, bs, kv_dtype, scales, attention_backend=b) for b in ("torch", "triton")}

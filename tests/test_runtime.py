@@ -9,7 +9,7 @@ import torch
 from interop import TINY
 from qtk.runtime.block_manager import BlockManager
 from qtk.runtime.model_runner import ModelRunner
-from qtk.runtime.models.llama import LlamaModel
+from qtk.runtime.models.native import NativeModel
 from qtk.runtime.scheduler import Scheduler, SchedulerConfig
 from qtk.runtime.sequence import Sequence
 
@@ -31,7 +31,7 @@ def hf_model(family: str, **overrides):
 
 
 def greedy_through_runtime(model, prompts, new_tokens, budget=7, num_blocks=64, block_size=4, backend=None,
-                           runtime=LlamaModel, **kv):
+                           runtime=NativeModel, **kv):
     """Greedy decoding through scheduler + runner (attention `backend`, or the device's), recording
     the logits of every sampling step. runtime: the runtime model class (or one built already);
     kv: the runner's kv_dtype and kv_scales."""
@@ -435,7 +435,7 @@ def test_fused_packed_projections_keep_the_logits(family):
     packed, ragged forward gives the unfused model's logits."""
     import copy
 
-    from qtk.runtime.models.llama import FUSED
+    from qtk.runtime.models.native import FUSED
     from qtk.runtime.packed_linear import pack_linears
 
     model = hf_model(family)
@@ -516,7 +516,7 @@ def assert_fusing_keeps_the_logits(model):
     """The engine's packing and fusing (pack_linears) of a copy keeps the greedy logits; the copy."""
     import copy
 
-    from qtk.runtime.models.llama import FUSED
+    from qtk.runtime.models.native import FUSED
     from qtk.runtime.packed_linear import pack_linears
 
     fused = copy.deepcopy(model)

@@ -63,7 +63,7 @@ class LLM:
         check_device(c.device)
         self.dtype = choose_dtype(c.dtype, c.device, kernels_built=cpu_kernels.built).dtype
         hf_model, self.tokenizer = load_model(c.model, dtype=self.dtype, device=c.device)
-        self.model = build(hf_model, c.model_impl)  # LlamaModel for its families, else GenericModel (models/__init__.py)
+        self.model = build(hf_model, c.model_impl)  # NativeModel for its families, else GenericModel (models/__init__.py)
         limit = getattr(hf_model.config, "max_position_embeddings", None) or 2048
         if c.max_model_len is not None and c.max_model_len > limit:  # positions the model never saw: cut
             log.warning("max_model_len %d is longer than the model's context (max_position_embeddings %d): "

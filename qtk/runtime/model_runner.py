@@ -167,7 +167,7 @@ class ModelRunner:
         window = min((w for w in self.model.windows if w is not None), default=None)
         if window is not None and window < max_model_len:  # a graph's step would run the kernels, which have none
             return f"sliding window {window} < max_model_len {max_model_len} (windowed steps run in torch)"
-        return None  # RoPE of every scaling type is fixed at load (models/llama.py frozen_rope): capturable
+        return None  # RoPE of every scaling type is fixed at load (models/native.py frozen_rope): capturable
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size

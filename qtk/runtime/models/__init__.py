@@ -1,5 +1,5 @@
 """The runtime's model over a loaded transformers causal LM: qtk's native forward where it has one
-(models/llama.py: FAMILIES), else transformers' own modeling code with qtk's paged attention
+(models/native.py: FAMILIES), else transformers' own modeling code with qtk's paged attention
 (models/generic.py). Both take the same step (input_ids, positions [T], AttentionMetadata, KV
 caches) and give hidden states [T, hidden]; logits(hidden) is the causal LM's."""
 from __future__ import annotations
@@ -10,14 +10,14 @@ from ...errors import InputError
 from ...moe import linearize_experts
 from ..packed_linear import bf16_lm_head, pack_linears
 from .generic import GenericModel, unsupported
-from .llama import FAMILIES, FUSED, LlamaModel
+from .native import FAMILIES, FUSED, NativeModel
 
 
 def is_native(hf_model: nn.Module) -> bool:
     return hf_model.config.model_type in FAMILIES
 
 
-def build(hf_model: nn.Module, model_impl: str = "auto") -> LlamaModel | GenericModel:
+def build(hf_model: nn.Module, model_impl: str = "auto") -> NativeModel | GenericModel:
     """The runtime model over hf_model, its float32 CPU Linears packed for oneDNN (and, on the native
     path, q/k/v and gate/up fused; the generic path keeps the module names its modeling code calls).
     model_impl (EngineConfig's, vLLM's name): "auto" the native path where there is one, else the
@@ -34,7 +34,7 @@ def build(hf_model: nn.Module, model_impl: str = "auto") -> LlamaModel | Generic
         bf16_lm_head(hf_model)
         linearize_experts(hf_model)  # 3-D experts as per-expert Linears, each gate/up fused below
         pack_linears(hf_model, fuse=FUSED)
-        return LlamaModel(hf_model)
+        return NativeModel(hf_model)
     bf16_lm_head(hf_model)
     pack_linears(hf_model)
     return GenericModel(hf_model)

@@ -144,7 +144,7 @@ def _probe_problem(cfg, calls: list[dict]) -> str | None:
 
 def pin_rope(model: nn.Module, max_positions: int) -> None:
     """Fix the RoPE frequencies that transformers picks per forward by its last position ("dynamic",
-    "longrope") at their value for max_positions (as models/llama.py frozen_rope and vLLM do), so a
+    "longrope") at their value for max_positions (as models/native.py frozen_rope and vLLM do), so a
     token's RoPE does not depend on the chunk and batch it runs in."""
     for m in model.modules():
         types = getattr(m, "rope_type", None)
@@ -160,7 +160,7 @@ def pin_rope(model: nn.Module, max_positions: int) -> None:
 
 
 class GenericModel(nn.Module):
-    """The runtime's model interface (as LlamaModel's) over any transformers causal LM that runs its
+    """The runtime's model interface (as NativeModel's) over any transformers causal LM that runs its
     attention through the AttentionInterface."""
 
     why_no_graphs = "the generic path (transformers' modeling code, Python-side per-layer work) is not captured"

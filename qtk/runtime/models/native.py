@@ -41,9 +41,8 @@ class Family:
     # on the attention's output, pre_feedforward_layernorm / post_feedforward_layernorm around the MLP)
 
 
-GEMMA = Family(norm_offset=True)
 FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm=True),
-            "gemma": GEMMA, "gemma2": Family(norm_offset=True, sandwich=True),
+            "gemma": Family(norm_offset=True), "gemma2": Family(norm_offset=True, sandwich=True),
             "gemma3_text": Family(qk_norm=True, norm_offset=True, sandwich=True), "phi3": Family(),
             "mixtral": Family(), "qwen3_moe": Family(qk_norm=True), "gpt_oss": Family()}  # MoE blocks: models/moe.py
 # sibling projections the engine may fuse into one matmul (packed_linear.pack_linears); Phi-3's
@@ -96,7 +95,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     r.copy_(r * cos + rotate_half(r) * sin)
 
 
-class LlamaModel(nn.Module):
+class NativeModel(nn.Module):
     """The native forward of every family in FAMILIES (the Llama family's layout, each family's
     differences as its Family row and the modules' own attributes)."""
 
