@@ -70,33 +70,75 @@ def _content_key(p: Path, edge: int = 1 << 20) -> str:
     return h.hexdigest()[:16]
 
 
+# llama.cpp's architecture names transformers' GGUF reader renames (load_gguf_checkpoint)
+_GGUF_ALIASES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+
+# what llama.cpp writes and transformers 5.24's GGUF config mapping leaves unread ({arch}.KEY ->
+# config attribute): unread, the config class's default stands in (Qwen3's head_dim 128, Qwen3-MoE's
+# expert size 768, ...), which fits the flagship checkpoint and no other size of the family
+_GGUF_UNREAD = {
+    "attention.key_length": "head_dim",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+
+
 def gguf_architectures() -> list[str]:
-    """The GGUF architectures transformers reads (and dequantizes)."""
+    """The GGUF architectures transformers reads and dequantizes, in transformers' names (its newer
+    GGUF path, GGUF_CONFIG_ARCHS, keeps the weights packed in its own modules: nothing to quantize)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     return sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # those two: metadata sections
+
+
+def _gguf_metadata(gguf: Path) -> tuple[dict, str]:
+    """(the GGUF's metadata, its architecture in transformers' name); a file transformers has no
+    GGUF mapping for is refused here, in one line, before any tensor is read."""
+    import transformers
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    try:
+        metadata, _ = read_gguf_metadata(str(gguf))
+        raw = metadata["general.architecture"]
+    except (ValueError, KeyError, IndexError, EOFError, struct.error) as e:  # what a bad GGUF raises there
+        raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({e}); give a whole GGUF of an "
+                              f"architecture transformers dequantizes ({', '.join(gguf_architectures())}) or an HF "
+                              "model directory") from e
+    arch = _GGUF_ALIASES.get(raw, raw)
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+
+    if raw in GGUF_CONFIG_ARCHS:
+        raise CheckpointError(f"{gguf}: transformers {transformers.__version__} reads {raw!r} GGUFs into its packed GGUF "
+                              "modules, not the plain weights qtk quantizes; give the model's HF directory")
+    if arch not in gguf_architectures():
+        raise CheckpointError(f"{gguf}: transformers {transformers.__version__} has no GGUF mapping for architecture "
+                              f"{raw!r} (it reads {', '.join(gguf_architectures())}); give the model's HF directory")
+    return metadata, raw
+
+
+def _gguf_config(gguf: Path, metadata: dict, raw: str):
+    """transformers' config of the GGUF, with the keys its mapping leaves unread (_GGUF_UNREAD) filled in."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    mapped = GGUF_CONFIG_MAPPING.get(_GGUF_ALIASES.get(raw, raw), {})
+    for key, attr in _GGUF_UNREAD.items():
+        value = metadata.get(f"{raw}.{key}")
+        if value is not None and key not in mapped and hasattr(config, attr) and getattr(config, attr) != value:
+            log.info("%s: %s = %s from the GGUF's %s.%s (transformers leaves it unread)", gguf, attr, value, raw, key)
+            setattr(config, attr, value)
+    return config
 
 
 def _gguf_to_dir(gguf: Path, target: Path) -> Path:
     """Dequantize a GGUF with transformers once and keep it as a bf16 safetensors dir."""
     if (target / "config.json").is_file():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log.info("converting %s to a bf16 checkpoint in %s (once)", gguf, target)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except (ValueError, KeyError, IndexError, EOFError, struct.error) as e:  # what a bad GGUF raises there
-        raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({e}); give a whole GGUF of an "
-                              f"architecture transformers dequantizes ({', '.join(gguf_architectures())}) or an HF "
-                              "model directory") from e
-    # the loaded model carries the gguf quantization_config; the weights are plain floats now
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    if getattr(model, "is_quantized", False):
-        model.is_quantized = False
+    model, tok = _read_gguf(gguf)
     try:
         with write_dir(target, replace=False) as tmp:
             model.save_pretrained(tmp)
@@ -106,6 +148,50 @@ def _gguf_to_dir(gguf: Path, target: Path) -> Path:
             raise
         log.info("%s was converted by another process meanwhile; using it", target)
     return target
+
+
+def _read_gguf(gguf: Path):
+    """(model in bf16, tokenizer) of a GGUF, dequantized by transformers, every weight from the file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    metadata, raw = _gguf_metadata(gguf)
+    try:
+        config = _gguf_config(gguf, metadata, raw)
+        model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                           dtype=torch.bfloat16, output_loading_info=True)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, KeyError, IndexError, EOFError, RuntimeError, struct.error) as e:  # what a bad GGUF raises there
+        raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({str(e).splitlines()[0]}); give a "
+                              f"whole GGUF of an architecture transformers dequantizes ({', '.join(gguf_architectures())}) "
+                              "or an HF model directory") from e
+    _check_filled(gguf, raw, metadata, model, info)
+    # the loaded model carries the gguf quantization_config; the weights are plain floats now
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+    return model, tok
+
+
+def _check_filled(gguf: Path, raw: str, metadata: dict, model, info: dict) -> None:
+    """Every weight of the model transformers built came from the file (it leaves the others random:
+    a Mixtral GGUF, which llama.cpp writes as 'llama', becomes a dense Llama with random MLPs)."""
+    missing = [k for k in info.get("missing_keys", ())
+               if not (k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))]
+    if not missing:
+        return
+    experts = metadata.get(f"{raw}.expert_count")
+    if experts and not any(".experts." in k for k in model.state_dict()):
+        why = f"its {experts} experts per block have no GGUF mapping for {raw!r} in transformers (a Mixtral GGUF is " \
+              "written as 'llama')"
+    elif all(".experts." in k for k in missing):
+        why = f"transformers' GGUF reader does not map the file's experts (ffn_*_exps) onto {raw!r}'s experts"
+    else:
+        why = "the file lacks them or names them as transformers does not read them"
+    raise CheckpointError(f"{gguf}: transformers builds {type(model).__name__} from this GGUF but {len(missing)} of "
+                          f"its weights are not in the file (e.g. {sorted(missing)[0]}): {why}; give the model's HF "
+                          "directory")
 
 
 def config_dict(path: Path) -> dict:
