@@ -48,6 +48,7 @@ def _tokenizer(w) -> None:
     w.add_token_merges([])
     w.add_token_scores([0.0] * 256)  # no merges: transformers derives them from the scores (none here)
     w.add_pad_token_id(0)
+    w.add_unk_token_id(0)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
