@@ -62,14 +62,10 @@ GGUF_REFUSED = {
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
-    """GGUF conversions in the test's own cache; the CPU kernels built once, where they always are."""
-    from qtk.paths import cache_dir
+    """GGUF conversions in the test's own cache (the CPU kernels stay where they are built once)."""
+    from qtk import loading
 
-    kernels = cache_dir() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "kernels").symlink_to(kernels, target_is_directory=True)
-    monkeypatch.setenv("QTK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "cache_dir", lambda: tmp_path / "cache")
 
 
 def _logits(model, ids=IDS):
@@ -130,7 +126,7 @@ def test_a_gguf_transformers_cannot_map_is_refused_in_one_line(model_type, tmp_p
     with pytest.raises(CheckpointError, match=GGUF_REFUSED[model_type]) as e:
         resolve(str(path))
     assert "\n" not in str(e.value) and "HF directory" in str(e.value)
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["kernels"]  # no conversion, not even half
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing half-written
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe"])
