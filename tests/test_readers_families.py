@@ -138,3 +138,106 @@ def test_a_gguf_is_quantized_and_served_like_any_model(model_type, tmp_path):
     ckpt = quantize(str(path), "gptq", tmp_path / "q")
     assert json.loads((ckpt / "config.json").read_text())["model_type"] == model_type
     assert_engine_is_transformers(ckpt, referee(ckpt, tmp_path))
+
+
+# --- GPTQ / AWQ hub checkpoints ----------------------------------------------------------------
+
+GROUP = 32
+HUB_DENSE = ["gemma2", "gemma3_text", "phi3", "olmo2", "granite", "qwen3", "starcoder2", "nemotron", "cohere"]
+HUB_MOE = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "phimoe", "granitemoe", "gpt_oss"]
+# format -> (quantization_config, symmetric)
+HUB_FORMATS = {
+    "gptq_v1_sym": ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True, "desc_act": False}, True),
+    "gptq_v2_asym": ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": False, "desc_act": False,
+                      "checkpoint_format": "gptq_v2"}, False),
+    "awq_gemm": ({"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}, False),
+}
+
+
+def _rtn(w: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit g32 round-to-nearest of w [N, K]: (unsigned codes [N, K], zeros [G, N], fp16 scales [G, N])."""
+    g = w.reshape(w.shape[0], -1, GROUP)  # [N, G, 32]
+    if symmetric:
+        scale = (g.abs().amax(-1) / 7).clamp(min=1e-5).half()
+        zero = torch.full_like(scale, 8, dtype=torch.int64)
+    else:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-5).half()
+        zero = (-lo / scale.float()).round().clamp(0, 15).long()
+    q = (g / scale.float()[..., None]).round() + zero[..., None]
+    return q.clamp(0, 15).long().reshape(w.shape), zero.t(), scale.t()
+
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words (int64) as the int32 tensors the checkpoints hold (two's complement)."""
+    words = words & 0xFFFFFFFF
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _words(fields: torch.Tensor) -> torch.Tensor:
+    """[.., 8] 4-bit fields -> int32 words, field j at bits 4j."""
+    return _int32((fields.long() << (4 * torch.arange(8))).sum(-1))
+
+
+def _gptq(q, zero, scale, v1: bool) -> dict[str, torch.Tensor]:
+    """AutoGPTQ / GPTQModel: qweight [K/8, N] packed along K, qzeros [G, N/8] along N, g_idx [K];
+    v1 stores zero - 1 as GPTQModel writes it: the v2 word - 0x11111111 (a zero of 0 borrows)."""
+    n, k = q.shape
+    qzeros = _words(zero.reshape(zero.shape[0], n // 8, 8))
+    if v1:
+        qzeros = _int32(qzeros.long() - 0x11111111)
+    return {"qweight": _words(q.t().reshape(k // 8, 8, n).transpose(1, 2)), "qzeros": qzeros, "scales": scale,
+            "g_idx": (torch.arange(k) // GROUP).to(torch.int32)}
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: word c's field j holds output 8c + AWQ_ORDER[j]
+
+
+def _awq(q, zero, scale) -> dict[str, torch.Tensor]:
+    """AutoAWQ gemm: qweight [K, N/8] and qzeros [G, N/8], both packed along N in AWQ_ORDER."""
+    n, k = q.shape
+    order = list(AWQ_ORDER)
+    return {"qweight": _words(q.t().reshape(k, n // 8, 8)[..., order]),
+            "qzeros": _words(zero.reshape(zero.shape[0], n // 8, 8)[..., order]), "scales": scale}
+
+
+def _hub_checkpoint(model_type: str, fmt: str, d: Path) -> nn.Module:
+    """A GPTQ / AWQ checkpoint of tiny(model_type) in `d`, every Linear but lm_head and the routers
+    quantized; returns the model holding the dequantized weights (experts per expert)."""
+    qc, symmetric = HUB_FORMATS[fmt]
+    model = tiny(model_type)
+    moe.linearize_experts(model)  # the per-expert Linears GPTQModel / AutoAWQ quantize
+    skip = {"lm_head", *moe.router_names(model)}
+    state = {k: v for k, v in model.state_dict().items()
+             if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    for name, lin in model.named_modules():
+        if not isinstance(lin, nn.Linear) or name in skip:
+            continue
+        q, zero, scale = _rtn(lin.weight.data, symmetric)
+        del state[f"{name}.weight"]
+        packed = _awq(q, zero, scale) if qc["quant_method"] == "awq" else _gptq(q, zero, scale, "checkpoint_format" not in qc)
+        state.update({f"{name}.{k}": v for k, v in packed.items()})
+        g = scale.float().t().repeat_interleave(GROUP, dim=1)  # [N, K]
+        lin.weight.data = g * (q - zero.t().repeat_interleave(GROUP, dim=1)).float()
+    d.mkdir()
+    save_file({moe.hub_name(model_type, k): v.contiguous() for k, v in state.items()}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = qc
+    (d / "config.json").write_text(json.dumps(config))
+    byte_tokenizer().save_pretrained(d)
+    return model
+
+
+@pytest.mark.parametrize("fmt", sorted(HUB_FORMATS))
+@pytest.mark.parametrize("model_type", HUB_DENSE + HUB_MOE)
+def test_a_hub_gptq_or_awq_checkpoint_of_the_family_loads(model_type, fmt, tmp_path):
+    from qtk.checkpoint import load_quantized
+    from qtk.quant_linear import QuantLinear
+
+    ref = _hub_checkpoint(model_type, fmt, tmp_path / "hub")
+    loaded = load_quantized(tmp_path / "hub")
+    quantized = {n for n, m in loaded.named_modules() if isinstance(m, QuantLinear)}
+    linears = {n for n, m in ref.named_modules() if isinstance(m, nn.Linear)}
+    assert quantized == linears - {"lm_head", *moe.router_names(ref)}  # every expert, no router
+    torch.testing.assert_close(_logits(loaded), _logits(ref), rtol=0, atol=1e-4)
