@@ -241,3 +241,20 @@ def test_a_hub_gptq_or_awq_checkpoint_of_the_family_loads(model_type, fmt, tmp_p
     linears = {n for n, m in ref.named_modules() if isinstance(m, nn.Linear)}
     assert quantized == linears - {"lm_head", *moe.router_names(ref)}  # every expert, no router
     torch.testing.assert_close(_logits(loaded), _logits(ref), rtol=0, atol=1e-4)
+
+
+def test_experts_packed_in_an_unknown_layout_are_named(tmp_path):
+    """Quantized experts under names no Linear of the model has (here one gate_up per expert, as a
+    tool fusing gate and up would write them) are refused in one line naming one of them."""
+    from safetensors.torch import load_file
+
+    from qtk.checkpoint import load_quantized
+
+    _hub_checkpoint("qwen3_moe", "gptq_v2_asym", tmp_path / "hub")
+    f = tmp_path / "hub" / "model.safetensors"
+    t = {k.replace(".experts.0.gate_proj.", ".experts.gate_up.0."): v for k, v in load_file(str(f)).items()}
+    save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"2 quantized layers are no Linear of the qwen3_moe model the config "
+                                              r"describes, e\.g\. model\.layers\.0\.mlp\.experts\.gate_up\.0;") as e:
+        load_quantized(tmp_path / "hub")
+    assert "\n" not in str(e.value)
