@@ -130,7 +130,21 @@ def _gguf_config(gguf: Path, metadata: dict, raw: str):
         if value is not None and key not in mapped and hasattr(config, attr) and getattr(config, attr) != value:
             log.info("%s: %s = %s from the GGUF's %s.%s (transformers leaves it unread)", gguf, attr, value, raw, key)
             setattr(config, attr, value)
+    _linear_rope(gguf, config, metadata, raw)
     return config
+
+
+def _linear_rope(gguf: Path, config, metadata: dict, raw: str) -> None:
+    """llama.cpp's linear RoPE scaling (Gemma 3 4B and up: factor 8 on the global layers), which
+    transformers' GGUF reader leaves unread: positions would be 8 times too far apart."""
+    factor = metadata.get(f"{raw}.rope.scaling.factor")
+    rope = getattr(config, "rope_parameters", None)
+    if metadata.get(f"{raw}.rope.scaling.type") != "linear" or not factor or not isinstance(rope, dict):
+        return
+    target = rope.get("full_attention", rope)  # per layer type (the sliding layers keep theirs), or one for all
+    if target.get("rope_type") != "linear":
+        log.info("%s: linear RoPE scaling, factor %s, from the GGUF (transformers leaves it unread)", gguf, factor)
+        target.update(rope_type="linear", factor=float(factor))
 
 
 def _gguf_to_dir(gguf: Path, target: Path) -> Path:

@@ -54,6 +54,8 @@ def _tokenizer(w) -> None:
 
 
 def _metadata(w, config) -> None:
+    import gguf
+
     c = config
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -69,6 +71,10 @@ def _metadata(w, config) -> None:
     theta = rope.get("rope_theta") or (rope.get("full_attention") or {}).get("rope_theta")
     if theta:
         w.add_rope_freq_base(theta)
+    scaled = rope.get("full_attention", rope)
+    if scaled.get("rope_type") == "linear":  # Gemma 3 4B and up
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaled["factor"])
     if getattr(c, "rms_norm_eps", None) is not None:
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if getattr(c, "norm_eps", None) is not None:

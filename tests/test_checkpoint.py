@@ -487,8 +487,6 @@ def test_the_bundled_conversion_follows_its_gguf_file(tmp_path, monkeypatch):
     from pathlib import Path
     from types import SimpleNamespace
 
-    import transformers
-
     import qtk.loading as loading
 
     monkeypatch.setenv("QTK_CACHE", str(tmp_path / "cache"))
@@ -507,8 +505,7 @@ def test_the_bundled_conversion_follows_its_gguf_file(tmp_path, monkeypatch):
         converted.append(gguf.read_text())
         return Converted()
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: Converted())
+    monkeypatch.setattr(loading, "_read_gguf", lambda path: (load(), Converted()))
     gguf.write_text("version 1")
     old = loading.resolve(loading.BUNDLED)
     assert loading.resolve(loading.BUNDLED) == old and converted == ["version 1"]

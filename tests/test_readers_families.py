@@ -118,6 +118,22 @@ def test_an_f16_gguf_reads_as_its_model(model_type, tmp_path):
     torch.testing.assert_close(_logits(load_model(str(path))[0]), _logits(_as_stored(model, "F16")), rtol=0, atol=2e-4)
 
 
+def test_gemma3s_linear_rope_scaling_is_read_from_the_gguf(tmp_path):
+    """Gemma 3 4B and up scale RoPE linearly (factor 8) on their global layers: llama.cpp writes it
+    (rope.scaling.type / factor), transformers' GGUF reader does not read it, qtk does."""
+    from qtk.loading import load_model
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}
+    model = tiny("gemma3_text", layer_types=None, num_hidden_layers=6, tie_word_embeddings=True,  # 6th global
+                 rope_parameters=rope, sliding_window=4)
+    path = ggufs.write(model, tmp_path / "gemma3.gguf")
+    loaded = load_model(str(path))[0]
+    assert loaded.config.rope_parameters == rope
+    ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_logits(loaded, ids), _logits(_as_stored(model, "F32"), ids), rtol=0, atol=2e-4)
+
+
 @pytest.mark.parametrize("model_type", sorted(GGUF_REFUSED))
 def test_a_gguf_transformers_cannot_map_is_refused_in_one_line(model_type, tmp_path):
     from qtk.loading import resolve
