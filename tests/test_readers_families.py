@@ -32,13 +32,14 @@ IDS = torch.tensor([[1, 17, 200, 33, 95, 4, 250, 61, 128, 7, 42, 180]])
 
 # model_type -> overrides: what the GGUF metadata carries (transformers reads no sliding-window
 # layout for llama / qwen2 / starcoder2 GGUFs, Gemma 3's comes from its default pattern, Qwen3-MoE's
-# llama.cpp always renormalizes the top-k); Gemma's embeddings are tied, as in every Gemma GGUF
+# llama.cpp always renormalizes the top-k); Gemma's embeddings are tied, as in every Gemma GGUF. Sizes
+# and soft-caps other than the config classes' defaults: what transformers leaves unread and qtk reads
 GGUF_FAMILIES = {
     "llama": {},
     "mistral": dict(sliding_window=None),
     "qwen2": dict(use_sliding_window=False, sliding_window=None),
     "qwen3": {},
-    "gemma2": dict(tie_word_embeddings=True),
+    "gemma2": dict(tie_word_embeddings=True, attn_logit_softcapping=20.0, final_logit_softcapping=10.0),
     "gemma3_text": dict(layer_types=None, tie_word_embeddings=True),
     "phi3": {},
     "starcoder2": dict(sliding_window=None),
