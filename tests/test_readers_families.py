@@ -275,3 +275,14 @@ def test_experts_packed_in_an_unknown_layout_are_named(tmp_path):
                                               r"describes, e\.g\. model\.layers\.0\.mlp\.experts\.gate_up\.0;") as e:
         load_quantized(tmp_path / "hub")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("model_type, fmt", [("gemma2", "gptq_v1_sym"), ("phi3", "awq_gemm"),
+                                             ("mixtral", "awq_gemm"), ("qwen3_moe", "gptq_v2_asym")])
+def test_the_engine_serves_a_hub_checkpoint_as_transformers_runs_its_weights(model_type, fmt, tmp_path):
+    """The checkpoint through qtk's engine (chunked prefill beside decodes) against transformers on
+    the dequantized weights: prompt and sampled logprobs, greedy tokens."""
+    from test_any_decoder import assert_engine_is_transformers
+
+    ref = _hub_checkpoint(model_type, fmt, tmp_path / "hub")
+    assert_engine_is_transformers(tmp_path / "hub", ref)
