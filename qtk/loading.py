@@ -97,7 +97,7 @@ def _gguf_metadata(gguf: Path) -> tuple[dict, str]:
     """(the GGUF's metadata, its architecture in transformers' name); a file transformers has no
     GGUF mapping for is refused here, in one line, before any tensor is read."""
     import transformers
-    from transformers.integrations.gguf import read_gguf_metadata
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS, read_gguf_metadata
 
     try:
         metadata, _ = read_gguf_metadata(str(gguf))
@@ -107,11 +107,9 @@ def _gguf_metadata(gguf: Path) -> tuple[dict, str]:
                               f"architecture transformers dequantizes ({', '.join(gguf_architectures())}) or an HF "
                               "model directory") from e
     arch = _GGUF_ALIASES.get(raw, raw)
-    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
-
     if raw in GGUF_CONFIG_ARCHS:
-        raise CheckpointError(f"{gguf}: transformers {transformers.__version__} reads {raw!r} GGUFs into its packed GGUF "
-                              "modules, not the plain weights qtk quantizes; give the model's HF directory")
+        raise CheckpointError(f"{gguf}: transformers {transformers.__version__} reads {raw!r} GGUFs into its packed "
+                              "GGUF modules, not the plain weights qtk quantizes; give the model's HF directory")
     if arch not in gguf_architectures():
         raise CheckpointError(f"{gguf}: transformers {transformers.__version__} has no GGUF mapping for architecture "
                               f"{raw!r} (it reads {', '.join(gguf_architectures())}); give the model's HF directory")
@@ -174,10 +172,10 @@ def _read_gguf(gguf: Path):
         model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
                                                            dtype=torch.bfloat16, output_loading_info=True)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except (ValueError, KeyError, IndexError, EOFError, RuntimeError, struct.error) as e:  # what a bad GGUF raises there
+    except (ValueError, KeyError, IndexError, EOFError, RuntimeError, struct.error) as e:  # a bad or odd GGUF
         raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({str(e).splitlines()[0]}); give a "
-                              f"whole GGUF of an architecture transformers dequantizes ({', '.join(gguf_architectures())}) "
-                              "or an HF model directory") from e
+                              "whole GGUF of an architecture transformers dequantizes "
+                              f"({', '.join(gguf_architectures())}) or an HF model directory") from e
     _check_filled(gguf, raw, metadata, model, info)
     # the loaded model carries the gguf quantization_config; the weights are plain floats now
     if hasattr(model.config, "quantization_config"):

@@ -232,7 +232,8 @@ def _hub_checkpoint(model_type: str, fmt: str, d: Path) -> nn.Module:
             continue
         q, zero, scale = _rtn(lin.weight.data, symmetric)
         del state[f"{name}.weight"]
-        packed = _awq(q, zero, scale) if qc["quant_method"] == "awq" else _gptq(q, zero, scale, "checkpoint_format" not in qc)
+        v1 = "checkpoint_format" not in qc
+        packed = _awq(q, zero, scale) if qc["quant_method"] == "awq" else _gptq(q, zero, scale, v1)
         state.update({f"{name}.{k}": v for k, v in packed.items()})
         g = scale.float().t().repeat_interleave(GROUP, dim=1)  # [N, K]
         lin.weight.data = g * (q - zero.t().repeat_interleave(GROUP, dim=1)).float()
