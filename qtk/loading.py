@@ -16,6 +16,7 @@ from .arch import check_supported
 from .atomic import write_dir
 from .checkpoint import check_weight_files, load_quantized
 from .errors import CheckpointError, InputError, NotFoundError
+from .gguf_config import gguf_architectures, gguf_config, gguf_metadata
 from .paths import BUNDLED, BUNDLED_GGUF, cache_dir
 
 log = logging.getLogger(__name__)
@@ -70,81 +71,6 @@ def _content_key(p: Path, edge: int = 1 << 20) -> str:
     return h.hexdigest()[:16]
 
 
-# llama.cpp's architecture names transformers' GGUF reader renames (load_gguf_checkpoint)
-_GGUF_ALIASES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
-
-# what llama.cpp writes and transformers 5.24's GGUF config mapping leaves unread ({arch}.KEY ->
-# config attribute): unread, the config class's default stands in (Qwen3's head_dim 128, Qwen3-MoE's
-# expert size 768, ...), which fits the flagship checkpoint and no other size of the family
-_GGUF_UNREAD = {
-    "attention.key_length": "head_dim",
-    "expert_feed_forward_length": "moe_intermediate_size",
-    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-    "attn_logit_softcapping": "attn_logit_softcapping",
-    "final_logit_softcapping": "final_logit_softcapping",
-}
-
-
-def gguf_architectures() -> list[str]:
-    """The GGUF architectures transformers reads and dequantizes, in transformers' names (its newer
-    GGUF path, GGUF_CONFIG_ARCHS, keeps the weights packed in its own modules: nothing to quantize)."""
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    return sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # those two: metadata sections
-
-
-def _gguf_metadata(gguf: Path) -> tuple[dict, str]:
-    """(the GGUF's metadata, its architecture in transformers' name); a file transformers has no
-    GGUF mapping for is refused here, in one line, before any tensor is read."""
-    import transformers
-    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS, read_gguf_metadata
-
-    try:
-        metadata, _ = read_gguf_metadata(str(gguf))
-        raw = metadata["general.architecture"]
-    except (ValueError, KeyError, IndexError, EOFError, struct.error) as e:  # what a bad GGUF raises there
-        raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({e}); give a whole GGUF of an "
-                              f"architecture transformers dequantizes ({', '.join(gguf_architectures())}) or an HF "
-                              "model directory") from e
-    arch = _GGUF_ALIASES.get(raw, raw)
-    if raw in GGUF_CONFIG_ARCHS:
-        raise CheckpointError(f"{gguf}: transformers {transformers.__version__} reads {raw!r} GGUFs into its packed "
-                              "GGUF modules, not the plain weights qtk quantizes; give the model's HF directory")
-    if arch not in gguf_architectures():
-        raise CheckpointError(f"{gguf}: transformers {transformers.__version__} has no GGUF mapping for architecture "
-                              f"{raw!r} (it reads {', '.join(gguf_architectures())}); give the model's HF directory")
-    return metadata, raw
-
-
-def _gguf_config(gguf: Path, metadata: dict, raw: str):
-    """transformers' config of the GGUF, with the keys its mapping leaves unread (_GGUF_UNREAD) filled in."""
-    from transformers import AutoConfig
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    mapped = GGUF_CONFIG_MAPPING.get(_GGUF_ALIASES.get(raw, raw), {})
-    for key, attr in _GGUF_UNREAD.items():
-        value = metadata.get(f"{raw}.{key}")
-        if value is not None and key not in mapped and hasattr(config, attr) and getattr(config, attr) != value:
-            log.info("%s: %s = %s from the GGUF's %s.%s (transformers leaves it unread)", gguf, attr, value, raw, key)
-            setattr(config, attr, value)
-    _linear_rope(gguf, config, metadata, raw)
-    return config
-
-
-def _linear_rope(gguf: Path, config, metadata: dict, raw: str) -> None:
-    """llama.cpp's linear RoPE scaling (Gemma 3 4B and up: factor 8 on the global layers), which
-    transformers' GGUF reader leaves unread: positions would be 8 times too far apart."""
-    factor = metadata.get(f"{raw}.rope.scaling.factor")
-    rope = getattr(config, "rope_parameters", None)
-    if metadata.get(f"{raw}.rope.scaling.type") != "linear" or not factor or not isinstance(rope, dict):
-        return
-    target = rope.get("full_attention", rope)  # per layer type (the sliding layers keep theirs), or one for all
-    if target.get("rope_type") != "linear":
-        log.info("%s: linear RoPE scaling, factor %s, from the GGUF (transformers leaves it unread)", gguf, factor)
-        target.update(rope_type="linear", factor=float(factor))
-
-
 def _gguf_to_dir(gguf: Path, target: Path) -> Path:
     """Dequantize a GGUF with transformers once and keep it as a bf16 safetensors dir."""
     if (target / "config.json").is_file():
@@ -166,9 +92,9 @@ def _read_gguf(gguf: Path):
     """(model in bf16, tokenizer) of a GGUF, dequantized by transformers, every weight from the file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    metadata, raw = _gguf_metadata(gguf)
+    metadata, raw = gguf_metadata(gguf)
     try:
-        config = _gguf_config(gguf, metadata, raw)
+        config = gguf_config(gguf, metadata, raw)
         model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
                                                            dtype=torch.bfloat16, output_loading_info=True)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

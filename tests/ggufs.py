@@ -13,6 +13,7 @@ Weights go in as F32, F16 or Q8_0 (quantized with gguf's own quantizer).
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -75,6 +76,11 @@ def _metadata(w, config) -> None:
     if scaled.get("rope_type") == "linear":  # Gemma 3 4B and up
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaled["factor"])
+    if scaled.get("rope_type") == "longrope":  # Phi-3 128k (its factors are tensors: _rope_tensors)
+        original = scaled["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        scale = c.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
     if getattr(c, "rms_norm_eps", None) is not None:
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if getattr(c, "norm_eps", None) is not None:
@@ -147,6 +153,21 @@ def _experts(module, block: str, proj: str, bias: str | None, t: torch.Tensor) -
     return {f"blk.{block}.ffn_gate_exps.{suffix}": gate, f"blk.{block}.ffn_up_exps.{suffix}": up}
 
 
+def _rope_tensors(model) -> dict[str, torch.Tensor]:
+    """RoPE scaling llama.cpp stores as tensors: Llama 3.1's divisor of each frequency (rope_freqs),
+    Phi-3's LongRoPE factors."""
+    rope = model.config.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        rotary = model.model.rotary_emb
+        dim = rotary.inv_freq.shape[0] * 2
+        plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return {"rope_freqs.weight": plain / rotary.inv_freq}
+    if rope.get("rope_type") == "longrope":
+        return {"rope_factors_long.weight": torch.tensor(rope["long_factor"]),
+                "rope_factors_short.weight": torch.tensor(rope["short_factor"])}
+    return {}
+
+
 def write(model, path: Path, dtype: str = "F32") -> Path:
     """`model` (a transformers causal LM) as a GGUF file at `path`; 2-D weights in `dtype`
     (F32, F16 or Q8_0), 1-D ones F32 as llama.cpp keeps them."""
@@ -157,7 +178,7 @@ def write(model, path: Path, dtype: str = "F32") -> Path:
     w.add_name("tiny " + model.config.model_type)
     _metadata(w, model.config)
     _tokenizer(w)
-    for name, t in _tensors(model, arch, does).items():
+    for name, t in {**_tensors(model, arch, does), **_rope_tensors(model)}.items():
         a = t.numpy()
         if a.ndim == 1 or dtype == "F32":
             w.add_tensor(name, a.astype(np.float32))

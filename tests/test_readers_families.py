@@ -126,6 +126,55 @@ def test_gemma3s_linear_rope_scaling_is_read_from_the_gguf(tmp_path):
     torch.testing.assert_close(_logits(loaded, ids), _logits(_as_stored(model, "F32"), ids), rtol=0, atol=2e-4)
 
 
+_LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # Llama 3.1's, its theta scaled
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+             "long_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0],
+             "short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0]}
+
+
+@pytest.mark.parametrize("model_type, rope", [("llama", _LLAMA3), ("phi3", _LONGROPE)], ids=["llama3", "longrope"])
+def test_rope_scaling_stored_as_tensors_is_read_from_the_gguf(model_type, rope, tmp_path):
+    """Llama 3.1+ and Phi-3 128k / Phi-4-mini: llama.cpp stores their RoPE scaling as per-frequency
+    tensors (rope_freqs; rope_factors_long / _short), which transformers' GGUF reader drops and qtk
+    reads back into the config. Head dim 16 has frequencies in each of llama3's three regimes; 80
+    tokens pass LongRoPE's pretrained 64 (its long factors)."""
+    from qtk.loading import load_model
+
+    original = dict(original_max_position_embeddings=64) if model_type == "phi3" else {}  # Phi-3's own field too
+    model = tiny(model_type, rope_parameters=dict(rope), **original)
+    path = ggufs.write(model, tmp_path / f"{model_type}.gguf")
+    loaded = load_model(str(path))[0]
+    read = loaded.config.rope_parameters
+    assert {k: _rounded(read.get(k)) for k in rope} == {k: _rounded(v) for k, v in rope.items()}
+    for n in (12, 80):
+        ids = torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(n))
+        torch.testing.assert_close(_logits(loaded, ids), _logits(_as_stored(model, "F32"), ids), rtol=0, atol=2e-4)
+
+
+def _rounded(v):
+    """A config value as float32 stores it, to compare (the factors went through an F32 tensor)."""
+    if isinstance(v, list):
+        return [round(x, 5) for x in v]
+    return round(v, 5) if isinstance(v, float) else v
+
+
+def test_rope_divisors_that_are_not_llama3s_are_refused(tmp_path):
+    import gguf
+
+    from qtk.loading import load_model
+
+    model = tiny("llama", rope_parameters=dict(_LLAMA3))
+    path = ggufs.write(model, tmp_path / "llama.gguf")
+    # the same file with other divisors: a scaling transformers has no RoPE type for
+    reader = gguf.GGUFReader(str(path), "r+")
+    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    t.data[:] = t.data[::-1].copy()
+    reader.data.flush()
+    with pytest.raises(CheckpointError, match=r"its RoPE frequency divisors \(rope_freqs\) are not Llama 3's"):
+        load_model(str(path))
+
+
 @pytest.mark.parametrize("model_type", sorted(GGUF_REFUSED))
 def test_a_gguf_transformers_cannot_map_is_refused_in_one_line(model_type, tmp_path):
     from qtk.loading import resolve
