@@ -5,8 +5,10 @@ What the converter does per family, and the reader (transformers' GGUF loader) u
 - names: gguf's TensorNameMap (blk.N.attn_q, ffn_gate_exps, ...), as get_gguf_hf_weights_map reads it;
 - llama (and Mixtral, which llama.cpp writes as llama): q/k rows permuted for ggml's rotary
   (LlamaModel.permute), undone by LlamaTensorProcessor;
-- Gemma 2/3: every RMSNorm weight stored as w + 1 (Gemma's (1 + w)), undone by - 1;
+- Gemma 2/3 (and Nemotron's LayerNorm1P): every norm weight stored as w + 1 (their (1 + w)), undone by - 1;
 - MoE: each block's experts stacked [E, out, in] as ffn_{gate,up,down}_exps;
+- RoPE scaling: linear in the metadata (Gemma 3), Llama 3's as rope_freqs (each frequency's divisor),
+  Phi-3's LongRoPE as rope_factors_long / _short;
 - metadata: the keys llama.cpp writes (block_count, embedding_length, ...), a byte-level "gpt2"
   tokenizer of 256 tokens (the byte tokenizer's vocabulary).
 Weights go in as F32, F16 or Q8_0 (quantized with gguf's own quantizer).
