@@ -6,6 +6,9 @@ same model, each built as the engine builds it (runtime.models.build).
     python benchmarks/generic_vs_native.py --zoo [--out benchmarks/results]
         # every type of tests/zoo.py (tiny random models): the generic path, and the native one
         # where the type has one; recorded as --name .json
+    python benchmarks/generic_vs_native.py --zoo --types gemma3_text,phi3 --sized --method rtn
+        # those types at the bundled model's sizes (SIZED: 8 of its 30 layers), W4A16 RTN
+        # checkpoints (group 64: 576 is no multiple of 128) read back by qtk's loader, as `qtk serve` runs them
 
 A batch of `batch` sequences of `prompt_len` random tokens is prefilled in one step, then `steps`
 steps of `batch` greedy decodes are timed (the median of `repeats` runs): tokens/s = batch * steps
@@ -15,6 +18,7 @@ steps of `batch` greedy decodes are timed (the median of `repeats` runs): tokens
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -27,6 +31,10 @@ from qtk.runtime.model_runner import ModelRunner
 from qtk.runtime.models import build
 from qtk.runtime.scheduler import Scheduler, SchedulerConfig
 from qtk.runtime.sequence import Sequence
+
+# the bundled model's (SmolLM2-135M) sizes, 8 of its 30 layers: matmuls of a real model's shape
+SIZED = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+             num_hidden_layers=8, moe_intermediate_size=512, intermediate_size_mlp=1536)
 
 
 def _decode_seconds(runtime, vocab: int, batch: int, prompt_len: int, steps: int, block_size: int = 16) -> float:
@@ -83,6 +91,10 @@ def main() -> None:
     p.add_argument("--zoo", action="store_true", help="Every type of tests/zoo.py instead of --model.")
     p.add_argument("--out", default="benchmarks/results", help="Where --zoo records its JSON.")
     p.add_argument("--name", default="generic_vs_native-zoo", help="--zoo's JSON file name (add the CPU and date).")
+    p.add_argument("--types", default=None, help="--zoo: these types only (comma-separated).")
+    p.add_argument("--sized", action="store_true", help="--zoo: at SIZED (the bundled model's sizes), not tiny.")
+    p.add_argument("--method", choices=["none", "rtn"], default="none",
+                   help="--zoo: float32 weights, or a W4A16 RTN checkpoint (group 64) loaded by qtk.")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -103,16 +115,39 @@ def zoo(a) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from zoo import ZOO, tiny
 
+    sizes = SIZED if a.sized else {}
     rows = {}
-    for model_type in sorted(ZOO):
+    for model_type in a.types.split(",") if a.types else sorted(ZOO):
+        make = functools.partial(_model, tiny, model_type, sizes, a.method)
         paths = (False, True) if is_native(tiny(model_type)) else (True,)
-        rows[model_type] = {("generic" if g else "native"): model_tokens_per_s(tiny(model_type), g, a.batch,
-                                                                             a.prompt_len, a.steps, a.repeats)["tokens_per_s"]
+        rows[model_type] = {("generic" if g else "native"): model_tokens_per_s(make(), g, a.batch, a.prompt_len,
+                                                                             a.steps, a.repeats)["tokens_per_s"]
                             for g in paths}
         print(model_type, json.dumps(rows[model_type]), flush=True)
-    record({"models": "tests/zoo.py (2 layers, hidden 64, float32)", "batch": a.batch, "prompt_len": a.prompt_len,
+    models = (f"tests/zoo.py at {sizes}" if sizes else "tests/zoo.py (2 layers, hidden 64)") + (
+        ", W4A16 RTN group 64 checkpoints" if a.method == "rtn" else ", float32")
+    record({"models": models, "batch": a.batch, "prompt_len": a.prompt_len,
             "steps": a.steps, "threads": torch.get_num_threads(), "decode_tokens_per_s": rows}, a.out,
            a.name, " ".join(["python", *sys.argv]))
+
+
+def _model(tiny, model_type: str, sizes: dict, method: str):
+    """The zoo model at `sizes`: float32, or its W4A16 RTN checkpoint loaded as qtk serves it."""
+    import tempfile
+    from pathlib import Path
+
+    from zoo import saved
+
+    from qtk import pipeline
+    from qtk.recipe import from_flags
+
+    model = tiny(model_type, **sizes)
+    if method == "none":
+        return model
+    with tempfile.TemporaryDirectory() as d:
+        src = saved(model, Path(d) / "src")
+        pipeline.quantize(src, from_flags("rtn", group_size=64), Path(d) / "q", dtype=torch.float32, progress=False)
+        return load_model(str(Path(d) / "q"))[0]
 
 
 if __name__ == "__main__":

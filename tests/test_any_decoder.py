@@ -101,8 +101,8 @@ def test_quantized_checkpoint_serves_transformers_logits(model_type, method, tmp
     check(model_type, method, tmp_path)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])
-def test_the_generic_path_serves_a_llama_family_checkpoint_as_the_native_one(model_type, tmp_path):
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3"])
+def test_the_generic_path_serves_a_native_family_checkpoint_as_the_native_one(model_type, tmp_path):
     """The same GPTQ checkpoint through model_impl "transformers" (the native path ran above)."""
     check(model_type, "gptq", tmp_path, model_impl="transformers")
 

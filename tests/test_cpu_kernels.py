@@ -390,8 +390,9 @@ def test_silu_and_mul(lib):
 def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D):
     """store_kv_ writes the bytes attention.write_kv writes; paged_decode_attention gives what the
     torch decode gives, over random block tables, context lengths and GQA, per-head scales; head
-    sizes in and out of whole vectors, and one sequence (its query heads split over threads)."""
-    from qtk.runtime.attention import AttentionMetadata, KVCache, _bytes, _decode, write_kv
+    sizes in and out of whole vectors, and one sequence (its query heads split over threads); with
+    a sliding window (shorter and longer than contexts), score soft-capping and attention sinks."""
+    from qtk.runtime.attention import NO_TERMS, AttentionMetadata, KVCache, ScoreTerms, _bytes, _decode, write_kv
 
     g = torch.Generator().manual_seed(0)
     KV, H, bs, blocks = 2, 6, 4, 40
@@ -415,6 +416,12 @@ def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D):
     want = _decode(q, ref, meta, 0.125)
     got = lib.paged_decode_attention(q, _bytes(ours.k), _bytes(ours.v), tables, lens, bs, 0.125, *flat)
     assert rel_err(got, want) < 1e-5
+    for window, terms in ((6, NO_TERMS), (None, ScoreTerms(softcap=2.5)), (9, ScoreTerms(4.0, torch.randn(H, generator=g))),
+                          (None, ScoreTerms(sinks=torch.randn(H, generator=g) * 3))):  # Gemma 2 / 3, gpt-oss
+        want = _decode(q, ref, meta, 0.125, window, terms)
+        got = lib.paged_decode_attention(q, _bytes(ours.k), _bytes(ours.v), tables, lens, bs, 0.125, *flat,
+                                         window or 0, terms.softcap or 0.0, terms.sinks)
+        assert rel_err(got, want) < 1e-5, (window, terms)
 
 
 def test_store_and_decode_refuse_mismatched_operands(lib):
@@ -443,6 +450,16 @@ def test_store_and_decode_refuse_mismatched_operands(lib):
         lib.paged_decode_attention(q, cache(), cache(), tables, torch.tensor([0]), 8, 0.3, None, None)
     with pytest.raises(RuntimeError, match="got 3"):
         lib.paged_decode_attention(q, i8(), i8(), tables, lens, 8, 0.3, torch.ones(3), torch.ones(3))
+    with pytest.raises(RuntimeError, match="one value per query head \\(4\\), got 3"):
+        lib.paged_decode_attention(q, cache(), cache(), tables, lens, 8, 0.3, None, None, 0, 0.0, torch.ones(3))
+
+
+@pytest.mark.parametrize("T,I", [(1, 8), (3, 37), (5, 1536)])
+def test_gelu_tanh_and_mul_matches_torch(lib, T, I):
+    """Gemma's GeGLU: gelu(gate, approximate="tanh") * up, in and out of whole vectors."""
+    x = torch.randn(T, 2 * I, generator=torch.Generator().manual_seed(T)) * 4
+    want = torch.nn.functional.gelu(x[:, :I], approximate="tanh") * x[:, I:]
+    assert torch.allclose(lib.gelu_tanh_and_mul(x), want, rtol=1e-5, atol=1e-5 * want.abs().max())
 
 
 def test_fused_forward_equals_the_torch_forward():

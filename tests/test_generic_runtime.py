@@ -126,10 +126,10 @@ def test_checkpoint_kv_scales_are_read_from_the_attention_modules():
     assert [t.flatten()[0].item() for pair in scales for t in pair] == pytest.approx([0.01, 0.02, 0.02, 0.04])
 
 
-def test_the_llama_family_goes_through_llama_model_and_others_through_generic():
-    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
+def test_native_families_go_through_llama_model_and_others_through_generic():
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"):
         assert type(build(tiny(model_type))) is LlamaModel
-    for model_type in ("gemma", "mixtral", "gpt_neox"):
+    for model_type in ("olmo2", "cohere", "gpt_neox"):
         assert type(build(tiny(model_type))) is GenericModel
 
 
@@ -138,8 +138,8 @@ def test_model_impl_chooses_the_path_as_vllms_does():
     qtk has no native forward for, in one line naming it."""
     assert type(build(tiny("qwen3"), "transformers")) is GenericModel
     assert type(build(tiny("qwen3"), "qtk")) is LlamaModel
-    with pytest.raises(InputError, match="no native forward for model_type 'gemma2'"):
-        build(tiny("gemma2"), "qtk")
+    with pytest.raises(InputError, match="no native forward for model_type 'olmo2'"):
+        build(tiny("olmo2"), "qtk")
     with pytest.raises(InputError, match="model_impl must be one of"):
         EngineConfig("m", model_impl="vllm")
 
@@ -212,16 +212,14 @@ def test_graphs_are_off_on_the_generic_path_with_the_reason():
     assert "the generic path" in runner.capture_graphs(4, 64, record=None)
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_moe"])
-def test_engine_end_to_end_with_prefix_caching(model_type, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model_type", ["cohere2", "qwen3_moe"])
+def test_engine_end_to_end_with_prefix_caching(model_type, tmp_path):
     """LLM(path) on a non-Llama type: greedy tokens and prompt logprobs are transformers', and a
     second prompt sharing the first's prefix hits the prefix cache."""
     from transformers import AutoModelForCausalLM
 
-    import qtk.loading
     from qtk import LLM, SamplingParams
 
-    monkeypatch.setattr(qtk.loading, "arch_for", lambda config: None, raising=False)  # until loading reads any type
     path = saved(tiny(model_type), tmp_path / model_type)
     llm = LLM(path, dtype="float32", kv_cache_memory=2**22, block_size=4, max_num_batched_tokens=16)
     assert type(llm.model) is GenericModel
@@ -248,7 +246,6 @@ def test_engine_int8_kv_cache_on_the_generic_path(tmp_path, monkeypatch, caplog)
     import qtk.loading
     from qtk import LLM, SamplingParams
 
-    monkeypatch.setattr(qtk.loading, "arch_for", lambda config: None, raising=False)  # until loading reads any type
     path = saved(tiny("gpt_oss"), tmp_path / "gpt_oss")
     llm = LLM(path, dtype="float32", kv_cache_memory=2**22, block_size=4, max_num_batched_tokens=16,
               kv_cache_dtype="int8")

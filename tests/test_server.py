@@ -174,6 +174,42 @@ def test_a_client_leaving_a_stream_frees_its_blocks(server):
     assert not engine.llm.has_unfinished_requests() and bm.num_free_blocks == free
 
 
+def test_the_first_chunk_of_a_stream_follows_the_first_token(server, monkeypatch):
+    """As vLLM's: a stream's first chunk (the chat's assistant role, a completion's text) is sent with
+    the first token, not when the request is admitted, so a client's time to first chunk is queueing
+    plus prefill. The engine is held before its step: nothing reaches the client until it runs."""
+    import threading
+
+    url, engine = server
+    gate, step = threading.Event(), engine.llm.step
+
+    def held_step():
+        gate.wait(30)
+        return step()
+
+    monkeypatch.setattr(engine.llm, "step", held_step)
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/completions", {"prompt": "Once upon a time"})):
+        gate.clear()
+        lines: list[str] = []
+
+        def read(path=path, body=body, lines=lines):
+            with httpx.stream("POST", url + path, json={"model": "tiny", "max_tokens": 3, "ignore_eos": True,
+                                                        "stream": True, **body},
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.5)
+        assert lines == [], path  # admitted, no token yet: no chunk either
+        gate.set()
+        reader.join(60)
+        first = json.loads(lines[0].removeprefix("data: "))["choices"][0]
+        assert first.get("delta", {}).get("role") == "assistant" or first.get("text"), first
+        assert lines[-1] == "data: [DONE]"
+
+
 def test_metrics_count_what_was_served(server, client):
     """/metrics in Prometheus' format under vLLM's names (prefix qtk:): the counters move by what a
     request did, and the latency histograms saw it."""

@@ -151,12 +151,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                     terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] of the step's tokens -> attention output [T, heads, D].
     cpu_ops: qtk's CPU kernel library for the "cpu" backend, where the caller holds it already;
-    window: the layer's sliding window, or None; terms: its softcap and sinks (the torch path's)."""
+    window: the layer's sliding window, or None; terms: its softcap and sinks (the CPU kernel's and
+    the torch path's; Triton's kernels have neither, nor windows)."""
+    if meta.backend == "cpu":
+        return _cpu_attention(q, k, v, cache, meta, scale, cpu_ops, window, terms)
     torch_only = (window is not None and meta.max_context_len > window) or bool(terms)
     if meta.backend == "triton" and not torch_only:
         return _triton_attention(q, k, v, cache, meta, scale)
-    if meta.backend == "cpu" and not torch_only:
-        return _cpu_attention(q, k, v, cache, meta, scale, cpu_ops)
     write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_index.numel():
@@ -193,7 +194,10 @@ def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: flo
     return o.transpose(0, 1).reshape(B, H, D)
 
 
-def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: float, ops=None) -> torch.Tensor:
+def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: float, ops=None,
+                   window: int | None = None, terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
+    """qtk's CPU kernels store the step's keys and values and attend for the decodes (window, softcap
+    and sinks included); prefill chunks attend in torch (_prefill)."""
     if ops is None:
         from ..kernels import cpu as cpu_kernels
 
@@ -201,15 +205,18 @@ def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: floa
     scales = (None, None) if not cache.quantized else (cache.k_scale.reshape(-1), cache.v_scale.reshape(-1))
     kc, vc = _bytes(cache.k), _bytes(cache.v)
     ops.store_kv_(kc, vc, k, v, meta.slot_mapping, *scales)
-    if not meta.prefills:  # a step of decodes only: token i is sequence i's
+    extra = (window or 0, terms.softcap or 0.0, terms.sinks)
+
+    def decode(q):
         return ops.paged_decode_attention(q, kc, vc, meta.block_tables, meta.decode_lens, meta.block_size, scale,
-                                          *scales)
+                                          *scales, *extra)
+    if not meta.prefills:  # a step of decodes only: token i is sequence i's
+        return decode(q)
     out = torch.empty_like(q)
     if meta.decode_index.numel():
-        out[meta.decode_index] = ops.paged_decode_attention(q[meta.decode_index], kc, vc, meta.block_tables,
-                                                            meta.decode_lens, meta.block_size, scale, *scales)
+        out[meta.decode_index] = decode(q[meta.decode_index])
     for p in meta.prefills:
-        out[p.start:p.start + p.length] = _prefill(q[p.start:p.start + p.length], cache, p, scale)
+        out[p.start:p.start + p.length] = _prefill(q[p.start:p.start + p.length], cache, p, scale, window, terms)
     return out
 
 
@@ -220,10 +227,13 @@ def _dequantized(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
 def _prefill(q: torch.Tensor, cache: KVCache, chunk: PrefillChunk, scale: float,
              window: int | None = None, terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
     n, L = chunk.length, chunk.slots.numel()
-    keys = _dequantized(cache.k[:, chunk.slots], cache.k_scale, q.dtype)  # [kv_heads, L, D]
-    values = _dequantized(cache.v[:, chunk.slots], cache.v_scale, q.dtype)
-    # query i sits at context position p = L - n + i and sees keys 0 .. p (in a window: p - window + 1 .. p)
-    cols, pos = torch.arange(L, device=q.device)[None, :], torch.arange(L - n, L, device=q.device)[:, None]
+    # query i sits at context position p = L - n + i and sees keys 0 .. p (in a window: p - window + 1 .. p,
+    # so no query sees a key before `first`: the keys from there on are read)
+    first = 0 if window is None else max(0, L - n - window + 1)
+    slots = chunk.slots[first:]
+    keys = _dequantized(cache.k[:, slots], cache.k_scale, q.dtype)  # [kv_heads, L - first, D]
+    values = _dequantized(cache.v[:, slots], cache.v_scale, q.dtype)
+    cols, pos = torch.arange(first, L, device=q.device)[None, :], torch.arange(L - n, L, device=q.device)[:, None]
     mask = cols <= pos
     if window is not None:
         mask &= cols > pos - window

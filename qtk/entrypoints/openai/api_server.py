@@ -346,10 +346,14 @@ class Server:
             return {"id": rid, "object": "chat.completion.chunk", "created": _now(), "model": self.model_name,
                     "choices": choices, **extra}
 
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(body.n)])
-        completion, texts = 0, {}
+        def role():  # as vLLM: with the first token, so a client's time to first chunk is queueing + prefill
+            return chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None} for i in range(body.n)])
+        completion, texts, started = 0, {}, False
         async for _, c, chars, toks in news(stream):
+            if not started:
+                started = True
+                yield role()
             texts[c.index] = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 completion += len(c.token_ids)
@@ -358,6 +362,8 @@ class Server:
             if not delta and finish_reason is None and logprobs is None:
                 continue  # "required" tool calls: nothing to send until the list is complete
             yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+        if not started:
+            yield role()
         usage = {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
         self._log("/v1/chat/completions", body, [texts[k] for k in sorted(texts)], usage)
         if body.stream_options and body.stream_options.include_usage:

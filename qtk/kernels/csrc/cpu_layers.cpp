@@ -9,14 +9,19 @@
 //   rope_(x, cos, sin, heads)          rotate the first `heads` heads of each row of x in place
 //                                      (HF's rotate_half layout: pairs (i, i + D/2)); cos, sin [T, D]
 //   silu_and_mul(x)                    x [T, 2I] -> silu(x[:, :I]) * x[:, I:]
+//   gelu_tanh_and_mul(x)               x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:]  (Gemma's GeGLU)
 //   store_kv_(k_cache, v_cache, k, v, slots, k_scale, v_scale)
 //                                      k, v [T, kv_heads, D] into caches [kv_heads, slots, D] at
 //                                      slots [T]; float32, or INT8 / FP8 e4m3 (uint8 bits) with
 //                                      scales [kv_heads or 1] (stored = value / scale, rounded to
 //                                      nearest, saturated)
-//   paged_decode_attention(q, k_cache, v_cache, block_tables, lens, block_size, scale, k_scale, v_scale)
+//   paged_decode_attention(q, k_cache, v_cache, block_tables, lens, block_size, scale, k_scale, v_scale,
+//                          window, softcap, sinks)
 //                                      one query token per sequence: q [B, H, D] over each sequence's
-//                                      cached keys/values through its block table; GQA as repeat_kv
+//                                      cached keys/values through its block table; GQA as repeat_kv;
+//                                      window > 0: its last `window` keys only; softcap > 0: scores
+//                                      softcap * tanh(s / softcap); sinks [H]: one more logit per head
+//                                      in the softmax, its weight dropped (gpt-oss)
 // All parallelise over rows (or sequence x KV head, and query heads at small batches) with at::parallel_for.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -162,6 +167,36 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       }
 #endif
       for (; i < b; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
+// gelu_tanh(g) * u, gelu_tanh(g) = g / 2 (1 + tanh(z)) = g / (1 + e^(-2z)), z = sqrt(2/pi) (g + 0.044715 g^3):
+// transformers' "gelu_pytorch_tanh", Gemma's activation.
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  check_rows(x, "gelu_tanh_and_mul");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) % 2 == 0, "gelu_tanh_and_mul: x must have an even number of columns");
+  at::Tensor y = at::empty({T, I}, x.options());
+  constexpr float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  at::parallel_for(0, T * I, 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t t = i0 / I; t <= (i1 - 1) / I; ++t) {
+      const float* g = x.data_ptr<float>() + t * x.stride(0);
+      const float* u = g + I;
+      float* yr = y.data_ptr<float>() + t * I;
+      const int64_t a = std::max(i0 - t * I, int64_t(0)), b = std::min(i1 - t * I, I);
+      int64_t i = a;
+#ifdef QTK_AVX2
+      const __m256 one = _mm256_set1_ps(1.f), m2c = _mm256_set1_ps(-2.f * c), k3 = _mm256_set1_ps(0.044715f);
+      for (; i + 8 <= b; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 z = _mm256_mul_ps(m2c, _mm256_fmadd_ps(_mm256_mul_ps(k3, gv), _mm256_mul_ps(gv, gv), gv));
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(z)));
+        _mm256_storeu_ps(yr + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < b; ++i) yr[i] = g[i] / (1.f + std::exp(-2.f * c * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
     }
   });
   return y;
@@ -376,7 +411,7 @@ static void weighted_rows(const float* p, const float* const* rows, int64_t L, i
 template <Kv KIND>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
             const at::Tensor& lens, int64_t bs, double scale, const float* ks, int64_t nks, const float* vs,
-            int64_t nvs, at::Tensor& out) {
+            int64_t nvs, int64_t window, float softcap, const float* sinks, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(0), S = k_cache.size(1);
   const int64_t G = H / KV, W = tables.size(1);
   const int64_t* tb = tables.data_ptr<int64_t>();
@@ -395,9 +430,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     std::vector<const float*> krow, vrow;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (KV * splits), h = (i / splits) % KV, s = i % splits;
-      const int64_t g0 = s * G / splits, g1 = (s + 1) * G / splits, ng = g1 - g0, L = ln[b];
-      TORCH_CHECK(L >= 1, "paged_decode_attention: context length ", L, " of sequence ", b, " (at least 1)");
-      TORCH_CHECK((L + bs - 1) / bs <= W, "paged_decode_attention: context longer than its block table");
+      const int64_t g0 = s * G / splits, g1 = (s + 1) * G / splits, ng = g1 - g0, n = ln[b];
+      TORCH_CHECK(n >= 1, "paged_decode_attention: context length ", n, " of sequence ", b, " (at least 1)");
+      TORCH_CHECK((n + bs - 1) / bs <= W, "paged_decode_attention: context longer than its block table");
+      const int64_t first = window > 0 && n > window ? n - window : 0, L = n - first;  // the keys it sees
       const kv_t<KIND>* kh = kc + h * S * D;
       const kv_t<KIND>* vh = vc + h * S * D;
       krow.resize(L);  // the context's rows, through the block table (decoded once for INT8 / FP8)
@@ -406,11 +442,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         kbuf.resize(L * D);
         vbuf.resize(L * D);
       }
-      for (int64_t j0 = 0, blk = 0; j0 < L; j0 += bs, ++blk) {
+      for (int64_t blk = first / bs; blk * bs < n; ++blk) {
         const int64_t base = tb[b * W + blk] * bs;
         TORCH_CHECK(base >= 0 && base + bs <= S, "paged_decode_attention: block table points outside the cache");
-        for (int64_t o = 0; o < bs && j0 + o < L; ++o) {
-          const int64_t j = j0 + o;
+        for (int64_t o = std::max(first - blk * bs, int64_t(0)); o < bs && blk * bs + o < n; ++o) {
+          const int64_t j = blk * bs + o - first;
           krow[j] = row_f32<KIND>(kh, base + o, D, KIND == Kv::F32 ? nullptr : kbuf.data() + j * D);
           vrow[j] = row_f32<KIND>(vh, base + o, D, KIND == Kv::F32 ? nullptr : vbuf.data() + j * D);
         }
@@ -431,8 +467,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           for (int64_t d = 0; d < D; ++d) dot += qr[d] * krow[j][d];
           sr[j] = dot * kscale;
         }
-        const float mx = *std::max_element(sr, sr + L);  // softmax, the value scale folded in
-        const float inv = vscale / exp_sum_(sr, L, mx);
+        if (softcap > 0.f)
+          for (int64_t jj = 0; jj < L; ++jj) sr[jj] = softcap * std::tanh(sr[jj] / softcap);
+        const float sink = sinks ? sinks[h * G + g] : -INFINITY;
+        const float mx = std::max(*std::max_element(sr, sr + L), sink);  // softmax, the value scale folded in
+        const float inv = vscale / (exp_sum_(sr, L, mx) + (sinks ? std::exp(sink - mx) : 0.f));
 #pragma omp simd
         for (int64_t jj = 0; jj < L; ++jj) sr[jj] *= inv;
         weighted_rows(sr, vrow.data(), L, D, op + (b * H + h * G + g) * D);  // out = p . v
@@ -444,7 +483,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& lens, int64_t block_size,
                                   double scale, const std::optional<at::Tensor>& k_scale,
-                                  const std::optional<at::Tensor>& v_scale) {
+                                  const std::optional<at::Tensor>& v_scale, int64_t window, double softcap,
+                                  const std::optional<at::Tensor>& sinks) {
   const Kv kind = kv_kind(k_cache);
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
               "paged_decode_attention: q must be float32 [B, H, D] with contiguous D");
@@ -468,9 +508,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const float* ksp = k_scale ? ks.data_ptr<float>() : nullptr;
   const float* vsp = k_scale ? vs.data_ptr<float>() : nullptr;
   const int64_t nks = k_scale ? ks.numel() : 0, nvs = k_scale ? vs.numel() : 0;
-  if (kind == Kv::F32) decode<Kv::F32>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, out);
-  else if (kind == Kv::I8) decode<Kv::I8>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, out);
-  else decode<Kv::F8>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, out);
+  at::Tensor sk;
+  if (sinks) {
+    TORCH_CHECK(sinks->numel() == q.size(1), "paged_decode_attention: sinks must hold one value per query head (",
+                q.size(1), "), got ", sinks->numel());
+    sk = sinks->to(at::kFloat).contiguous();
+  }
+  const float* skp = sinks ? sk.data_ptr<float>() : nullptr;
+  const float cap = static_cast<float>(softcap);
+  if (kind == Kv::F32)
+    decode<Kv::F32>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, window, cap, skp, out);
+  else if (kind == Kv::I8)
+    decode<Kv::I8>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, window, cap, skp, out);
+  else
+    decode<Kv::F8>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, window, cap, skp, out);
   return out;
 }
 
@@ -481,10 +532,12 @@ QTK_FRAGMENT(QTK_LIB, m) {
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots, Tensor? k_scale, "
         "Tensor? v_scale) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, "
-        "int block_size, float scale, Tensor? k_scale, Tensor? v_scale) -> Tensor");
+        "int block_size, float scale, Tensor? k_scale, Tensor? v_scale, int window=0, float softcap=0., "
+        "Tensor? sinks=None) -> Tensor");
 }
 
 QTK_IMPL(QTK_LIB, CPU, m) {
@@ -492,6 +545,7 @@ QTK_IMPL(QTK_LIB, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_", &rope_);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("store_kv_", &store_kv_);
   m.impl("paged_decode_attention", &paged_decode_attention);
 }
@@ -505,8 +559,12 @@ void bind_layers(pybind11::module_& m) {
   m.def("add_rms_norm_", &add_rms_norm_, nogil);
   m.def("rope_", &rope_, nogil);
   m.def("silu_and_mul", &silu_and_mul, nogil);
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, nogil);
   m.def("store_kv_", &store_kv_, nogil);
-  m.def("paged_decode_attention", &paged_decode_attention, nogil);
+  namespace py = pybind11;
+  m.def("paged_decode_attention", &paged_decode_attention, nogil, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("lens"), py::arg("block_size"), py::arg("scale"), py::arg("k_scale"),
+        py::arg("v_scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
 }
 }  // namespace QTK_LIB
 

@@ -26,13 +26,13 @@ def build(hf_model: nn.Module, model_impl: str = "auto") -> LlamaModel | Generic
     if model_impl == "qtk" and not is_native(hf_model):
         raise InputError(f"model_impl 'qtk': qtk has no native forward for model_type {hf_model.config.model_type!r} "
                          f"(it has for {sorted(FAMILIES)}); use model_impl 'auto' or 'transformers'")
+    why = unsupported(hf_model)
+    if why:  # before any repacking
+        raise InputError(why)
     if is_native(hf_model) and model_impl != "transformers":
         bf16_lm_head(hf_model)
         pack_linears(hf_model, fuse=FUSED)
         return LlamaModel(hf_model)
-    why = unsupported(hf_model)
-    if why:  # before any repacking
-        raise InputError(why)
     bf16_lm_head(hf_model)
     pack_linears(hf_model)
     return GenericModel(hf_model)

@@ -1,19 +1,24 @@
-"""The Llama family over a packed, ragged batch (no padding): Llama 2/3, SmolLM, Mistral, Qwen2
-(q/k/v bias), Qwen3 (q/k RMSNorm per head).
+"""qtk's native forward over a packed, ragged batch (no padding), for the families in FAMILIES:
+Llama 2/3, SmolLM, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm per head), Gemma 1-3 ((1 + w)
+norms, GeGLU, Gemma 2/3's sandwich norms, soft-capping, alternating windows, Gemma 3's local and
+global RoPE), Phi-3/4 (q/k/v and gate/up fused in the checkpoint, partial RoPE).
 
-    h = embed(tokens)                                             [T, hidden]
-    per layer:  x = rmsnorm(h); q, k, v = x Wq, x Wk, x Wv (+ bias)   [T, heads | kv_heads, D]
-                (qwen3: q, k = rmsnorm_head(q), rmsnorm_head(k))
-                q, k = rope(q, k, positions)
-                h = h + Wo paged_attention(q, k, v, window)           (writes k, v to the cache)
-                h = h + W_down (silu(x W_gate) * x W_up),  x = rmsnorm(h)
-    logits = lm_head(rmsnorm(h)[last token of each sampling sequence])
+    h = embed(tokens)                                             [T, hidden]   (Gemma: * sqrt(hidden))
+    per layer:  x = norm(h); q, k, v = x Wq, x Wk, x Wv (+ bias)      [T, heads | kv_heads, D]
+                (qk_norm: q, k = norm_head(q), norm_head(k))
+                q, k = rope(q, k, positions)                          (the layer type's RoPE)
+                a = Wo paged_attention(q, k, v, window, softcap, sinks)   (writes k, v to the cache)
+                h = h + a                  (sandwich: h = h + norm(a))
+                h = h + W_down (act(x W_gate) * x W_up),  x = norm(h)   (sandwich: norm(.) of the MLP too)
+    logits = lm_head(norm(h)[last token of each sampling sequence])   (soft-capped where the config says)
 
-The weights are those of the loaded Hugging Face model (a float checkpoint, or one qtk's loader
-filled with QuantLinear layers): this module shares its Linear / QuantLinear, norm and embedding
-modules, and its rotary module computes the frequencies for every RoPE scaling type the config
-names, once at load for the longest sequence (`frozen_rope`). What is ours is the packing and the
-paged attention, sliding windows included (`sliding_windows`). Adding a family is a row in
+norm is RMSNorm, scaling by w, or by (1 + w) in Gemma's families (Family.norm_offset); act is the
+config's (SiLU, or Gemma's tanh GELU). The weights are those of the loaded Hugging Face model (a
+float checkpoint, or one qtk's loader filled with QuantLinear layers): this module shares its
+Linear / QuantLinear, norm and embedding modules, and reads each attention module's own scale,
+soft-cap and sinks; its rotary module computes the frequencies for every RoPE scaling type the
+config names, once at load for the longest sequence (`frozen_rope`). What is ours is the packing
+and the paged attention, sliding windows included (`sliding_windows`). Adding a family is a row in
 FAMILIES plus what is truly new about it.
 """
 from __future__ import annotations
@@ -23,38 +28,57 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..attention import AttentionMetadata, KVCache, paged_attention
+from ..attention import NO_TERMS, AttentionMetadata, KVCache, ScoreTerms, paged_attention
 
 
 @dataclass(frozen=True)
 class Family:
-    qk_norm: bool = False  # q_norm / k_norm over head_dim before RoPE (Qwen3)
+    qk_norm: bool = False  # q_norm / k_norm over head_dim before RoPE (Qwen3, Gemma 3)
+    norm_offset: bool = False  # RMSNorm scales by (1 + w) (Gemma 1-3)
+    sandwich: bool = False  # a norm after attention and around the MLP too (Gemma 2/3: post_attention_layernorm
+    # on the attention's output, pre_feedforward_layernorm / post_feedforward_layernorm around the MLP)
 
 
-FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm=True)}
-# sibling projections the engine may fuse into one matmul (packed_linear.pack_linears)
+GEMMA = Family(norm_offset=True)
+FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm=True),
+            "gemma": GEMMA, "gemma2": Family(norm_offset=True, sandwich=True),
+            "gemma3_text": Family(qk_norm=True, norm_offset=True, sandwich=True), "phi3": Family()}
+# sibling projections the engine may fuse into one matmul (packed_linear.pack_linears); Phi-3's
+# checkpoint holds them fused already, under these names
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# the config's MLP activation -> its GLU in torch (act(gate) * up) and the name of qtk's fused CPU op
+GLU = {"silu": (lambda g, u: torch.nn.functional.silu(g) * u, "silu_and_mul"),
+       "gelu_pytorch_tanh": (lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u, "gelu_tanh_and_mul")}
+
+
+def activation(cfg) -> str:
+    """The MLP's activation as the config names it (Gemma 2/3: hidden_activation)."""
+    return getattr(cfg, "hidden_activation", None) or cfg.hidden_act
 
 
 def sliding_windows(cfg) -> list[int | None]:
     """Per layer, the sliding window (a query sees its last `window` keys, itself included) or None,
     as transformers and vLLM read the config: with `layer_types` (Qwen2/Qwen3: use_sliding_window
-    and max_window_layers) on the layers of type "sliding_attention", else (Mistral) on every layer."""
+    and max_window_layers; Gemma 2/3) on the layers of type "sliding_attention", else (Mistral,
+    Phi-3) on every layer."""
     window, n = getattr(cfg, "sliding_window", None), cfg.num_hidden_layers
     types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * n
     return [window if t == "sliding_attention" else None for t in types]
 
 
-def frozen_rope(rotary: nn.Module, max_positions: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [D/2], attention scaling) of transformers' rotary module for a sequence of
-    max_positions tokens, fixed at load. Per forward it picks them by that forward's last position
-    ("longrope": short or long factors; "dynamic": grown past max_position_embeddings), which here
-    would make a token's RoPE depend on the chunk and the batch it runs in, and differ from its
-    cached keys'. vLLM fixes them at load too (longrope: the long factors where max_model_len >
-    original_max_position_embeddings; the engine's max_model_len is at most max_positions)."""
-    inv_freq = rotary.inv_freq
-    rotary(torch.zeros(1, device=inv_freq.device), torch.tensor([[max_positions - 1]], device=inv_freq.device))
-    return rotary.inv_freq.detach().float().clone(), rotary.attention_scaling
+def frozen_rope(rotary: nn.Module, max_positions: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary D/2], attention scaling) of transformers' rotary module for a sequence of
+    max_positions tokens, fixed at load (layer_type: Gemma 3's module holds one RoPE per layer type).
+    Per forward it picks them by that forward's last position ("longrope": short or long factors;
+    "dynamic": grown past max_position_embeddings), which here would make a token's RoPE depend on
+    the chunk and the batch it runs in, and differ from its cached keys'. vLLM fixes them at load too
+    (longrope: the long factors where max_model_len > original_max_position_embeddings; the engine's
+    max_model_len is at most max_positions)."""
+    prefix, kw = ("", {}) if layer_type is None else (f"{layer_type}_", {"layer_type": layer_type})
+    device = getattr(rotary, prefix + "inv_freq").device
+    rotary(torch.zeros(1, device=device), torch.tensor([[max_positions - 1]], device=device), **kw)
+    inv_freq = getattr(rotary, prefix + "inv_freq")
+    return inv_freq.detach().float().clone(), getattr(rotary, prefix + "attention_scaling")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,8 +86,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [T, heads, D] rotated in place over its first cos.shape[-1] dims (all of them but for a
+    partial RoPE, as Phi-4-mini's); cos, sin [T, 1, rotary D]."""
+    r = x[..., :cos.shape[-1]]
+    r.copy_(r * cos + rotate_half(r) * sin)
+
+
 class LlamaModel(nn.Module):
-    why_no_graphs = None  # the decode step is captured (runtime/cuda_graphs.py)
+    """The native forward of every family in FAMILIES (the Llama family's layout, each family's
+    differences as its Family row and the modules' own attributes)."""
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
@@ -78,19 +110,37 @@ class LlamaModel(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scale = self.head_dim ** -0.5
         self.windows = sliding_windows(cfg)
-        inv_freq, self.rope_scaling = frozen_rope(self.rotary_emb, cfg.max_position_embeddings)
-        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        attns = self.attentions
+        self.scales = [getattr(a, "scaling", self.head_dim ** -0.5) for a in attns]  # Gemma: query_pre_attn_scalar
+        self.terms = [ScoreTerms(getattr(a, "attn_logit_softcapping", None), getattr(a, "sinks", None)) for a in attns]
+        self.terms = [t if t else NO_TERMS for t in self.terms]
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.glu, self.glu_op = GLU.get(activation(cfg), (None, None))
+        self.why_no_graphs = None if not any(self.terms) else (
+            "attention soft-capping or sinks (the Triton decode kernel has neither)")  # else captured (cuda_graphs.py)
+        self._frozen_ropes(cfg)
         self.cpu_ops = self._cpu_ops()
         self._plan = None  # per layer, the projections' callables (built at the first fused forward)
 
+    def _frozen_ropes(self, cfg) -> None:
+        """The RoPE frequencies per layer (frozen_rope), as buffers rope_inv_freq_<type>: one type for
+        most families, Gemma 3's "sliding_attention" (local base) and "full_attention" (global)."""
+        per_type = isinstance(getattr(self.rotary_emb, "rope_type", None), dict)
+        self.rope_types = list(cfg.layer_types) if per_type else [None] * cfg.num_hidden_layers
+        self.rope_scaling = {}
+        for t in dict.fromkeys(self.rope_types):
+            inv_freq, self.rope_scaling[t] = frozen_rope(self.rotary_emb, cfg.max_position_embeddings, t)
+            self.register_buffer(f"rope_inv_freq_{t}", inv_freq, persistent=False)
+        self.rotary_dim = 2 * inv_freq.numel()  # < head_dim: a partial RoPE (Phi-4-mini)
+
     def _cpu_ops(self):
-        """qtk's fused CPU ops (kernels/csrc/cpu_layers.cpp) for a float32 model on CPU, or None."""
+        """qtk's fused CPU ops (kernels/csrc/cpu_layers.cpp) for a float32 model on CPU whose MLP
+        activation has its fused op, or None."""
         from ...kernels import cpu as cpu_kernels
 
         w = self.embed_tokens.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or getattr(self.config, "hidden_act", "silu") != "silu":
+        if w.device.type != "cpu" or w.dtype != torch.float32 or self.glu_op is None:
             return None
         return cpu_kernels.ops()
 
@@ -103,28 +153,37 @@ class LlamaModel(nn.Module):
         """Per layer, the attention module (it owns the checkpoint's k_scale / v_scale)."""
         return [layer.self_attn for layer in self.layers]
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] of positions [T]: transformers' rotary forward over the frozen frequencies."""
-        freqs = positions[:, None].float() * self.rope_inv_freq  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        """{layer type: (cos, sin) [T, rotary D]} of positions [T]: transformers' rotary forward over
+        the frozen frequencies."""
+        out = {}
+        for t, scaling in self.rope_scaling.items():
+            freqs = positions[:, None].float() * getattr(self, f"rope_inv_freq_{t}")  # [T, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            out[t] = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+        return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rope(positions, h.dtype)
+        ropes = self.rope(positions, h.dtype)
         if self.cpu_ops is not None and meta.backend == "cpu":
-            return self._forward_fused(h, cos, sin, meta, kv_caches)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
-        for layer, cache, window in zip(self.layers, kv_caches, self.windows):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, meta, cache, window)
-            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
+            return self._forward_fused(h, ropes, meta, kv_caches)
+        ropes = {t: (cos[:, None, :], sin[:, None, :]) for t, (cos, sin) in ropes.items()}  # [T, 1, D]
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            a = self._attention(i, layer.self_attn, layer.input_layernorm(h), ropes[self.rope_types[i]], meta, cache)
+            if self.family.sandwich:
+                h = h + layer.post_attention_layernorm(a)
+                h = h + layer.post_feedforward_layernorm(self._mlp(layer.mlp, layer.pre_feedforward_layernorm(h)))
+            else:
+                h = h + a
+                h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
         return self.norm(h)
 
-    def _attention(self, attn, x, cos, sin, meta, cache, window) -> torch.Tensor:
+    def _attention(self, i, attn, x, rope, meta, cache) -> torch.Tensor:
         T = x.shape[0]
-        if hasattr(attn, "qkv_proj"):  # fused by the engine
+        if hasattr(attn, "qkv_proj"):  # fused by the engine, or in the checkpoint (Phi-3)
             q, k, v = attn.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                                               self.num_kv_heads * self.head_dim], dim=-1)
         else:
@@ -134,25 +193,35 @@ class LlamaModel(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.family.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        o = paged_attention(q, k, v, cache, meta, self.scale, window=window)
+        rope_(q, *rope)
+        rope_(k, *rope)
+        o = paged_attention(q, k, v, cache, meta, self.scales[i], window=self.windows[i], terms=self.terms[i])
         return attn.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
-    def _forward_fused(self, h, cos, sin, meta, kv_caches) -> torch.Tensor:
+    def _norm_weights(self, norm: nn.Module) -> tuple[torch.Tensor, float]:
+        """(w, eps) of an RMSNorm for qtk's fused ops: its weight, or 1 + weight (Gemma)."""
+        w = norm.weight.detach().float()
+        eps = getattr(norm, "variance_epsilon", None) or norm.eps
+        return ((1 + w) if self.family.norm_offset else w).contiguous(), eps
+
+    def _forward_fused(self, h, ropes, meta, kv_caches) -> torch.Tensor:
         """forward() with qtk's fused CPU ops: the same math in a fifth of the calls. The residual
         stream h is added to and normalized in one op (add_rms_norm_), RoPE rotates q and k in
-        place in the projection's output, SiLU-and-multiply is one op; the projections qtk's
-        kernel runs are called directly (a plan built once: at batch 1 a step is ~300 calls, and
-        Python's module machinery would cost as much as the attention)."""
+        place in the projection's output, the MLP's activation-and-multiply is one op; the
+        projections qtk's kernel runs are called directly (a plan built once: at batch 1 a step is
+        ~300 calls, and Python's module machinery would cost as much as the attention)."""
         ops = self.cpu_ops
         if self._plan is None:
             self._plan = [self._layer_plan(layer) for layer in self.layers]
-            norm = lambda n: (n.weight, n.variance_epsilon)  # noqa: E731
-            self._norms = [norm(layer.input_layernorm) for layer in self.layers] + [norm(self.norm)]
-            self._post_norms = [norm(layer.post_attention_layernorm) for layer in self.layers]
+            norm, layers = self._norm_weights, self.layers
+            self._norms = [norm(layer.input_layernorm) for layer in layers] + [norm(self.norm)]
+            self._post_norms = [norm(layer.post_attention_layernorm) for layer in layers]
+            if self.family.sandwich:
+                self._pre_ff_norms = [norm(layer.pre_feedforward_layernorm) for layer in layers]
+                self._post_ff_norms = [norm(layer.post_feedforward_layernorm) for layer in layers]
         T, H, KV, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qk_norm, norms, heads = self.family.qk_norm, self._norms, [H, KV, KV]
+        qk_norm, sandwich, norms, heads = self.family.qk_norm, self.family.sandwich, self._norms, [H, KV, KV]
+        full_rope, glu = self.rotary_dim == D, getattr(ops, self.glu_op)
         x = ops.rms_norm(h, *norms[0])
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             qkv, q_proj, k_proj, v_proj, o_proj, gate_up, down = self._plan[i]
@@ -164,14 +233,24 @@ class LlamaModel(nn.Module):
                 q, k, v = q_proj(x).view(T, H, D), k_proj(x).view(T, KV, D), v_proj(x).view(T, KV, D)
             if qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            if qkv is not None and not qk_norm:  # q and k side by side in each row: one pass
+            cos, sin = ropes[self.rope_types[i]]
+            if not full_rope:  # a partial RoPE: the first rotary_dim of each head, in torch
+                rope_(q, cos[:, None], sin[:, None])
+                rope_(k, cos[:, None], sin[:, None])
+            elif qkv is not None and not qk_norm:  # q and k side by side in each row: one pass
                 ops.rope_(y, cos, sin, H + KV)
             else:  # in place, through 2-D views
                 ops.rope_(q.view(T, H * D), cos, sin, H)
                 ops.rope_(k.view(T, KV * D), cos, sin, KV)
-            o = paged_attention(q, k, v, cache, meta, self.scale, ops, self.windows[i])
-            x = ops.add_rms_norm_(h, o_proj(o.view(T, H * D)), *self._post_norms[i])
-            m = down(ops.silu_and_mul(gate_up(x))) if gate_up is not None else layer.mlp(x)
+            o = paged_attention(q, k, v, cache, meta, self.scales[i], ops, self.windows[i], self.terms[i])
+            a = o_proj(o.view(T, H * D))
+            if sandwich:
+                x = ops.add_rms_norm_(h, ops.rms_norm(a, *self._post_norms[i]), *self._pre_ff_norms[i])
+            else:
+                x = ops.add_rms_norm_(h, a, *self._post_norms[i])
+            m = down(glu(gate_up(x))) if gate_up is not None else layer.mlp(x)
+            if sandwich:
+                m = ops.rms_norm(m, *self._post_ff_norms[i])
             x = ops.add_rms_norm_(h, m, *norms[i + 1])
         return x
 
@@ -189,12 +268,14 @@ class LlamaModel(nn.Module):
         return (fn(get(attn, "qkv_proj")), fn(get(attn, "q_proj")), fn(get(attn, "k_proj")), fn(get(attn, "v_proj")),
                 fn(attn.o_proj), fn(get(mlp, "gate_up_proj")), fn(mlp.down_proj))
 
-    @staticmethod
-    def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(mlp, "gate_up_proj"):  # fused by the engine
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(mlp, "gate_up_proj") and self.glu is not None:  # fused by the engine, or in the checkpoint
             gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
-            return mlp.down_proj(mlp.act_fn(gate) * up)
+            return mlp.down_proj(self.glu(gate, up))
         return mlp(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.final_softcap:  # Gemma 2: logits = cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
