@@ -17,6 +17,7 @@ from .atomic import write_dir
 from .checkpoint import check_weight_files, load_quantized
 from .errors import CheckpointError, InputError, NotFoundError
 from .gguf_config import gguf_architectures, gguf_config, gguf_metadata
+from .gguf_mixtral import is_mixtral, mixtral_config, read_mixtral
 from .paths import BUNDLED, BUNDLED_GGUF, cache_dir
 
 log = logging.getLogger(__name__)
@@ -89,20 +90,24 @@ def _gguf_to_dir(gguf: Path, target: Path) -> Path:
 
 
 def _read_gguf(gguf: Path):
-    """(model in bf16, tokenizer) of a GGUF, dequantized by transformers, every weight from the file."""
+    """(model in bf16, tokenizer) of a GGUF, dequantized by transformers (a Mixtral file by qtk:
+    gguf_mixtral), every weight from the file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     metadata, raw = gguf_metadata(gguf)
     try:
         config = gguf_config(gguf, metadata, raw)
-        model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
-                                                           dtype=torch.bfloat16, output_loading_info=True)
+        if is_mixtral(metadata, raw):
+            model, info = read_mixtral(gguf, mixtral_config(config, metadata), torch.bfloat16), {}
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                               dtype=torch.bfloat16, output_loading_info=True)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError, IndexError, EOFError, RuntimeError, struct.error) as e:  # a bad or odd GGUF
         raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({str(e).splitlines()[0]}); give a "
                               "whole GGUF of an architecture transformers dequantizes "
                               f"({', '.join(gguf_architectures())}) or an HF model directory") from e
-    _check_filled(gguf, raw, metadata, model, info)
+    _check_filled(gguf, raw, model, info)
     # the loaded model carries the gguf quantization_config; the weights are plain floats now
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -112,18 +117,13 @@ def _read_gguf(gguf: Path):
     return model, tok
 
 
-def _check_filled(gguf: Path, raw: str, metadata: dict, model, info: dict) -> None:
-    """Every weight of the model transformers built came from the file (it leaves the others random:
-    a Mixtral GGUF, which llama.cpp writes as 'llama', becomes a dense Llama with random MLPs)."""
+def _check_filled(gguf: Path, raw: str, model, info: dict) -> None:
+    """Every weight of the model transformers built came from the file (it leaves the others random)."""
     missing = [k for k in info.get("missing_keys", ())
                if not (k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))]
     if not missing:
         return
-    experts = metadata.get(f"{raw}.expert_count")
-    if experts and not any(".experts." in k for k in model.state_dict()):
-        why = f"its {experts} experts per block have no GGUF mapping for {raw!r} in transformers (a Mixtral GGUF is " \
-              "written as 'llama')"
-    elif all(".experts." in k for k in missing):
+    if all(".experts." in k for k in missing):
         why = f"transformers' GGUF reader does not map the file's experts (ffn_*_exps) onto {raw!r}'s experts"
     else:
         why = "the file lacks them or names them as transformers does not read them"

@@ -110,7 +110,7 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensors(model, arch: str, does: set) -> dict[str, torch.Tensor]:
+def _tensors(model, arch: str, does: set, per_expert: bool = False) -> dict[str, torch.Tensor]:
     """The model's weights under llama.cpp's names, transformed as its converter transforms them."""
     import gguf
 
@@ -124,7 +124,8 @@ def _tensors(model, arch: str, does: set) -> dict[str, torch.Tensor]:
         t = t.detach().float()
         base, _, suffix = hf.rpartition(".")
         if m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?", hf):
-            out.update(_experts(model.get_submodule(f"model.layers.{m[1]}.mlp.experts"), m[1], m[2], m[3], t))
+            stacked = _experts(model.get_submodule(f"model.layers.{m[1]}.mlp.experts"), m[1], m[2], m[3], t)
+            out.update(_one_per_expert(stacked) if per_expert else stacked)
             continue
         if base.endswith("self_attn") and suffix == "sinks":
             out[f"blk.{base.split('.')[2]}.attn_sinks.weight"] = t
@@ -155,6 +156,11 @@ def _experts(module, block: str, proj: str, bias: str | None, t: torch.Tensor) -
     return {f"blk.{block}.ffn_gate_exps.{suffix}": gate, f"blk.{block}.ffn_up_exps.{suffix}": up}
 
 
+def _one_per_expert(stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """llama.cpp's first Mixtral layout (early 2024): blk.N.ffn_gate.E.weight, one tensor per expert."""
+    return {name.replace("_exps.", f".{e}."): w for name, t in stacked.items() for e, w in enumerate(t)}
+
+
 def _rope_tensors(model) -> dict[str, torch.Tensor]:
     """RoPE scaling llama.cpp stores as tensors: Llama 3.1's divisor of each frequency (rope_freqs),
     Phi-3's LongRoPE factors."""
@@ -170,9 +176,9 @@ def _rope_tensors(model) -> dict[str, torch.Tensor]:
     return {}
 
 
-def write(model, path: Path, dtype: str = "F32") -> Path:
+def write(model, path: Path, dtype: str = "F32", per_expert: bool = False) -> Path:
     """`model` (a transformers causal LM) as a GGUF file at `path`; 2-D weights in `dtype`
-    (F32, F16 or Q8_0), 1-D ones F32 as llama.cpp keeps them."""
+    (F32, F16 or Q8_0), 1-D ones F32 as llama.cpp keeps them; per_expert: experts one tensor each."""
     import gguf
 
     arch, does = ARCH[model.config.model_type]
@@ -180,7 +186,7 @@ def write(model, path: Path, dtype: str = "F32") -> Path:
     w.add_name("tiny " + model.config.model_type)
     _metadata(w, model.config)
     _tokenizer(w)
-    for name, t in {**_tensors(model, arch, does), **_rope_tensors(model)}.items():
+    for name, t in {**_tensors(model, arch, does, per_expert), **_rope_tensors(model)}.items():
         a = t.numpy()
         if a.ndim == 1 or dtype == "F32":
             w.add_tensor(name, a.astype(np.float32))

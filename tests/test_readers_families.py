@@ -45,6 +45,7 @@ GGUF_FAMILIES = {
     "nemotron": {},
     "qwen2_moe": {},
     "qwen3_moe": dict(norm_topk_prob=True),
+    "mixtral": {},  # written as 'llama' with experts: read by qtk (gguf_mixtral), not transformers
 }
 
 # transformers reads a 'llama' GGUF as Mistral only when general.name is exactly "mistral": Mistral's
@@ -55,7 +56,6 @@ GGUF_CLASS = {"mistral": "LlamaForCausalLM"}
 GGUF_REFUSED = {
     "olmo2": "has no GGUF mapping for architecture 'olmo2'",
     "granite": "has no GGUF mapping for architecture 'granite'",
-    "mixtral": "its 4 experts per block have no GGUF mapping for 'llama'",
     "gpt_oss": "GptOssForCausalLM from this GGUF but 10 of its weights are not in the file",
 }
 
@@ -186,7 +186,18 @@ def test_a_gguf_transformers_cannot_map_is_refused_in_one_line(model_type, tmp_p
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing half-written
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe"])
+def test_a_mixtral_gguf_in_the_per_expert_layout_is_refused_in_one_line(tmp_path):
+    """llama.cpp's first Mixtral files (early 2024) held each expert as its own tensor, blk.N.ffn_gate.E."""
+    from qtk.loading import resolve
+
+    path = ggufs.write(tiny("mixtral"), tmp_path / "mixtral.gguf", per_expert=True)
+    with pytest.raises(CheckpointError, match=r"a 'llama' GGUF with experts read as Mixtral, but .* is not in the "
+                                              r"file \(llama.cpp's per-expert layout of early 2024") as e:
+        resolve(str(path))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe", "mixtral"])
 def test_a_gguf_is_quantized_and_served_like_any_model(model_type, tmp_path):
     """`qtk quantize X.gguf --method gptq` -> the engine serves transformers' logits on the checkpoint."""
     from test_any_decoder import assert_engine_is_transformers, quantize, referee
