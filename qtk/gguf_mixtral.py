@@ -55,7 +55,7 @@ def read_mixtral(gguf: Path, config, dtype: torch.dtype) -> nn.Module:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tensors = _tensors(gguf, config)
+    tensors = _tensors(gguf, config, dtype)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
     if missing or set(tensors) - set(expected):
@@ -64,13 +64,13 @@ def read_mixtral(gguf: Path, config, dtype: torch.dtype) -> nn.Module:
                               + (f"{missing[0]} is not in the file" if missing else f"{extra[0]} is no Mixtral weight")
                               + " (llama.cpp's per-expert layout of early 2024, blk.N.ffn_gate.E, is not read); "
                               "give the model's HF directory")
-    model.load_state_dict({k: t.to(dtype) for k, t in tensors.items()}, strict=False, assign=True)
+    model.load_state_dict(tensors, strict=False, assign=True)
     model.tie_weights()
     return model.eval()
 
 
-def _tensors(gguf: Path, config) -> dict[str, torch.Tensor]:
-    """The file's tensors, dequantized (float32), under MixtralForCausalLM's names."""
+def _tensors(gguf: Path, config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The file's tensors, dequantized (in `dtype`, one tensor at a time), under MixtralForCausalLM's names."""
     from gguf import GGUFReader, dequantize
 
     out, halves = {}, {}
@@ -84,6 +84,7 @@ def _tensors(gguf: Path, config) -> dict[str, torch.Tensor]:
             w = _unpermute(w, config.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             w = _unpermute(w, config.num_key_value_heads)
+        w = w.to(dtype)
         if name.endswith((".gate", ".up")) and ".experts." in name:
             block, which = name.rsplit(".", 1)
             halves.setdefault(block, {})[which] = w  # [E, I, H]
