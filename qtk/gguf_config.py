@@ -32,6 +32,7 @@ _UNREAD = {
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
+    "attention.sliding_window": "sliding_window",  # gpt-oss: transformers reads "sliding_window", never written
 }
 
 # Llama 3.1 / 3.2 / 3.3's RoPE scaling besides its factor: what llama.cpp computed rope_freqs from
@@ -73,7 +74,8 @@ def gguf_config(gguf: Path, metadata: dict, raw: str):
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = _gpt_oss_config(metadata) if raw == "gpt-oss" else AutoConfig.from_pretrained(gguf.parent,
+                                                                                          gguf_file=gguf.name)
     mapped = GGUF_CONFIG_MAPPING.get(ALIASES.get(raw, raw), {})
     for key, attr in _UNREAD.items():
         value = metadata.get(f"{raw}.{key}")
@@ -87,6 +89,27 @@ def gguf_config(gguf: Path, metadata: dict, raw: str):
     if "rope_factors_long.weight" in factors:
         _longrope(gguf, config, metadata, raw, factors)
     return config
+
+
+def _gpt_oss_config(metadata: dict):
+    """gpt-oss's config from transformers' own key mapping, built here: transformers' reader fails on
+    the rope.scaling keys every gpt-oss GGUF holds (it reads each key's length field as its value).
+    YaRN's factor, pretrained context and theta come from the file, the rest (no truncation, betas)
+    is gpt-oss's default."""
+    from transformers import GptOssConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    fields = {attr: metadata[f"gpt-oss.{key}"] for key, attr in GGUF_CONFIG_MAPPING["gpt_oss"].items()
+              if attr and f"gpt-oss.{key}" in metadata}
+    fields.update({attr: metadata[f"tokenizer.{key}"] for key, attr in GGUF_CONFIG_MAPPING["tokenizer"].items()
+                   if f"tokenizer.{key}" in metadata})
+    rope = dict(GptOssConfig().rope_parameters)
+    rope["rope_theta"] = fields.pop("rope_theta", rope["rope_theta"])
+    if metadata.get("gpt-oss.rope.scaling.type") == "yarn":
+        rope.update(factor=float(metadata.get("gpt-oss.rope.scaling.factor", rope["factor"])),
+                    original_max_position_embeddings=int(metadata.get("gpt-oss.rope.scaling.original_context_length",
+                                                                      rope["original_max_position_embeddings"])))
+    return GptOssConfig(**fields, rope_parameters=rope)
 
 
 def _linear_rope(gguf: Path, config, metadata: dict, raw: str) -> None:

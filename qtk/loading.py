@@ -17,7 +17,7 @@ from .atomic import write_dir
 from .checkpoint import check_weight_files, load_quantized
 from .errors import CheckpointError, InputError, NotFoundError
 from .gguf_config import gguf_architectures, gguf_config, gguf_metadata
-from .gguf_mixtral import is_mixtral, mixtral_config, read_mixtral
+from .gguf_moe import moe_config, moe_type, read_moe
 from .paths import BUNDLED, BUNDLED_GGUF, cache_dir
 
 log = logging.getLogger(__name__)
@@ -90,19 +90,23 @@ def _gguf_to_dir(gguf: Path, target: Path) -> Path:
 
 
 def _read_gguf(gguf: Path):
-    """(model in bf16, tokenizer) of a GGUF, dequantized by transformers (a Mixtral file by qtk:
-    gguf_mixtral), every weight from the file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model in bf16, tokenizer) of a GGUF, dequantized by transformers (Mixtral and gpt-oss files
+    by qtk: gguf_moe), every weight from the file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     metadata, raw = gguf_metadata(gguf)
+    # AutoTokenizer reads the config through transformers' GGUF reader first, which fails on gpt-oss's
+    tokenizer_class = PreTrainedTokenizerFast if raw == "gpt-oss" else AutoTokenizer
     try:
         config = gguf_config(gguf, metadata, raw)
-        if is_mixtral(metadata, raw):
-            model, info = read_mixtral(gguf, mixtral_config(config, metadata), torch.bfloat16), {}
+        if model_type := moe_type(metadata, raw):
+            model, info = read_moe(gguf, moe_config(config, metadata, model_type), raw, torch.bfloat16), {}
         else:
             model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
                                                                dtype=torch.bfloat16, output_loading_info=True)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tok = tokenizer_class.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except CheckpointError:  # qtk's own reading said what is wrong
+        raise
     except (ValueError, KeyError, IndexError, EOFError, RuntimeError, struct.error) as e:  # a bad or odd GGUF
         raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({str(e).splitlines()[0]}); give a "
                               "whole GGUF of an architecture transformers dequantizes "

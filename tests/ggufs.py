@@ -78,6 +78,10 @@ def _metadata(w, config) -> None:
     if scaled.get("rope_type") == "linear":  # Gemma 3 4B and up
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaled["factor"])
+    if scaled.get("rope_type") == "yarn":  # gpt-oss
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(scaled["factor"])
+        w.add_rope_scaling_orig_ctx_len(scaled["original_max_position_embeddings"])
     if scaled.get("rope_type") == "longrope":  # Phi-3 128k (its factors are tensors: _rope_tensors)
         original = scaled["original_max_position_embeddings"]
         w.add_rope_scaling_orig_ctx_len(original)
@@ -176,9 +180,19 @@ def _rope_tensors(model) -> dict[str, torch.Tensor]:
     return {}
 
 
+def _stored_as(dtype: str, ndim: int) -> str:
+    """The GGML type a tensor of `ndim` dims is written in: 1-D ones F32 as llama.cpp keeps them;
+    "MXFP4": the stacked experts (3-D) in MXFP4 as gpt-oss's GGUFs hold them, the rest F32."""
+    if ndim == 1:
+        return "F32"
+    if dtype == "MXFP4":
+        return "MXFP4" if ndim == 3 else "F32"
+    return dtype
+
+
 def write(model, path: Path, dtype: str = "F32", per_expert: bool = False) -> Path:
-    """`model` (a transformers causal LM) as a GGUF file at `path`; 2-D weights in `dtype`
-    (F32, F16 or Q8_0), 1-D ones F32 as llama.cpp keeps them; per_expert: experts one tensor each."""
+    """`model` (a transformers causal LM) as a GGUF file at `path`, weights in `dtype` (F32, F16,
+    Q8_0, or MXFP4 experts: _stored_as); per_expert: experts one tensor each."""
     import gguf
 
     arch, does = ARCH[model.config.model_type]
@@ -188,13 +202,13 @@ def write(model, path: Path, dtype: str = "F32", per_expert: bool = False) -> Pa
     _tokenizer(w)
     for name, t in {**_tensors(model, arch, does, per_expert), **_rope_tensors(model)}.items():
         a = t.numpy()
-        if a.ndim == 1 or dtype == "F32":
-            w.add_tensor(name, a.astype(np.float32))
-        elif dtype == "F16":
-            w.add_tensor(name, a.astype(np.float16))
+        kind = _stored_as(dtype, a.ndim)
+        if kind in ("F32", "F16"):
+            w.add_tensor(name, a.astype(np.float32 if kind == "F32" else np.float16))
         else:
-            q = gguf.quants.quantize(a.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            qtype = gguf.GGMLQuantizationType[kind]
+            q = gguf.quants.quantize(a.astype(np.float32), qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -45,7 +45,8 @@ GGUF_FAMILIES = {
     "nemotron": {},
     "qwen2_moe": {},
     "qwen3_moe": dict(norm_topk_prob=True),
-    "mixtral": {},  # written as 'llama' with experts: read by qtk (gguf_mixtral), not transformers
+    "mixtral": {},  # written as 'llama' with experts: read by qtk (gguf_moe), not transformers
+    "gpt_oss": {},  # transformers maps its experts onto names its model no longer has: read by qtk
 }
 
 # transformers reads a 'llama' GGUF as Mistral only when general.name is exactly "mistral": Mistral's
@@ -56,7 +57,6 @@ GGUF_CLASS = {"mistral": "LlamaForCausalLM"}
 GGUF_REFUSED = {
     "olmo2": "has no GGUF mapping for architecture 'olmo2'",
     "granite": "has no GGUF mapping for architecture 'granite'",
-    "gpt_oss": "GptOssForCausalLM from this GGUF but 10 of its weights are not in the file",
 }
 
 
@@ -80,15 +80,19 @@ def _as_stored(model, dtype: str):
     conversion store them."""
     import gguf
 
+    # experts held [E, in, out] (gpt-oss) are stored [E, out, in]: Q8_0's blocks run along `in`
+    transposed = {f"{n}.{p}" for n, m in model.named_modules() if getattr(m, "is_transposed", False)
+                  for p in ("gate_up_proj", "down_proj")}
     with torch.no_grad():
-        for p in model.parameters():
-            w = p.data
-            if w.dim() >= 2 and dtype == "F16":
+        for name, p in model.named_parameters():
+            w = p.data.transpose(-1, -2) if name in transposed else p.data
+            kind = ggufs._stored_as(dtype, w.dim())
+            if kind == "F16":
                 w = w.half().float()
-            elif w.dim() >= 2 and dtype == "Q8_0":  # blocks of 32 along the last (input) dim
-                q8 = gguf.GGMLQuantizationType.Q8_0
-                w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), q8), q8).copy())
-            p.data = w.bfloat16().float()
+            elif kind != "F32":  # blocks of 32 along the last (input) dim
+                qtype = gguf.GGMLQuantizationType[kind]
+                w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), qtype), qtype).copy())
+            p.data = (w.transpose(-1, -2) if name in transposed else w).bfloat16().float()
     return model
 
 
@@ -108,6 +112,16 @@ def test_a_gguf_of_the_family_reads_as_its_model(model_type, dtype, tmp_path):
     assert type(loaded).__name__ == GGUF_CLASS.get(model_type, type(model).__name__)
     assert tok("GGUF,read")["input_ids"] == byte_tokenizer()("GGUF,read")["input_ids"]  # Gemma's builder: no spaces
     torch.testing.assert_close(_logits(loaded), ref, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_moe"])
+def test_a_gguf_with_mxfp4_experts_reads_as_its_model(model_type, tmp_path):
+    """gpt-oss's GGUFs hold the experts in MXFP4 (llama.cpp repacks the checkpoint's own)."""
+    from qtk.loading import load_model
+
+    model, path = _gguf(model_type, tmp_path, "MXFP4")
+    ref = _logits(_as_stored(model, "MXFP4"))
+    torch.testing.assert_close(_logits(load_model(str(path))[0]), ref, rtol=0, atol=2e-4)
 
 
 def test_gemma3s_linear_rope_scaling_is_read_from_the_gguf(tmp_path):
@@ -191,13 +205,13 @@ def test_a_mixtral_gguf_in_the_per_expert_layout_is_refused_in_one_line(tmp_path
     from qtk.loading import resolve
 
     path = ggufs.write(tiny("mixtral"), tmp_path / "mixtral.gguf", per_expert=True)
-    with pytest.raises(CheckpointError, match=r"a 'llama' GGUF with experts read as Mixtral, but .* is not in the "
+    with pytest.raises(CheckpointError, match=r"mixtral.gguf: read as MixtralForCausalLM, but .* is not in the "
                                               r"file \(llama.cpp's per-expert layout of early 2024") as e:
         resolve(str(path))
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_a_gguf_is_quantized_and_served_like_any_model(model_type, tmp_path):
     """`qtk quantize X.gguf --method gptq` -> the engine serves transformers' logits on the checkpoint."""
     from test_any_decoder import assert_engine_is_transformers, quantize, referee
