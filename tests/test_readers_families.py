@@ -283,13 +283,15 @@ def _awq(q, zero, scale) -> dict[str, torch.Tensor]:
             "qzeros": _words(zero.reshape(zero.shape[0], n // 8, 8)[..., order]), "scales": scale}
 
 
-def _hub_checkpoint(model_type: str, fmt: str, d: Path) -> nn.Module:
-    """A GPTQ / AWQ checkpoint of tiny(model_type) in `d`, every Linear but lm_head and the routers
-    quantized; returns the model holding the dequantized weights (experts per expert)."""
+def _hub_checkpoint(model_type: str, fmt: str, d: Path, model: nn.Module | None = None, hub_name=moe.hub_name,
+                    skip=()) -> nn.Module:
+    """A GPTQ / AWQ checkpoint of tiny(model_type) (or `model`) in `d`, every Linear but lm_head, the
+    routers and `skip` quantized, named by `hub_name`; returns the model holding the dequantized
+    weights (experts per expert)."""
     qc, symmetric = HUB_FORMATS[fmt]
-    model = tiny(model_type)
+    model = model if model is not None else tiny(model_type)
     moe.linearize_experts(model)  # the per-expert Linears GPTQModel / AutoAWQ quantize
-    skip = {"lm_head", *moe.router_names(model)}
+    skip = {"lm_head", *moe.router_names(model), *skip}
     state = {k: v for k, v in model.state_dict().items()
              if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
     for name, lin in model.named_modules():
@@ -303,7 +305,7 @@ def _hub_checkpoint(model_type: str, fmt: str, d: Path) -> nn.Module:
         g = scale.float().t().repeat_interleave(GROUP, dim=1)  # [N, K]
         lin.weight.data = g * (q - zero.t().repeat_interleave(GROUP, dim=1)).float()
     d.mkdir()
-    save_file({moe.hub_name(model_type, k): v.contiguous() for k, v in state.items()}, str(d / "model.safetensors"),
+    save_file({hub_name(model_type, k): v.contiguous() for k, v in state.items()}, str(d / "model.safetensors"),
               metadata={"format": "pt"})
     config = model.config.to_dict()
     config["quantization_config"] = qc
@@ -324,6 +326,46 @@ def test_a_hub_gptq_or_awq_checkpoint_of_the_family_loads(model_type, fmt, tmp_p
     linears = {n for n, m in ref.named_modules() if isinstance(m, nn.Linear)}
     assert quantized == linears - {"lm_head", *moe.router_names(ref)}  # every expert, no router
     torch.testing.assert_close(_logits(loaded), _logits(ref), rtol=0, atol=1e-4)
+
+
+# transformers 5's Gemma3ForConditionalGeneration names -> transformers 4's, which every hub checkpoint has
+_V4_NAMES = ((r"^model\.language_model\.", "language_model.model."), (r"^lm_head\.", "language_model.lm_head."),
+             (r"^model\.vision_tower\.", "vision_tower.vision_model."),
+             (r"^model\.multi_modal_projector\.", "multi_modal_projector."))
+
+
+def _v4_name(model_type: str, name: str) -> str:
+    import re
+
+    for pattern, old in _V4_NAMES:
+        name = re.sub(pattern, old, name)
+    return name
+
+
+@pytest.mark.parametrize("fmt", ["gptq_v1_sym", "awq_gemm"])
+def test_a_multimodal_gemma3_hub_checkpoint_saved_by_transformers_4_loads(fmt, tmp_path):
+    """Gemma 3 4B and up are Gemma3ForConditionalGeneration: their hub GPTQ / AWQ checkpoints name
+    the text model language_model.model.layers.N (transformers 4), which transformers 5 renames on
+    loading and so does qtk. The text Linears quantized, the vision tower float, as GPTQModel does."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    from qtk.checkpoint import load_quantized
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    model = AutoModelForCausalLM.from_config(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                          image_token_index=255, boi_token_index=253,
+                                                          eoi_token_index=254)).eval()
+    vision_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and "language_model" not in n]
+    ref = _hub_checkpoint("gemma3", fmt, tmp_path / "hub", model=model, hub_name=_v4_name, skip=vision_linears)
+    with safe_open(str(tmp_path / "hub" / "model.safetensors"), "pt") as f:
+        assert "language_model.model.layers.0.self_attn.q_proj.qweight" in f.keys()
+    torch.testing.assert_close(_logits(load_quantized(tmp_path / "hub")), _logits(ref), rtol=0, atol=1e-4)
 
 
 def test_experts_packed_in_an_unknown_layout_are_named(tmp_path):
