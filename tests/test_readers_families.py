@@ -200,6 +200,24 @@ def test_a_gguf_transformers_cannot_map_is_refused_in_one_line(model_type, tmp_p
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing half-written
 
 
+def test_a_gguf_transformers_keeps_packed_is_refused_in_one_line(tmp_path):
+    """transformers' newer GGUF path (qwen35, qwen35moe, lfm2) keeps the weights in its packed GGUF
+    modules: nothing qtk can quantize (and hybrid models, which qtk does not run)."""
+    import gguf
+
+    from qtk.loading import resolve
+
+    w = gguf.GGUFWriter(str(tmp_path / "qwen35.gguf"), "qwen35")
+    w.add_block_count(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"reads 'qwen35' GGUFs into its packed GGUF modules, not the plain "
+                                              r"weights qtk quantizes; give the model's HF directory"):
+        resolve(str(tmp_path / "qwen35.gguf"))
+
+
 def test_a_mixtral_gguf_in_the_per_expert_layout_is_refused_in_one_line(tmp_path):
     """llama.cpp's first Mixtral files (early 2024) held each expert as its own tensor, blk.N.ffn_gate.E."""
     from qtk.loading import resolve
