@@ -223,6 +223,7 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     moe.linearize_experts(model)  # each expert's projections are their own (Quant)Linears
     tensors = moe.model_tensors(model, read_tensors(path))  # the hub's expert names -> the model's
+    tensors = transformers_names(model, tensors)  # names saved by transformers 4 -> transformers 5's
     if hub_formats.is_hub_format(qc):  # GPTQ / AWQ: repacked into compressed-tensors' layout
         layers, tensors = hub_formats.convert(qc, tensors, model, path)
     else:
@@ -239,6 +240,23 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device:
     model.tie_weights()
     model.config.quantization_config = qc
     return model.to(device)
+
+
+def transformers_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under the names transformers renames them to on loading, where the
+    model has no module of their own name (a Gemma 3 saved by transformers 4, as every hub GPTQ / AWQ
+    one: language_model.model.layers.N -> model.language_model.layers.N): transformers' renamings for
+    the model, not its converters (qtk keeps experts per expert)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    modules = dict(model.named_modules())
+    foreign = [k for k in tensors if k.rpartition(".")[0] not in modules]
+    if not foreign:
+        return tensors
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    renamed = {k: apply_renamings(k, renamings) for k in foreign}
+    return {renamed.get(k, k): v for k, v in tensors.items()}
 
 
 def kv_modules(tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import moe
 from .errors import CheckpointError
 from .quant import pack_int32, unpack_int32
 from .schemes import QuantArgs, Scheme
@@ -126,7 +127,20 @@ def convert(qc: dict, tensors: dict[str, torch.Tensor], model: nn.Module,
         _drop_zero_bias(out, name, mod, path)
     if not schemes:
         raise CheckpointError(f"{path}: quantization_config says {method.upper()}, but no layer has a qweight")
+    _check_no_stray_layers(out, model, path)
     return schemes, out
+
+
+def _check_no_stray_layers(tensors: dict, model: nn.Module, path: Path) -> None:
+    """Every qweight went to a Linear of the model: one left names a layer (e.g. experts packed in
+    another tool's module layout) that the model the config describes does not have."""
+    stray = sorted(k.removesuffix(".qweight") for k in tensors if k.endswith(".qweight"))
+    if stray:
+        mt = model.config.model_type
+        raise CheckpointError(f"{path}: {len(stray)} quantized layers are no Linear of the {mt} model the config "
+                              f"describes, e.g. {moe.hub_name(mt, stray[0])}; qtk reads MoE experts one per expert, "
+                              "named as GPTQModel and AutoAWQ name them (mlp.experts.N.gate_proj, Mixtral's "
+                              "block_sparse_moe.experts.N.w1)")
 
 
 def _gptq_layer(t: dict, k: int, n: int, v1: bool):

@@ -16,6 +16,8 @@ from .arch import check_supported
 from .atomic import write_dir
 from .checkpoint import check_weight_files, load_quantized
 from .errors import CheckpointError, InputError, NotFoundError
+from .gguf_config import gguf_architectures, gguf_config, gguf_metadata
+from .gguf_moe import moe_config, moe_type, read_moe
 from .paths import BUNDLED, BUNDLED_GGUF, cache_dir
 
 log = logging.getLogger(__name__)
@@ -70,33 +72,12 @@ def _content_key(p: Path, edge: int = 1 << 20) -> str:
     return h.hexdigest()[:16]
 
 
-def gguf_architectures() -> list[str]:
-    """The GGUF architectures transformers reads (and dequantizes)."""
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    return sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # those two: metadata sections
-
-
 def _gguf_to_dir(gguf: Path, target: Path) -> Path:
     """Dequantize a GGUF with transformers once and keep it as a bf16 safetensors dir."""
     if (target / "config.json").is_file():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log.info("converting %s to a bf16 checkpoint in %s (once)", gguf, target)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except (ValueError, KeyError, IndexError, EOFError, struct.error) as e:  # what a bad GGUF raises there
-        raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({e}); give a whole GGUF of an "
-                              f"architecture transformers dequantizes ({', '.join(gguf_architectures())}) or an HF "
-                              "model directory") from e
-    # the loaded model carries the gguf quantization_config; the weights are plain floats now
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    if getattr(model, "is_quantized", False):
-        model.is_quantized = False
+    model, tok = _read_gguf(gguf)
     try:
         with write_dir(target, replace=False) as tmp:
             model.save_pretrained(tmp)
@@ -106,6 +87,53 @@ def _gguf_to_dir(gguf: Path, target: Path) -> Path:
             raise
         log.info("%s was converted by another process meanwhile; using it", target)
     return target
+
+
+def _read_gguf(gguf: Path):
+    """(model in bf16, tokenizer) of a GGUF, dequantized by transformers (Mixtral and gpt-oss files
+    by qtk: gguf_moe), every weight from the file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    metadata, raw = gguf_metadata(gguf)
+    # AutoTokenizer reads the config through transformers' GGUF reader first, which fails on gpt-oss's
+    tokenizer_class = PreTrainedTokenizerFast if raw == "gpt-oss" else AutoTokenizer
+    try:
+        config = gguf_config(gguf, metadata, raw)
+        if model_type := moe_type(metadata, raw):
+            model, info = read_moe(gguf, moe_config(config, metadata, model_type), raw, torch.bfloat16), {}
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                               dtype=torch.bfloat16, output_loading_info=True)
+        tok = tokenizer_class.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except CheckpointError:  # qtk's own reading said what is wrong
+        raise
+    except (ValueError, KeyError, IndexError, EOFError, RuntimeError, struct.error) as e:  # a bad or odd GGUF
+        raise CheckpointError(f"{gguf}: transformers cannot read this GGUF file ({str(e).splitlines()[0]}); give a "
+                              "whole GGUF of an architecture transformers dequantizes "
+                              f"({', '.join(gguf_architectures())}) or an HF model directory") from e
+    _check_filled(gguf, raw, model, info)
+    # the loaded model carries the gguf quantization_config; the weights are plain floats now
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+    return model, tok
+
+
+def _check_filled(gguf: Path, raw: str, model, info: dict) -> None:
+    """Every weight of the model transformers built came from the file (it leaves the others random)."""
+    missing = [k for k in info.get("missing_keys", ())
+               if not (k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))]
+    if not missing:
+        return
+    if all(".experts." in k for k in missing):
+        why = f"transformers' GGUF reader does not map the file's experts (ffn_*_exps) onto {raw!r}'s experts"
+    else:
+        why = "the file lacks them or names them as transformers does not read them"
+    raise CheckpointError(f"{gguf}: transformers builds {type(model).__name__} from this GGUF but {len(missing)} of "
+                          f"its weights are not in the file (e.g. {sorted(missing)[0]}): {why}; give the model's HF "
+                          "directory")
 
 
 def config_dict(path: Path) -> dict:

@@ -487,8 +487,6 @@ def test_the_bundled_conversion_follows_its_gguf_file(tmp_path, monkeypatch):
     from pathlib import Path
     from types import SimpleNamespace
 
-    import transformers
-
     import qtk.loading as loading
 
     monkeypatch.setenv("QTK_CACHE", str(tmp_path / "cache"))
@@ -507,8 +505,7 @@ def test_the_bundled_conversion_follows_its_gguf_file(tmp_path, monkeypatch):
         converted.append(gguf.read_text())
         return Converted()
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: Converted())
+    monkeypatch.setattr(loading, "_read_gguf", lambda path: (load(), Converted()))
     gguf.write_text("version 1")
     old = loading.resolve(loading.BUNDLED)
     assert loading.resolve(loading.BUNDLED) == old and converted == ["version 1"]
@@ -540,8 +537,7 @@ def test_a_gguf_converted_meanwhile_by_another_process_is_used(tmp_path, monkeyp
     from pathlib import Path
     from types import SimpleNamespace
 
-    import transformers
-
+    from qtk import loading
     from qtk.loading import _gguf_to_dir
 
     target = tmp_path / "cache" / "gguf-model"
@@ -554,8 +550,7 @@ def test_a_gguf_converted_meanwhile_by_another_process_is_used(tmp_path, monkeyp
             target.mkdir(parents=True, exist_ok=True)  # the other process renames its copy into place
             (target / "config.json").write_text('{"by": "the other process"}')
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: Converted())
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: Converted())
+    monkeypatch.setattr(loading, "_read_gguf", lambda gguf: (Converted(), Converted()))
     assert _gguf_to_dir(tmp_path / "model.gguf", target) == target
     assert json.loads((target / "config.json").read_text()) == {"by": "the other process"}
     assert [p.name for p in target.parent.iterdir()] == ["gguf-model"]  # this process's copy removed
