@@ -136,11 +136,15 @@ def _model(tiny, model_type: str, sizes: dict, method: str):
     import tempfile
     from pathlib import Path
 
-    from zoo import saved
+    from zoo import ZOO, saved
 
     from qtk import pipeline
     from qtk.recipe import from_flags
 
+    types = ZOO[model_type].get("layer_types")
+    if sizes and types:  # the zoo's per-layer pattern, repeated over the layers
+        n = sizes["num_hidden_layers"]
+        sizes = {**sizes, "layer_types": (types * n)[:n]}
     model = tiny(model_type, **sizes)
     if method == "none":
         return model
