@@ -146,10 +146,32 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_rows(x, "silu_and_mul");
+// act(g) * u over rows x [T, 2I] = [g | u] -> [T, I], for the activations of the form
+// act(g) = g / (1 + e^(-z(g))): SiLU, z = g; the tanh GELU (transformers' "gelu_pytorch_tanh",
+// Gemma's), z = 2 sqrt(2/pi) (g + 0.044715 g^3), as g / 2 (1 + tanh(z / 2)) is the same function.
+enum class Glu { SILU, GELU_TANH };
+constexpr float kGeluZ = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+
+template <Glu ACT>
+inline float glu_z(float g) {
+  if constexpr (ACT == Glu::SILU) return g;
+  else return kGeluZ * (g + 0.044715f * g * g * g);
+}
+
+#ifdef QTK_AVX2
+template <Glu ACT>
+inline __m256 glu_z8(__m256 g) {
+  if constexpr (ACT == Glu::SILU) return g;
+  else return _mm256_mul_ps(_mm256_set1_ps(kGeluZ),
+                            _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+}
+#endif
+
+template <Glu ACT>
+at::Tensor act_and_mul(const at::Tensor& x, const char* name) {
+  check_rows(x, name);
   const int64_t T = x.size(0), I = x.size(1) / 2;
-  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: x must have an even number of columns");
+  TORCH_CHECK(x.size(1) % 2 == 0, name, ": x must have an even number of columns");
   at::Tensor y = at::empty({T, I}, x.options());
   at::parallel_for(0, T * I, 4096, [&](int64_t i0, int64_t i1) {
     for (int64_t t = i0 / I; t <= (i1 - 1) / I; ++t) {
@@ -162,45 +184,18 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       const __m256 one = _mm256_set1_ps(1.f);
       for (; i + 8 <= b; i += 8) {
         const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), glu_z8<ACT>(gv)))));
         _mm256_storeu_ps(yr + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
       }
 #endif
-      for (; i < b; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (; i < b; ++i) yr[i] = g[i] / (1.f + std::exp(-glu_z<ACT>(g[i]))) * u[i];
     }
   });
   return y;
 }
 
-// gelu_tanh(g) * u, gelu_tanh(g) = g / 2 (1 + tanh(z)) = g / (1 + e^(-2z)), z = sqrt(2/pi) (g + 0.044715 g^3):
-// transformers' "gelu_pytorch_tanh", Gemma's activation.
-at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
-  check_rows(x, "gelu_tanh_and_mul");
-  const int64_t T = x.size(0), I = x.size(1) / 2;
-  TORCH_CHECK(x.size(1) % 2 == 0, "gelu_tanh_and_mul: x must have an even number of columns");
-  at::Tensor y = at::empty({T, I}, x.options());
-  constexpr float c = 0.7978845608028654f;  // sqrt(2 / pi)
-  at::parallel_for(0, T * I, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t t = i0 / I; t <= (i1 - 1) / I; ++t) {
-      const float* g = x.data_ptr<float>() + t * x.stride(0);
-      const float* u = g + I;
-      float* yr = y.data_ptr<float>() + t * I;
-      const int64_t a = std::max(i0 - t * I, int64_t(0)), b = std::min(i1 - t * I, I);
-      int64_t i = a;
-#ifdef QTK_AVX2
-      const __m256 one = _mm256_set1_ps(1.f), m2c = _mm256_set1_ps(-2.f * c), k3 = _mm256_set1_ps(0.044715f);
-      for (; i + 8 <= b; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 z = _mm256_mul_ps(m2c, _mm256_fmadd_ps(_mm256_mul_ps(k3, gv), _mm256_mul_ps(gv, gv), gv));
-        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(z)));
-        _mm256_storeu_ps(yr + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-      }
-#endif
-      for (; i < b; ++i) yr[i] = g[i] / (1.f + std::exp(-2.f * c * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
-    }
-  });
-  return y;
-}
+at::Tensor silu_and_mul(const at::Tensor& x) { return act_and_mul<Glu::SILU>(x, "silu_and_mul"); }
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) { return act_and_mul<Glu::GELU_TANH>(x, "gelu_tanh_and_mul"); }
 
 // exp over an array in place; returns the sum. AVX2: Cephes' expf polynomial (relative error ~2e-7,
 // as std::exp for a softmax's purposes), 8 at a time.
