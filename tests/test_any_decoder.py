@@ -126,3 +126,46 @@ def test_every_zoo_type_and_method(model_type, method, tmp_path):
     except InputError as e:
         assert method == "awq" and "gptq" in str(e).lower(), e
         pytest.skip(f"{model_type} has no AWQ pairs: {e}")
+
+
+GATES = """
+gates:
+  ppl: {task: ppl, args: {seq_len: 64, limit: 2}, max_increase_pct: 25}
+"""
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe"])
+def test_the_cli_end_to_end(model_type, tmp_path):
+    """What a user runs, on a native dense family and an MoE one: `qtk quantize` (GPTQ, with the CLI's
+    default FP8 KV cache; every expert a layer of its own, the router float), `qtk inspect`, `qtk
+    generate` (the engine's greedy text), `qtk eval` against the float model under a gates file
+    (exit 0). The engine's agreement with transformers is the tests above."""
+    from click.testing import CliRunner
+
+    from qtk import LLM, SamplingParams
+    from qtk.cli import main
+
+    def run(*args):
+        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    src = saved(tiny(model_type), tmp_path / "src")
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "q"
+    r = run("quantize", src, "--method", "gptq", "--group-size", 16, "--dataset", text, "--num-samples", 4,
+            "--seq-len", 32, "-o", out)
+    assert r.exit_code == 0, r.output
+    info = json.loads(run("inspect", out, "--json").stdout)
+    layers = info["layers"]
+    assert len(layers) == 14 + (24 - 6 if model_type == "qwen3_moe" else 0), sorted(layers)
+    if model_type == "qwen3_moe":  # 2 layers x 4 experts x 3 projections, under the hub's names
+        assert sum(".mlp.experts." in n for n in layers) == 24 and not any(n.endswith("mlp.gate") for n in layers)
+    r = run("generate", out, "--prompt", "hi", "--max-tokens", 6, "--dtype", "float32")
+    assert r.exit_code == 0, r.output
+    llm = LLM(str(out), dtype="float32", kv_cache_memory=2**22)
+    said = llm.generate("hi", SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].text
+    assert r.stdout == said + "\n"
+    gates = tmp_path / "gates.yaml"
+    gates.write_text(GATES)
+    r = run("eval", out, "--baseline", src, "--gates", gates, "--dtype", "float32", "--no-cache")
+    assert r.exit_code == 0, r.output
