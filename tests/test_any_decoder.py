@@ -136,10 +136,11 @@ gates:
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe"])
 def test_the_cli_end_to_end(model_type, tmp_path):
-    """What a user runs, on a native dense family and an MoE one: `qtk quantize` (GPTQ, with the CLI's
-    default FP8 KV cache; every expert a layer of its own, the router float), `qtk inspect`, `qtk
-    generate` (the engine's greedy text), `qtk eval` against the float model under a gates file
-    (exit 0). The engine's agreement with transformers is the tests above."""
+    """What a user runs, on a native dense family and an MoE one: `qtk quantize` (GPTQ; every expert a
+    layer of its own, the router float), `qtk inspect`, `qtk generate` (the engine's greedy text),
+    `qtk eval` against the float model under a gates file (exit 0). The engine's agreement with
+    transformers is the tests above (float32 checkpoints: the CLI's bf16 scales would make the
+    referee's dequantized weights round to bf16 where qtk's do not)."""
     from click.testing import CliRunner
 
     from qtk import LLM, SamplingParams
