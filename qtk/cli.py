@@ -456,6 +456,9 @@ def bench_kernels(device, shapes, ms, out, dtype):
 @bench.command("engine")
 @click.argument("model")
 @click.option("--num-prompts", type=int, default=64, show_default=True, help="Chat requests, all submitted at once.")
+@click.option("--prompts", "prompt_set", default="builtin", show_default=True,
+              help="The requests' prompts: builtin (16 short chat questions), fixed:N or random:LO-HI (N-token "
+                   "windows of the built-in text), conversation (chats with long histories).")
 @click.option("--output-len", type=int, default=128, show_default=True, help="Output tokens per request (EOS ignored).")
 @click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens of the batch-1 request.")
 @click.option("--batch1-output-len", type=int, default=256, show_default=True, help="Output tokens of the batch-1 request.")
@@ -470,15 +473,16 @@ def bench_kernels(device, shapes, ms, out, dtype):
 @click.option("--name", default=None, help="JSON file name (default engine-MODEL-DTYPE).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N]: where qtk and transformers run.")
 @click.option("--enforce-eager", is_flag=True, help="CUDA: qtk without its decode CUDA graphs.")
-def bench_engine(model, num_prompts, output_len, input_len, batch1_output_len, peers, sequential, gguf, dtype,
-                 out, name, device, enforce_eager):
+def bench_engine(model, num_prompts, prompt_set, output_len, input_len, batch1_output_len, peers, sequential, gguf,
+                 dtype, out, name, device, enforce_eager):
     """qtk's runtime against transformers generate, vLLM's CPU build and llama.cpp (CPU protocol)."""
     from .bench.engine import run
 
     optional.require(optional.model_needs(model))
     _, text = run(model, num_prompts=num_prompts, output_len=output_len, batch1_input_len=input_len,
                   batch1_output_len=batch1_output_len, dtype=dtype, peers=peers, sequential=sequential, gguf=gguf,
-                  out=out, name=name, device=device, enforce_eager=enforce_eager, command=_command_line())
+                  out=out, name=name, device=device, enforce_eager=enforce_eager, command=_command_line(),
+                  prompt_set=prompt_set)
     click.echo(text)
 
 
@@ -490,18 +494,23 @@ def bench_engine(model, num_prompts, output_len, input_len, batch1_output_len, p
               help="Poisson arrivals per second (inf: all at once).")
 @click.option("--max-concurrency", type=int, default=None, help="Requests in flight at most.")
 @click.option("--dataset", default="builtin", show_default=True,
-              help="builtin (16 short chat questions), FILE.jsonl (messages or prompt per line) or FILE.txt.")
+              help="builtin (16 short chat questions), fixed:N or random:LO-HI (N-token windows of the built-in "
+                   "text, one user message each), conversation (chats with long histories), FILE.jsonl (messages "
+                   "or prompt per line) or FILE.txt.")
+@click.option("--tokenizer", default=None, help="fixed / random: the tokenizer that counts N (default: the bundled "
+                                                "model's).")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Output tokens per request (EOS ignored).")
 @click.option("--api-key", default=None, envvar="QTK_API_KEY")
 @click.option("--out", type=click.Path(), default="benchmarks/results", show_default=True, help="Directory for the JSON.")
 @click.option("--name", default=None, help="JSON file name.")
-def bench_serve(url, model, num_prompts, request_rate, max_concurrency, dataset, max_tokens, api_key, out, name):
+def bench_serve(url, model, num_prompts, request_rate, max_concurrency, dataset, tokenizer, max_tokens, api_key, out,
+                name):
     """TTFT, TPOT, inter-token latency p50/p99 and throughput of a server under load."""
     optional.require(optional.BENCH_SERVE)
     from .bench.serve import run
 
     _, text = run(url, model, num_prompts, request_rate, max_concurrency, dataset, max_tokens, api_key, out=out,
-                  name=name, command=_command_line())
+                  name=name, command=_command_line(), tokenizer=tokenizer)
     click.echo(text)
 
 

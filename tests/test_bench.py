@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from qtk.errors import InputError
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -112,7 +114,7 @@ def test_bench_engine_gives_every_peer_qtks_threads_and_labels_what_ran(monkeypa
     monkeypatch.setattr(engine, "LLM", lambda *a, **k: types.SimpleNamespace(tokenizer=None))
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: (None, types.SimpleNamespace(pad_token_id=0)))
     monkeypatch.setattr(loading, "resolve", lambda m: m)
-    monkeypatch.setattr(bench, "chat_prompts", lambda tok, n: [[1, 2, 3]] * n)
+    monkeypatch.setattr(bench, "token_prompts", lambda tok, spec, n: [[1, 2, 3]] * n)
     monkeypatch.setattr(bench, "text_prompt", lambda tok, n: list(range(n)))
     monkeypatch.setattr(bench, "qtk_generate", lambda llm, prompts, m: (len(prompts) * m, 1.0))
     monkeypatch.setattr(bench, "qtk_startup", lambda *a: 1.0)
@@ -129,6 +131,36 @@ def test_bench_engine_gives_every_peer_qtks_threads_and_labels_what_ran(monkeypa
     assert e["vllm"]["omp_threads_bind"] == "0"
     assert e["transformers"]["sequential"]["requests"] == 4 and e["transformers"]["sequential"]["tokens"] == 4 * 5
     assert json.loads((tmp_path / "t.json").read_text())["engines"] == e
+    assert (res["prompts"], res["prompt_tokens"]) == ("builtin", 12)
+    with pytest.raises(InputError, match="--prompts 'fixed:x': give builtin, fixed:N, random:LO-HI or conversation"):
+        bench.run("m", prompt_set="fixed:x", out=tmp_path)  # before the model loads
+
+
+def test_prompt_sets_have_the_lengths_they_name(bundled_dir):
+    """fixed:N and random:LO-HI: windows of the built-in text of N (LO..HI) tokens, seeded; the same
+    windows sent to a server as one user message each; conversation: multi-turn chats with long
+    histories ending in a question, through the chat template for the engine."""
+    from qtk.bench import serve as bench_serve
+    from qtk.bench.prompts import PromptSet, conversations, token_prompts
+    from qtk.loading import load_tokenizer
+
+    tok = load_tokenizer(bundled_dir)
+    fixed = token_prompts(tok, PromptSet.parse("fixed:300"), 5)
+    assert [len(p) for p in fixed] == [300] * 5 and len({tuple(p) for p in fixed}) == 5
+    spread = [len(p) for p in token_prompts(tok, PromptSet.parse("random:100-900"), 32, seed=3)]
+    assert min(spread) >= 100 and max(spread) <= 900 and max(spread) - min(spread) > 400
+    assert spread == [len(p) for p in token_prompts(tok, PromptSet.parse("random:100-900"), 32, seed=3)]
+    convs = conversations(tok, PromptSet.parse("conversation"), 16)
+    assert all(len(c) >= 3 and c[-1]["role"] == "user" and c[-2]["role"] == "assistant" for c in convs)
+    lengths = [len(p) for p in token_prompts(tok, PromptSet.parse("conversation"), 16)]
+    assert min(lengths) > 100 and max(lengths) > 1000
+    served = bench_serve.load_prompts("fixed:300", 5, str(bundled_dir))
+    assert [c[0]["content"] for c in served] == [tok.decode(p) for p in fixed]
+    assert bench_serve.load_prompts("builtin", 2)[0] == [{"role": "user", "content": "What is the capital of France?"}]
+    with pytest.raises(InputError, match="--dataset 'random:9-3': lengths must be positive, LO <= HI"):
+        bench_serve.load_prompts("random:9-3", 2)
+    with pytest.raises(InputError, match="prompts of 99999 tokens: the built-in text has"):
+        token_prompts(tok, PromptSet.parse("fixed:99999"), 1)
 
 
 def test_bench_serve_sleeps_between_arrivals_not_after_the_last(monkeypatch):

@@ -1,7 +1,9 @@
 """`qtk bench engine`: qtk's runtime against transformers `generate`, vLLM's CPU build and
 llama.cpp on the same weights and requests, in one run (docs/benchmarks.md, Engine on CPU).
 
-    throughput   N chat requests (16 short questions, repeated), M output tokens each, EOS ignored,
+    throughput   N requests of a prompt set (bench/prompts.py: by default the 16 short chat
+                 questions, repeated; fixed:N, random:LO-HI token windows or long-history
+                 conversations with --prompts), M output tokens each, EOS ignored,
                  all submitted at once, after one warm-up batch: output tokens / wall seconds
                  (transformers: one request at a time over the first `sequential` requests, and
                  statically batched 16 at a time over all, left-padded)
@@ -27,29 +29,15 @@ from pathlib import Path
 
 import torch
 
-from ..chat_template import prompt_ids
 from ..device import choose_dtype, cpu_name
 from ..errors import InputError, NotFoundError
 from ..kernels import cpu as cpu_kernels
 from . import git_commit
+from .prompts import PromptSet, token_prompts
 
 log = logging.getLogger(__name__)
 
-QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about autumn leaves falling.",
-    "Explain in one sentence why the sky is blue, for a child.", "List three uses of a paperclip.",
-    "What is 17 times 23?", "Give me a tip for sleeping better.", "Who wrote Romeo and Juliet?",
-    "Translate 'good morning' into Spanish.", "What does a CPU do?", "Name a famous painting by Van Gogh.",
-    "How many legs does a spider have?", "Suggest a name for a pet goldfish.", "What is photosynthesis?",
-    "Write one sentence about the ocean.", "Why do leaves change color in the fall?",
-    "What is the boiling point of water?",
-]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    convs = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
-    return [prompt_ids(tokenizer, c) for c in convs]
 
 
 def text_prompt(tokenizer, length: int) -> list[int]:
@@ -149,14 +137,16 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
         batch1_output_len: int = 256, dtype: str = "auto", peers: tuple[str, ...] = ("transformers",),
         sequential: int = 16, gguf: str | None = None, out: str | Path = "benchmarks/results",
         name: str | None = None, device: str = "cpu", enforce_eager: bool = False,
-        command: str | None = None) -> tuple[dict, str]:
+        command: str | None = None, prompt_set: str = "builtin") -> tuple[dict, str]:
     """device: where qtk and transformers run (vLLM's CPU build and llama.cpp are CPU peers);
-    enforce_eager: qtk without its CUDA graphs; command: the command line the JSON records."""
+    enforce_eager: qtk without its CUDA graphs; command: the command line the JSON records;
+    prompt_set: the throughput requests' prompts (bench/prompts.py)."""
     from ..loading import bundled_gguf, load_model, resolve
     from ..runtime.engine import LLM
 
     if num_prompts < 1 or output_len < 1:
         raise InputError("--num-prompts and --output-len must be at least 1")
+    spec = PromptSet.parse(prompt_set)
     cpu_peers = [p for p in peers if p in ("vllm", "llama.cpp")]
     if torch.device(device).type != "cpu" and cpu_peers:
         raise InputError(f"--peer {' '.join(cpu_peers)}: these peers run on the CPU here; bench them with --device cpu")
@@ -164,9 +154,10 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
     dtype_name = str(torch_dtype).removeprefix("torch.")
     engine_args = {"device": device, "enforce_eager": enforce_eager}
     llm = LLM(model, dtype=dtype_name, **engine_args)
-    prompts = chat_prompts(llm.tokenizer, num_prompts)
+    prompts = token_prompts(llm.tokenizer, spec, num_prompts)
     batch1 = text_prompt(llm.tokenizer, batch1_input_len)
-    res: dict = {"model": model, "dtype": dtype_name, "num_prompts": num_prompts, "output_len": output_len,
+    res: dict = {"model": model, "dtype": dtype_name, "num_prompts": num_prompts, "prompts": str(spec),
+                 "prompt_tokens": sum(map(len, prompts)), "output_len": output_len,
                  "batch1": {"input_len": batch1_input_len, "output_len": batch1_output_len}, "engines": {}}
 
     log.info("qtk: warm-up, throughput, batch 1, start-up")
@@ -190,7 +181,8 @@ def run(model: str, num_prompts: int = 64, output_len: int = 128, batch1_input_l
 
     if "vllm" in peers:
         log.info("vLLM (CPU build, own venv): start-up, throughput, batch 1")
-        job = {"model": str(resolve(model)), "dtype": dtype_name, "max_model_len": 2048,
+        longest = max(map(len, prompts)) + output_len
+        job = {"model": str(resolve(model)), "dtype": dtype_name, "max_model_len": max(2048, longest),
                "threads": torch.get_num_threads(), "tasks": [
             {"kind": "generate", "name": "warmup", "prompts": prompts[:min(16, num_prompts)], "max_tokens": 8,
              "ignore_eos": True},

@@ -25,7 +25,8 @@ from pathlib import Path
 import httpx
 
 from ..errors import InputError
-from .engine import QUESTIONS, record
+from .engine import record
+from .prompts import SPECS, PromptSet, conversations
 
 
 @dataclass
@@ -47,22 +48,29 @@ def has_tokens(chunk: dict) -> bool:
     return any((c.get("delta") or {}).get(f) for c in chunk.get("choices", []) for f in TOKEN_FIELDS)
 
 
-def load_prompts(dataset: str, n: int) -> list[list[dict]]:
-    """n conversations: the 16 short questions (builtin), or a FILE: .jsonl with "messages" or
-    "prompt" per line, or .txt with one prompt per line (repeated to n)."""
-    if dataset == "builtin":
-        texts: list = list(QUESTIONS)
+def load_prompts(dataset: str, n: int, tokenizer: str | None = None, seed: int = 0) -> list[list[dict]]:
+    """n conversations: a prompt set of bench/prompts.py (builtin, fixed:N, random:LO-HI,
+    conversation; token windows cut by `tokenizer`, the bundled model's by default), or a FILE:
+    .jsonl with "messages" or "prompt" per line, or .txt with one prompt per line (repeated to n)."""
+    if dataset.partition(":")[0] in ("builtin", "fixed", "random", "conversation"):
+        spec = PromptSet.parse(dataset, "--dataset")
+        tok = None
+        if spec.kind in ("fixed", "random"):
+            from ..loading import load_tokenizer, resolve
+            from ..paths import BUNDLED
+
+            tok = load_tokenizer(resolve(tokenizer or BUNDLED))
+        return conversations(tok, spec, n, seed)
+    path = Path(dataset)
+    if not path.is_file():
+        raise InputError(f"--dataset {dataset!r}: no such file ({SPECS}, FILE.jsonl or FILE.txt)")
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        texts = [r["messages"] if "messages" in r else r["prompt"] for r in rows]
     else:
-        path = Path(dataset)
-        if not path.is_file():
-            raise InputError(f"--dataset {dataset!r}: no such file (builtin, FILE.jsonl or FILE.txt)")
-        if path.suffix == ".jsonl":
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            texts = [r["messages"] if "messages" in r else r["prompt"] for r in rows]
-        else:
-            texts = [line for line in path.read_text().splitlines() if line.strip()]
-        if not texts:
-            raise InputError(f"--dataset {dataset!r} has no prompts")
+        texts = [line for line in path.read_text().splitlines() if line.strip()]
+    if not texts:
+        raise InputError(f"--dataset {dataset!r} has no prompts")
     convs = [t if isinstance(t, list) else [{"role": "user", "content": t}] for t in texts]
     return [convs[i % len(convs)] for i in range(n)]
 
@@ -159,10 +167,10 @@ def summarize(results: list[Result], wall: float) -> dict:
 def run(url: str, model: str | None = None, num_prompts: int = 64, request_rate: float = float("inf"),
         max_concurrency: int | None = None, dataset: str = "builtin", max_tokens: int = 128,
         api_key: str | None = None, seed: int = 0, out: str | Path = "benchmarks/results",
-        name: str | None = None, command: str | None = None) -> tuple[dict, str]:
+        name: str | None = None, command: str | None = None, tokenizer: str | None = None) -> tuple[dict, str]:
     if num_prompts < 1 or max_tokens < 1 or request_rate <= 0 or (max_concurrency is not None and max_concurrency < 1):
         raise InputError("--num-prompts, --max-tokens, --request-rate and --max-concurrency must be positive")
-    convs = load_prompts(dataset, num_prompts)
+    convs = load_prompts(dataset, num_prompts, tokenizer, seed)
     results, wall, model = asyncio.run(_run(url, model, convs, max_tokens, request_rate, max_concurrency,
                                             api_key, seed))
     res = {"url": url, "model": model, "num_prompts": num_prompts, "request_rate": str(request_rate),
