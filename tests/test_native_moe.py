@@ -69,10 +69,10 @@ def _x(T, H, seed=0):
 @pytest.mark.parametrize("pack", ["F.linear", "oneDNN", None])  # float experts' packed matmul, or modules
 @pytest.mark.parametrize("model_type", TYPES)
 def test_sparse_moe_is_the_blocks_forward(model_type, pack, monkeypatch):
-    from qtk.runtime.models import moe as native_moe
+    from qtk.runtime import packed_linear
 
     if pack == "oneDNN":  # the tiny experts are below SMALL_FLOAT, which runs them on F.linear
-        monkeypatch.setattr(native_moe, "SMALL_FLOAT", 0)
+        monkeypatch.setattr(packed_linear, "SMALL_FLOAT", 0)
     model = _strong(tiny(model_type))
     block, cfg = model.model.layers[1].mlp, model.config
     native = _native(block, cfg, pack is not None)

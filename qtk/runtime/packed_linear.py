@@ -7,11 +7,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu as cpu_kernels
 from ..kernels.dispatch import CpuW8A8Vnni, CpuWOQ, build_runtime, cpu_packed_weight, packed_linear
 from ..quant_linear import QuantLinear
+
+
+# a layer in a decode step sees a few rows, its weight out of cache: up to this many weight elements
+# (128 KB float32) F.linear's MKL beats or ties oneDNN's fixed ~15 us per call (1 thread, AVX-512,
+# a pool of 64 MB of weights: 256x64 7 against 22 us at 1 row, 17 against 23 at 8; 128x256 19 against
+# 26 at 1 row, equal at 4-8; 256x256 oneDNN ahead from 2 rows, 46 against 40)
+SMALL_FLOAT = 2 ** 15
 
 
 class PackedLinear(nn.Module):
@@ -25,6 +33,15 @@ class PackedLinear(nn.Module):
         shape = x.shape
         y = packed_linear(x.reshape(-1, shape[-1]).contiguous(), self.packed, self.bias)
         return y.view(*shape[:-1], self.out_features)
+
+    def direct(self):
+        """The matmul itself, for float32 [T, K] contiguous x: oneDNN's, or F.linear on the weight
+        unpacked once for a layer of at most SMALL_FLOAT weights (MoE experts, tiny models)."""
+        packed, bias = self.packed, self.bias
+        if self.in_features * self.out_features <= SMALL_FLOAT:
+            weight = packed.to_dense()  # [N, K] back from oneDNN's layout
+            return lambda x: F.linear(x, weight, bias)
+        return lambda x: packed_linear(x, packed, bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
@@ -82,6 +99,12 @@ class W8A8Linear(KernelLinear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8, qtk CPU VNNI kernel"
+
+
+def direct(module: nn.Module | None):
+    """What a runtime's plan calls for a layer: the kernel call itself for a packed one (PackedLinear,
+    KernelLinear; float32 [T, K] contiguous x), else the module (None stays None)."""
+    return module.direct() if isinstance(module, (PackedLinear, KernelLinear)) else module
 
 
 def bf16_lm_head(model: nn.Module) -> bool:

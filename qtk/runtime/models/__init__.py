@@ -30,11 +30,10 @@ def build(hf_model: nn.Module, model_impl: str = "auto") -> NativeModel | Generi
     why = unsupported(hf_model)
     if why:  # before any repacking
         raise InputError(why)
+    bf16_lm_head(hf_model)
     if is_native(hf_model) and model_impl != "transformers":
-        bf16_lm_head(hf_model)
         linearize_experts(hf_model)  # 3-D experts as per-expert Linears, each gate/up fused below
         pack_linears(hf_model, fuse=FUSED)
         return NativeModel(hf_model)
-    bf16_lm_head(hf_model)
     pack_linears(hf_model)
     return GenericModel(hf_model)

@@ -11,7 +11,7 @@ own router, then the experts over the tokens routed to each, as direct kernel ca
 
 The experts are qtk.moe.LinearExperts (a checkpoint's, or transformers' 3-D experts linearized at
 build), each Expert's gate_proj and up_proj joined by packed_linear.pack_linears into gate_up_proj
-(PackedLinear for float, run on oneDNN or, below SMALL_FLOAT, F.linear; WOQLinear / W8A8Linear
+(PackedLinear for float, run on oneDNN or, below packed_linear.SMALL_FLOAT, F.linear; WOQLinear / W8A8Linear
 for quantized ones), [gate | up] side by side.
 Adding a family is a row of MOE: the router's name and the activation.
 """
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...moe import LinearExperts, is_fused_experts, linearize_experts
-from ..packed_linear import KernelLinear, PackedLinear, packed_linear
+from ..packed_linear import direct
 
 WHY_NO_GRAPHS = "MoE routing sizes each expert's matmul by its token count (a device sync per block): not captured"
 
@@ -77,26 +77,6 @@ def install(layers: nn.ModuleList, cfg, ops) -> bool:
             layer.mlp = SparseMoE(layer.mlp, family, cfg, ops)
         found = found or isinstance(layer.mlp, SparseMoE)
     return found
-
-
-# an expert sees a few rows per step, its weight out of cache: up to this many weight elements
-# (128 KB float32) F.linear's MKL beats or ties oneDNN's fixed ~15 us per call (1 thread, AVX-512,
-# a pool of 64 MB of weights: 256x64 7 against 22 us at 1 row, 17 against 23 at 8; 128x256 19 against
-# 26 at 1 row, equal at 4-8; 256x256 oneDNN ahead from 2 rows, 46 against 40)
-SMALL_FLOAT = 2 ** 15
-
-
-def direct(module: nn.Module):
-    """The kernel call of a packed layer for float32 [n, K] contiguous x, else the module."""
-    if isinstance(module, KernelLinear):
-        return module.direct()
-    if isinstance(module, PackedLinear):
-        packed, bias = module.packed, module.bias
-        if module.in_features * module.out_features <= SMALL_FLOAT:
-            weight = packed.to_dense()  # [N, K] back from oneDNN's layout
-            return lambda x: F.linear(x, weight, bias)
-        return lambda x: packed_linear(x, packed, bias)
-    return module
 
 
 def expert_plan(expert: nn.Module, kernels: bool) -> tuple:

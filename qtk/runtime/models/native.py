@@ -260,17 +260,14 @@ class NativeModel(nn.Module):
 
     @staticmethod
     def _layer_plan(layer) -> tuple:
-        """(qkv, q, k, v, o, gate_up, down): a callable per projection (the kernel itself for the
-        ones qtk's CPU kernel runs, else the module), None where fused or unfused away."""
-        from ..packed_linear import KernelLinear
-
-        def fn(module):
-            return None if module is None else module.direct() if isinstance(module, KernelLinear) else module
+        """(qkv, q, k, v, o, gate_up, down): a callable per projection (the kernel call itself for a
+        packed one, packed_linear.direct, else the module), None where fused or unfused away."""
+        from ..packed_linear import direct
 
         attn, mlp = layer.self_attn, layer.mlp
-        get = lambda m, name: getattr(m, name, None)  # noqa: E731
-        return (fn(get(attn, "qkv_proj")), fn(get(attn, "q_proj")), fn(get(attn, "k_proj")), fn(get(attn, "v_proj")),
-                fn(attn.o_proj), fn(get(mlp, "gate_up_proj")), fn(get(mlp, "down_proj")))
+        get = lambda m, name: direct(getattr(m, name, None))  # noqa: E731
+        return (get(attn, "qkv_proj"), get(attn, "q_proj"), get(attn, "k_proj"), get(attn, "v_proj"),
+                get(attn, "o_proj"), get(mlp, "gate_up_proj"), get(mlp, "down_proj"))
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         if hasattr(mlp, "gate_up_proj") and self.glu is not None:  # fused by the engine, or in the checkpoint
