@@ -17,8 +17,9 @@ MODEL_HELP = "an HF model directory, a .gguf file, a qtk/compressed-tensors chec
 
 
 DTYPE_HELP = ("Compute dtype of qtk's runtime. auto: bfloat16 on CUDA; float32 on CPUs (qtk's CPU kernels take "
-              "float32 activations, and ran faster than bf16 even on CPUs with bf16 units; without a compiler for "
-              "them, bfloat16 where the CPU has bf16 units); the log says which and why.")
+              "float32 activations, and ran faster than bf16 even on CPUs with bf16 units; there a bf16 "
+              "checkpoint's layers multiply many rows, prefill chunks, in bf16, unless QTK_CPU_BF16=0; without a "
+              "compiler for the kernels, bfloat16 where the CPU has bf16 units); the log says which and why.")
 
 
 # seeds the libraries take: torch.Generator.manual_seed 64 bits either sign; lm-eval seeds numpy, 0..2**32-1

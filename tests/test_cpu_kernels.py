@@ -462,6 +462,19 @@ def test_gelu_tanh_and_mul_matches_torch(lib, T, I):
     assert torch.allclose(lib.gelu_tanh_and_mul(x), want, rtol=1e-5, atol=1e-5 * want.abs().max())
 
 
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_glu_ops_take_bf16_rows(lib, op):
+    """bf16 rows in (a bf16 matmul's output), bf16 out: the float32 op's result rounded to bf16, as
+    torch rounds (to nearest even), within one bf16 step where the two activations' last bits differ."""
+    x = (torch.randn(5, 2 * 700, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()  # a scalar tail too
+    got = getattr(lib, op)(x)
+    want = getattr(lib, op)(x.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 700)
+    step = want.float().abs() * 2 ** -7
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean() > 0.99
+
+
 def test_fused_forward_equals_the_torch_forward():
     """The runtime's fused CPU forward (backend "cpu") against its torch forward on a tiny model:
     the same logits at every step, float32 and INT8 KV."""

@@ -13,7 +13,8 @@ Each step first writes the new tokens' K and V at their slots (quantizing on the
               [kv_heads, B, blocks * block_size, D] (one buffer per step, reused by every layer),
               a padding mask by context length, and one pair of batched matmuls for the group
     prefills  (a chunk of n tokens at the end of a context of L): per sequence, sdpa of the n
-              queries over the L cached keys with the causal offset mask j <= L - n + i
+              queries over the L cached keys with the causal offset mask j <= L - n + i (a whole
+              prompt, n = L: sdpa's own causal flag, no mask)
 GQA: query head h reads KV head h // (heads / kv_heads), as transformers' repeat_kv lays it out.
 A sliding window w (Mistral; Qwen2/Qwen3 sliding layers) limits the query at position p to the keys
 p - w < j <= p (transformers' sliding_window_overlay, vLLM's flash-attention window (w - 1, 0)). The
@@ -233,15 +234,22 @@ def _prefill(q: torch.Tensor, cache: KVCache, chunk: PrefillChunk, scale: float,
     slots = chunk.slots[first:]
     keys = _dequantized(cache.k[:, slots], cache.k_scale, q.dtype)  # [kv_heads, L - first, D]
     values = _dequantized(cache.v[:, slots], cache.v_scale, q.dtype)
-    cols, pos = torch.arange(first, L, device=q.device)[None, :], torch.arange(L - n, L, device=q.device)[:, None]
-    mask = cols <= pos
-    if window is not None:
-        mask &= cols > pos - window
+    # a whole prompt in one chunk is plainly causal: sdpa skips the blocks above the diagonal instead
+    # of reading a mask (1.7x less time at 1024 tokens)
+    whole = first == 0 and n == L and window is None and not terms
+    mask = None
+    if not whole:
+        cols, pos = torch.arange(first, L, device=q.device)[None, :], torch.arange(L - n, L, device=q.device)[:, None]
+        mask = cols <= pos
+        if window is not None:
+            mask &= cols > pos - window
     if terms:  # sdpa has neither term: the scores in float32, as _decode
         return _prefill_with_terms(q, keys, values, mask, scale, terms)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
-                                       enable_gqa=keys.shape[0] != q.shape[1])
-    return o.transpose(0, 1)
+    # 4-D: torch runs its flash kernel on CPU only for [batch, heads, L, D] (3-D takes the math path,
+    # 4x slower at 1024 tokens)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                       is_causal=whole, scale=scale, enable_gqa=keys.shape[0] != q.shape[1])
+    return o[0].transpose(0, 1)
 
 
 def _prefill_with_terms(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

@@ -1,15 +1,25 @@
-"""PackedLinear: a float32 nn.Linear on CPU with its weight in oneDNN's layout, multiplied there
-(kernels.dispatch.cpu_packed_weight: 1.2-2.6x faster than F.linear for the few rows of a decode
-step). The engine swaps its model's plain Linears for these once at load; QuantLinears get the
-same through their Dense runtime. A drop-in module: the transformers model still runs."""
+"""The engine's CPU linear layers, swapped in for the model's once at load (pack_linears); drop-in
+modules: the transformers model still runs.
+
+A float32 Linear becomes
+- where its weights are all bf16 numbers (a bf16 checkpoint's, upcast: most are): a WOQLinear that
+  keeps them in bf16 and runs qtk's kernel for a few rows (decode: float32 activations, exactly the
+  float32 products at half the bytes, 1.6-3x faster than oneDNN's float32 matmul at 1-8 rows) and
+  oneDNN for many (prefill chunks, batched decode) from MANY_ROWS on: in bf16 on a CPU with bf16
+  units (AVX512-BF16, AMX: 2x the float32 peak; x and y rounded to bf16, the sums float32), else
+  in float32 (OneDNNMatmul);
+- else a PackedLinear: the weight in oneDNN's float32 layout (kernels.dispatch.cpu_packed_weight:
+  1.2-2.6x faster than F.linear for the few rows of a decode step).
+QuantLinears get their kernel's module (WOQLinear, W8A8Linear), or a packed Dense runtime."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..device import cpu_has_native_bf16
 from ..kernels import cpu as cpu_kernels
 from ..kernels.dispatch import CpuW8A8Vnni, CpuWOQ, build_runtime, cpu_packed_weight, packed_linear
 from ..quant_linear import QuantLinear
@@ -20,6 +30,11 @@ from ..quant_linear import QuantLinear
 # a pool of 64 MB of weights: 256x64 7 against 22 us at 1 row, 17 against 23 at 8; 128x256 19 against
 # 26 at 1 row, equal at 4-8; 256x256 oneDNN ahead from 2 rows, 46 against 40)
 SMALL_FLOAT = 2 ** 15
+# rows from which a layer kept in bf16 multiplies on oneDNN instead of qtk's kernel, by oneDNN's dtype
+# (benchmarks/prefill_peak.py's crossover: SmolLM2-135M's 120 decoder layers, weights out of cache, 2-core
+# Zen 4: the kernel 12.4 / oneDNN bf16 13.8 ms at 8 rows, 15.5 / 14.5 at 10, 22.1 / 18.2 at 16; oneDNN
+# float32 19.9 ms at 8 rows, 25.8 at 16, 31.5 at 20 against the kernel's 35.3)
+MANY_ROWS = {torch.bfloat16: 10, torch.float32: 18}
 
 
 class PackedLinear(nn.Module):
@@ -47,6 +62,35 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
+@dataclass(frozen=True)
+class OneDNNMatmul:
+    """y = x W^T + b for float32 x [T, K] on oneDNN, W reordered once: in bf16 (x rounded to bf16,
+    float32 sums, y rounded to bf16 and returned in float32) or float32; for T >= rows."""
+
+    packed: torch.Tensor  # oneDNN's layout, bf16 or float32
+    bias: torch.Tensor | None  # float32
+    rows: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed.dtype == torch.bfloat16:
+            y = packed_linear(x.to(torch.bfloat16), self.packed, None).float()
+            return y if self.bias is None else y.add_(self.bias)
+        return packed_linear(x, self.packed, self.bias)
+
+    @staticmethod
+    def of(weight: torch.Tensor, bias: torch.Tensor | None) -> OneDNNMatmul | None:
+        """A float weight [N, K] for oneDNN in the CPU's fastest dtype for many rows: bf16 where it has
+        bf16 units, else float32 (None where oneDNN is not there)."""
+        dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        if not torch.backends.mkldnn.is_available():
+            return None
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), None)
+        except (AttributeError, RuntimeError):
+            return None
+        return OneDNNMatmul(packed, bias, MANY_ROWS[dtype])
+
+
 class KernelLinear(nn.Module):
     """A layer one of qtk's CPU kernels runs straight from the module (no dispatch on each call),
     from its runtime (kernels/dispatch.py)."""
@@ -66,17 +110,35 @@ class WOQLinear(KernelLinear):
     - weight-only QuantLinears, and several that read the same input (q/k/v, gate/up) joined into
       one: one call per step instead of three, and more columns to share among threads;
     - a float32 Linear whose weight holds only bf16 numbers (a bf16 checkpoint's, upcast), kept in
-      bf16: exactly the float32 products at half the bytes. The engine gives it the lm_head, read
-      in full at every decode step (113 of the bundled model's 540 MB in float32)."""
+      bf16: exactly the float32 products at half the bytes (kept_in_bf16); from many.rows rows on,
+      oneDNN's matmul on its own copy (`many`). The lm_head gets no `many`: its logits stay float32
+      (the engine computes them for a few rows; a perplexity's many rows take the kernel's tiles)."""
+
+    def __init__(self, runtime: CpuWOQ, in_features: int, many: OneDNNMatmul | None = None):
+        super().__init__(runtime, in_features)
+        self.many = many
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        y = self.many(x.float().contiguous()).to(x.dtype) if self.many and x.shape[0] >= self.many.rows else self.runtime(x)
+        return y.view(*shape[:-1], self.out_features)
 
     def direct(self):
         """The kernel call itself, for float32 [T, K] contiguous x (the runtime's fused forward)."""
         w, bias, op = self.runtime.w, self.runtime.bias, self.runtime.lib.woq_linear
-        return lambda x: op(x, w.codes, w.scales, w.zs, bias, w.bits, w.n)
+        few = lambda x: op(x, w.codes, w.scales, w.zs, bias, w.bits, w.n)  # noqa: E731
+        many = self.many
+        if many is None:
+            return few
+        return lambda x: many(x) if x.shape[0] >= many.rows else few(x)
 
     @property
     def weights(self) -> str:
-        return "bf16" if self.runtime.w.bits == 16 else f"int{self.runtime.w.bits}"
+        if self.runtime.w.bits != 16:
+            return f"int{self.runtime.w.bits}"
+        many = self.many
+        return "bf16" if many is None else f"bf16, oneDNN {str(many.packed.dtype)[6:]} from {many.rows} rows"
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weights}, qtk CPU kernel"
@@ -101,10 +163,35 @@ class W8A8Linear(KernelLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8, qtk CPU VNNI kernel"
 
 
+def bf16_mlp(gate_up: nn.Module | None, down: nn.Module | None, glu):
+    """(rows, mlp) for a GLU MLP whose gate_up and down projections multiply many rows in bf16
+    (WOQLinear with a bf16 OneDNNMatmul, no bias): mlp(x) = down(glu(gate_up(x))) for float32 x [T, K],
+    T >= rows, with the [T, 2I] and [T, I] activations between them left in bf16 (glu: qtk's fused op,
+    which takes bf16 rows), so only x and the result are converted; else None."""
+    many = [getattr(m, "many", None) for m in (gate_up, down)]
+    if any(m is None or m.packed.dtype != torch.bfloat16 or m.bias is not None for m in many):
+        return None
+    (gu, dn), bf16 = many, torch.bfloat16
+    return max(gu.rows, dn.rows), lambda x: packed_linear(glu(packed_linear(x.to(bf16), gu.packed, None)),
+                                                          dn.packed, None).float()
+
+
 def direct(module: nn.Module | None):
     """What a runtime's plan calls for a layer: the kernel call itself for a packed one (PackedLinear,
     KernelLinear; float32 [T, K] contiguous x), else the module (None stays None)."""
     return module.direct() if isinstance(module, (PackedLinear, KernelLinear)) else module
+
+
+def kept_in_bf16(weight: torch.Tensor, bias: torch.Tensor | None, many: bool = True) -> WOQLinear | None:
+    """A float32 CPU weight [N, K] whose values are all bf16 numbers as a WOQLinear holding them in bf16
+    (many: with oneDNN's copy for many rows), or None (some value is not a bf16 number, or qtk's CPU
+    kernel is not built)."""
+    lib = cpu_kernels.ops()
+    packed = None if lib is None else cpu_kernels.pack_bf16(weight)
+    if packed is None:
+        return None
+    bias = None if bias is None else bias.detach().float().contiguous()
+    return WOQLinear(CpuWOQ(packed, None, bias, lib), weight.shape[1], OneDNNMatmul.of(weight, bias) if many else None)
 
 
 def bf16_lm_head(model: nn.Module) -> bool:
@@ -114,13 +201,10 @@ def bf16_lm_head(model: nn.Module) -> bool:
     head = getattr(model, "lm_head", None)
     if type(head) is not nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
         return False
-    lib = cpu_kernels.ops()
-    packed = None if lib is None else cpu_kernels.pack_bf16(head.weight)
-    if packed is None:
-        return False
-    bias = None if head.bias is None else head.bias.detach().float().contiguous()
-    model.lm_head = WOQLinear(CpuWOQ(packed, None, bias, lib), head.in_features)
-    return True
+    kept = kept_in_bf16(head.weight, head.bias, many=False)
+    if kept is not None:
+        model.lm_head = kept
+    return kept is not None
 
 
 def _fused_kernel(linears: list[nn.Module]) -> KernelLinear | None:
@@ -155,18 +239,24 @@ def _same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
-def _packed(linears: list[nn.Module]) -> PackedLinear | None:
-    """One PackedLinear computing the plain float32 CPU Linears side by side (outputs concatenated),
-    or None when any is something else (a QuantLinear) or oneDNN is not there."""
+def _packed(linears: list[nn.Module]) -> PackedLinear | WOQLinear | None:
+    """One module computing the plain float32 CPU Linears side by side (outputs concatenated): their
+    weights kept in bf16 where all are bf16 numbers (kept_in_bf16; not a layer of at most SMALL_FLOAT
+    weights, which F.linear runs), else a PackedLinear; None when any is something else (a QuantLinear)
+    or oneDNN is not there."""
     if not all(type(m) is nn.Linear for m in linears):
         return None
     weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight
-    packed = cpu_packed_weight(weight)
-    if packed is None:
-        return None
     biases = [m.bias for m in linears]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b.detach() if b is not None else torch.zeros(m.out_features) for m, b in zip(linears, biases)])
+    if weight.numel() > SMALL_FLOAT and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        kept = kept_in_bf16(weight, bias)
+        if kept is not None:
+            return kept
+    packed = cpu_packed_weight(weight)
+    if packed is None:
+        return None
     return PackedLinear(packed, bias, linears[0].in_features)
 
 

@@ -8,7 +8,7 @@
 //   add_rms_norm_(residual, x, w, eps) residual += x, then rms_norm(residual): the residual stream
 //   rope_(x, cos, sin, heads)          rotate the first `heads` heads of each row of x in place
 //                                      (HF's rotate_half layout: pairs (i, i + D/2)); cos, sin [T, D]
-//   silu_and_mul(x)                    x [T, 2I] -> silu(x[:, :I]) * x[:, I:]
+//   silu_and_mul(x)                    x [T, 2I] -> silu(x[:, :I]) * x[:, I:]  (float32, or bf16 in and out)
 //   gelu_tanh_and_mul(x)               x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:]  (Gemma's GeGLU)
 //   store_kv_(k_cache, v_cache, k, v, slots, k_scale, v_scale)
 //                                      k, v [T, kv_heads, D] into caches [kv_heads, slots, D] at
@@ -167,30 +167,61 @@ inline __m256 glu_z8(__m256 g) {
 }
 #endif
 
-template <Glu ACT>
-at::Tensor act_and_mul(const at::Tensor& x, const char* name) {
-  check_rows(x, name);
-  const int64_t T = x.size(0), I = x.size(1) / 2;
-  TORCH_CHECK(x.size(1) % 2 == 0, name, ": x must have an even number of columns");
-  at::Tensor y = at::empty({T, I}, x.options());
-  at::parallel_for(0, T * I, 4096, [&](int64_t i0, int64_t i1) {
+#ifdef QTK_AVX2
+// 8 floats from float32 or bf16 (the top half of a float32), and back: bf16 rounded to nearest even,
+// as torch rounds (finite values; the activations here are)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);  // 8 x 16 bits in the low half
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+#endif
+
+template <Glu ACT, typename T>
+void act_and_mul_rows(const at::Tensor& x, at::Tensor& y) {
+  const int64_t rows = x.size(0), I = x.size(1) / 2;
+  at::parallel_for(0, rows * I, 4096, [&](int64_t i0, int64_t i1) {
     for (int64_t t = i0 / I; t <= (i1 - 1) / I; ++t) {
-      const float* g = x.data_ptr<float>() + t * x.stride(0);
-      const float* u = g + I;
-      float* yr = y.data_ptr<float>() + t * I;
+      const T* g = x.data_ptr<T>() + t * x.stride(0);
+      const T* u = g + I;
+      T* yr = y.data_ptr<T>() + t * I;
       const int64_t a = std::max(i0 - t * I, int64_t(0)), b = std::min(i1 - t * I, I);
       int64_t i = a;
 #ifdef QTK_AVX2  // scalar std::exp took 8 us of a 1536-wide row, a quarter of the down projection's time
       const __m256 one = _mm256_set1_ps(1.f);
       for (; i + 8 <= b; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 gv = load8(g + i);
         const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), glu_z8<ACT>(gv)))));
-        _mm256_storeu_ps(yr + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        store8(yr + i, _mm256_mul_ps(s, load8(u + i)));
       }
 #endif
-      for (; i < b; ++i) yr[i] = g[i] / (1.f + std::exp(-glu_z<ACT>(g[i]))) * u[i];
+      for (; i < b; ++i) {
+        const float gi = g[i];
+        yr[i] = static_cast<T>(gi / (1.f + std::exp(-glu_z<ACT>(gi))) * static_cast<float>(u[i]));
+      }
     }
   });
+}
+
+// float32 rows, or bf16 rows (a bf16 matmul's output: the math in float32, the result rounded to bf16)
+template <Glu ACT>
+at::Tensor act_and_mul(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              x.dim() == 2 && x.stride(1) == 1, name, ": expects a float32 or bf16 CPU matrix with contiguous rows");
+  TORCH_CHECK(x.size(1) % 2 == 0, name, ": x must have an even number of columns");
+  at::Tensor y = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    act_and_mul_rows<ACT, float>(x, y);
+  else
+    act_and_mul_rows<ACT, c10::BFloat16>(x, y);
   return y;
 }
 

@@ -216,7 +216,7 @@ class NativeModel(nn.Module):
         ~300 calls, and Python's module machinery would cost as much as the attention)."""
         ops = self.cpu_ops
         if self._plan is None:
-            self._plan = [self._layer_plan(layer) for layer in self.layers]
+            self._plan = [self._layer_plan(layer, getattr(ops, self.glu_op)) for layer in self.layers]
             norm, layers = self._norm_weights, self.layers
             self._norms = [norm(layer.input_layernorm) for layer in layers] + [norm(self.norm)]
             self._post_norms = [norm(layer.post_attention_layernorm) for layer in layers]
@@ -228,7 +228,7 @@ class NativeModel(nn.Module):
         full_rope, glu = self.rotary_dim == D, getattr(ops, self.glu_op)
         x = ops.rms_norm(h, *norms[0])
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            qkv, q_proj, k_proj, v_proj, o_proj, gate_up, down = self._plan[i]
+            qkv, q_proj, k_proj, v_proj, o_proj, gate_up, down, many_mlp = self._plan[i]
             attn = layer.self_attn
             if qkv is not None:
                 y = qkv(x)
@@ -252,22 +252,28 @@ class NativeModel(nn.Module):
                 x = ops.add_rms_norm_(h, ops.rms_norm(a, *self._post_norms[i]), *self._pre_ff_norms[i])
             else:
                 x = ops.add_rms_norm_(h, a, *self._post_norms[i])
-            m = down(glu(gate_up(x))) if gate_up is not None else layer.mlp(x)
+            if many_mlp is not None and T >= many_mlp[0]:  # prefill chunks: bf16 from gate_up to down
+                m = many_mlp[1](x)
+            else:
+                m = down(glu(gate_up(x))) if gate_up is not None else layer.mlp(x)
             if sandwich:
                 m = ops.rms_norm(m, *self._post_ff_norms[i])
             x = ops.add_rms_norm_(h, m, *norms[i + 1])
         return x
 
     @staticmethod
-    def _layer_plan(layer) -> tuple:
-        """(qkv, q, k, v, o, gate_up, down): a callable per projection (the kernel call itself for a
-        packed one, packed_linear.direct, else the module), None where fused or unfused away."""
-        from ..packed_linear import direct
+    def _layer_plan(layer, glu) -> tuple:
+        """(qkv, q, k, v, o, gate_up, down, many_mlp): a callable per projection (the kernel call itself
+        for a packed one, packed_linear.direct, else the module), None where fused or unfused away;
+        many_mlp: (rows, the MLP in bf16 for at least that many rows) where its projections have a bf16
+        oneDNN copy (packed_linear.bf16_mlp), else None."""
+        from ..packed_linear import bf16_mlp, direct
 
         attn, mlp = layer.self_attn, layer.mlp
         get = lambda m, name: direct(getattr(m, name, None))  # noqa: E731
         return (get(attn, "qkv_proj"), get(attn, "q_proj"), get(attn, "k_proj"), get(attn, "v_proj"),
-                get(attn, "o_proj"), get(mlp, "gate_up_proj"), get(mlp, "down_proj"))
+                get(attn, "o_proj"), get(mlp, "gate_up_proj"), get(mlp, "down_proj"),
+                bf16_mlp(getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None), glu))
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         if hasattr(mlp, "gate_up_proj") and self.glu is not None:  # fused by the engine, or in the checkpoint

@@ -1,0 +1,181 @@
+"""Prefill against the CPU's matmul peak (issue 29, part 1): how close qtk's runtime comes to what
+this CPU's matmul units can do, for each path the engine may take on a float checkpoint.
+
+    python benchmarks/prefill_peak.py [--model smollm2-135m] [--prompts 256,1024] [--num-prompts 16]
+        [--out benchmarks/results]
+
+Three measurements, in one process, 2 threads unless --threads:
+1. matmul peak, per dtype: oneDNN's matmul (the engine's, weights reordered once) on the model's
+   layer shapes (q/k/v joined, o, gate/up joined, down) at 256-2048 rows, in cache; the best
+   GFLOP/s of float32 and of bf16 (bf16 only where the CPU has bf16 units).
+2. the crossover by rows: the model's decoder layers out of cache (every layer's own weights), per
+   rows M, in three kernels the engine chooses among for a bf16 checkpoint's weights: qtk's kernel
+   (bf16 weights, float32 activations), oneDNN float32, oneDNN bf16 (packed_linear.MANY_ROWS).
+3. prefill: `num-prompts` prompts of exactly L tokens of the built-in evaluation text, 1 output
+   token, prefix caching off (every token is computed), after a warm-up; tokens/s, and the FLOPs
+   done per second (the decoder's linear layers, 2 per weight per token; attention, 4 * heads *
+   head_dim per (query, key) pair it reads: causal, so (L + 1) / 2 keys on average; the lm_head on
+   the last token) as a share of the peak of the dtype its many-row matmuls run in. Once as the
+   engine chooses (bf16 where the CPU has the units) and once with QTK_CPU_BF16=0 (float32).
+Writes JSON (command, commit, CPU, versions, date) and prints tables.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]  # this checkout's qtk, not an installed one
+
+from qtk.bench import git_commit  # noqa: E402
+from qtk.device import cpu_has_native_bf16, cpu_name  # noqa: E402
+from qtk.kernels import cpu as cpu_kernels  # noqa: E402
+from qtk.kernels.dispatch import packed_linear  # noqa: E402
+
+
+def best_seconds(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def layer_shapes(cfg) -> list[tuple[int, int]]:
+    """(K, N) of one decoder layer's matmuls as the engine joins them: qkv, o, gate_up, down."""
+    h, heads, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or h // heads
+    return [(h, (heads + 2 * kv) * d), (heads * d, h), (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]
+
+
+def reorder(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+
+
+def matmul_peak(shapes, dtypes) -> dict:
+    """{dtype name: best GFLOP/s} of oneDNN's matmul on these shapes, in cache."""
+    peak = {}
+    for dtype in dtypes:
+        best = 0.0
+        for k, n in shapes:
+            w = reorder(torch.randn(n, k).to(dtype))
+            for m in (256, 1024, 2048):
+                x = torch.randn(m, k).to(dtype)
+                best = max(best, 2 * m * k * n / best_seconds(lambda: packed_linear(x, w, None), 10) / 1e9)
+        peak[str(dtype)[6:]] = best
+    return peak
+
+
+def crossover(shapes, layers: int, ms: list[int], bf16: bool) -> list[dict]:
+    """Per rows M: ms per pass over `layers` decoder layers (weights out of cache) in each kernel."""
+    lib = cpu_kernels.ops()
+    ws = [[torch.randn(n, k).bfloat16().float() for k, n in shapes] for _ in range(layers)]
+    kinds = {"onednn_float32": [[reorder(w) for w in layer] for layer in ws]}
+    if bf16:
+        kinds["onednn_bf16"] = [[reorder(w.bfloat16()) for w in layer] for layer in ws]
+    woq = [[cpu_kernels.pack_bf16(w) for w in layer] for layer in ws] if lib is not None else None
+    rows = []
+    for m in ms:
+        xs = [torch.randn(m, k) for k, _ in shapes]
+        r = {"m": m}
+        if woq is not None:
+            r["qtk_kernel_bf16_weights"] = 1e3 * best_seconds(lambda: [
+                lib.woq_linear(x, w.codes, w.scales, w.zs, None, w.bits, w.n) for layer in woq for x, w in zip(xs, layer)])
+        r["onednn_float32"] = 1e3 * best_seconds(lambda: [
+            packed_linear(x, p, None) for layer in kinds["onednn_float32"] for x, p in zip(xs, layer)])
+        if bf16:
+            r["onednn_bf16"] = 1e3 * best_seconds(lambda: [
+                packed_linear(x.bfloat16(), p, None).float() for layer in kinds["onednn_bf16"] for x, p in zip(xs, layer)])
+        rows.append(r)
+    return rows
+
+
+def flops_per_token(cfg, length: int) -> float:
+    h, heads, layers = cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers
+    d = getattr(cfg, "head_dim", None) or h // heads
+    linear = 2 * sum(k * n for k, n in layer_shapes(cfg)) * layers
+    attention = 4 * heads * d * (length + 1) / 2 * layers
+    return linear + attention + 2 * h * cfg.vocab_size / length
+
+
+def prefill(model: str, length: int, n: int, force_float32: bool) -> dict:
+    from qtk import LLM, SamplingParams
+    from qtk.bench.prompts import PromptSet, token_prompts
+    from qtk.runtime.packed_linear import kernel_summary
+
+    if force_float32:
+        os.environ["QTK_CPU_BF16"] = "0"
+    try:
+        llm = LLM(model, enable_prefix_caching=False)
+        prompts = token_prompts(llm.tokenizer, PromptSet.parse(f"fixed:{length}"), n + 2)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:2], params)  # warm-up
+        t = time.perf_counter()
+        llm.generate(prompts[2:], params)
+        seconds = time.perf_counter() - t
+        kernels = kernel_summary(llm.model)
+    finally:
+        os.environ.pop("QTK_CPU_BF16", None)
+    cfg = llm.model.config
+    del llm
+    return {"prompt_len": length, "prompts": n, "seconds": seconds, "tokens_per_s": n * length / seconds,
+            "flops_per_token": flops_per_token(cfg, length), "kernels": kernels}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompts", default="256,1024", help="prompt lengths, comma-separated")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    from transformers import AutoConfig
+
+    from qtk.loading import resolve
+
+    cfg = AutoConfig.from_pretrained(resolve(a.model))
+    shapes, bf16 = layer_shapes(cfg), cpu_has_native_bf16()
+    peak = matmul_peak(shapes, [torch.float32] + ([torch.bfloat16] if bf16 else []))
+    print("matmul peak (oneDNN, model shapes, in cache): " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items()))
+    cross = crossover(shapes, cfg.num_hidden_layers, [1, 2, 4, 8, 10, 12, 16, 20, 24, 32, 64, 256], bf16)
+    print("\n| rows | " + " | ".join(k for k in cross[0] if k != "m") + " |  (ms per pass over the decoder layers)")
+    for r in cross:
+        print(f"| {r['m']} | " + " | ".join(f"{v:.1f}" for k, v in r.items() if k != "m") + " |")
+    runs = []
+    for length in (int(x) for x in a.prompts.split(",")):
+        for force in ([False, True] if bf16 else [False]):
+            r = prefill(a.model, length, a.num_prompts, force)
+            r["matmul_dtype"] = "bfloat16" if bf16 and not force else "float32"
+            r["gflops"] = r["tokens_per_s"] * r["flops_per_token"] / 1e9
+            r["of_peak"] = r["gflops"] / peak[r["matmul_dtype"]]
+            runs.append(r)
+    print("\n| prompt tokens | many-row matmuls | prefill tok/s | GFLOP/s | of that dtype's peak |")
+    print("|---|---|---|---|---|")
+    for r in runs:
+        print(f"| {r['prompt_len']} | {r['matmul_dtype']} | {r['tokens_per_s']:.0f} | {r['gflops']:.0f} | {r['of_peak']:.0%} |")
+    result = {"command": "python benchmarks/prefill_peak.py " + " ".join(sys.argv[1:]), "commit": git_commit(),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_name(),
+              "capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": bf16, "threads": a.threads,
+              "torch": torch.__version__, "model": a.model, "matmul_peak_gflops": peak, "crossover_ms": cross,
+              "prefill": runs}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = result["capability"].lower() + ("-bf16" if bf16 else "")
+    path = out / f"prefill-peak-{a.model}-{tag}-{datetime.date.today()}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The kernel each float layer runs by rows (runtime/packed_linear.py): a bf16 checkpoint's weights
+kept in bf16, qtk's kernel for a few rows (float32 activations, the float32 products), oneDNN for
+many (bf16 where the CPU has the units, QTK_CPU_BF16=1 forces it; float32 with QTK_CPU_BF16=0);
+and the whole prompt's causal attention (runtime/attention.py)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qtk.kernels import cpu as cpu_kernels
+from tests.test_runtime import greedy_through_runtime, hf_model
+
+pytestmark = [pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch"),
+              pytest.mark.skipif(cpu_kernels.ops() is None, reason="no C++ compiler: qtk's CPU kernel is not built")]
+
+
+def bf16_numbers(module: torch.nn.Module) -> torch.nn.Module:
+    """Every float parameter rounded to bf16 and back: a bf16 checkpoint as the engine loads it."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.bfloat16().float())
+    return module
+
+
+@pytest.mark.parametrize("units", ["0", "1"])
+def test_a_bf16_checkpoints_layer_takes_its_kernel_by_rows(monkeypatch, units):
+    """A float32 Linear holding bf16 numbers becomes a WOQLinear: below many.rows rows qtk's kernel gives
+    F.linear's float32 result; from there oneDNN in bf16 (x and y rounded to bf16, float32 sums) with
+    the units, in float32 without. The module and the runtime's direct call agree."""
+    monkeypatch.setenv("QTK_CPU_BF16", units)
+    from qtk.runtime.packed_linear import MANY_ROWS, WOQLinear, pack_linears
+
+    torch.manual_seed(0)
+    lin = bf16_numbers(torch.nn.Linear(256, 384))
+    model = torch.nn.Sequential(copy.deepcopy(lin))
+    assert pack_linears(model) == 1 and isinstance(model[0], WOQLinear)
+    packed, direct = model[0], model[0].direct()
+    dtype = torch.bfloat16 if units == "1" else torch.float32
+    assert packed.many.packed.dtype == dtype and packed.many.rows == MANY_ROWS[dtype]
+    for rows in (1, packed.many.rows - 1, packed.many.rows, 70):
+        x = torch.randn(rows, 256)
+        with torch.no_grad():
+            got, want = packed(x), lin(x)
+        assert torch.equal(direct(x), got)
+        if rows < packed.many.rows or units == "0":
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:  # the float32 sum of bf16 products, rounded to bf16: within one bf16 step of it
+            exact = (x.bfloat16().float() @ lin.weight.T).bfloat16().float() + lin.bias
+            assert ((got - exact).abs() <= exact.abs() * 2 ** -7 + 1e-6).all()
+            assert not torch.equal(got, want)
+
+
+def test_other_float_layers_stay_float32():
+    """Weights that are not all bf16 numbers, and layers of at most SMALL_FLOAT weights, keep float32."""
+    from qtk.runtime.packed_linear import SMALL_FLOAT, PackedLinear, pack_linears
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 384), bf16_numbers(torch.nn.Linear(128, SMALL_FLOAT // 128)))
+    assert pack_linears(model) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[1], PackedLinear)
+
+
+@pytest.mark.parametrize("units", ["0", "1"])
+def test_prefill_in_bf16_keeps_the_logits_within_bf16_rounding(monkeypatch, units):
+    """A bf16 checkpoint through the engine's build (q/k/v and gate/up fused, the MLP in bf16 from
+    gate_up to down for many rows): prompts of 24 tokens prefilled in one chunk (oneDNN), then decode
+    steps of 2 rows (qtk's kernel). The logits follow the float32 model's: within float32 rounding
+    with QTK_CPU_BF16=0, within bf16 rounding of the activations with the units."""
+    monkeypatch.setenv("QTK_CPU_BF16", units)
+    from qtk.runtime.models import build
+
+    model = bf16_numbers(hf_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                  num_key_value_heads=2))
+    runtime = build(copy.deepcopy(model))
+    assert runtime.cpu_ops is not None
+    prompts = [list(range(30, 54)), list(range(70, 94))]
+    _, want, _ = greedy_through_runtime(model, prompts, new_tokens=3, budget=64)
+    _, got, _ = greedy_through_runtime(None, prompts, new_tokens=3, budget=64, runtime=runtime)
+    many_mlp = runtime._plan[0][-1]
+    assert (many_mlp is not None) == (units == "1")
+    tol = dict(atol=2e-4, rtol=1e-4) if units == "0" else dict(atol=0.05, rtol=0.05)
+    for a, b in zip(want.values(), got.values()):
+        torch.testing.assert_close(torch.stack(b), torch.stack(a), **tol)
+    if units == "1":  # not the float32 numbers: the bf16 path ran
+        assert any(not torch.allclose(torch.stack(b), torch.stack(a), atol=1e-5) for a, b in zip(want.values(), got.values()))
+
+
+@pytest.mark.parametrize("budget", [64, 5])
+def test_whole_prompt_and_chunked_prefill_attend_alike(budget):
+    """A prompt in one chunk takes sdpa's causal flag, in chunks the offset mask: the same logits as
+    transformers' either way (float32 weights, as a random model's)."""
+    model = hf_model("llama")
+    prompts = [list(range(30, 47)), list(range(60, 63))]
+    _, got, _ = greedy_through_runtime(model, prompts, new_tokens=2, budget=budget)
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        want = model(ids).logits[0, -1]
+    first = next(iter(got.values()))[0]
+    torch.testing.assert_close(first, want, atol=2e-4, rtol=1e-4)
