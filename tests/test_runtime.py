@@ -268,6 +268,35 @@ def test_a_huge_repetition_penalty_lowers_seen_tokens_never_excludes_them(penalt
     assert Sampler()(logits, [seq])[0] in (1, 2, 3)
 
 
+def test_a_batch_draws_each_row_with_its_own_probabilities():
+    """The sampler draws the whole batch at once (an exponential race): each row's tokens come with
+    its own temperature-scaled probabilities, top-k'd rows only among their k, greedy rows take the
+    argmax, and a seeded row its own generator's draws whatever else is in the batch."""
+    from qtk.runtime.sampler import Sampler
+    from qtk.runtime.sampling_params import SamplingParams
+    from qtk.runtime.sequence import Sequence
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()
+    torch.manual_seed(0)
+    n = 20000
+    kinds = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, top_k=2),
+             SamplingParams(temperature=0.0)]
+    seqs = [Sequence([1], kinds[i % 4]) for i in range(4 * n)]
+    tokens = torch.tensor(Sampler()(logits.repeat(4 * n, 1), seqs))
+    sharp = probs ** 2 / (probs ** 2).sum()
+    top2 = torch.tensor([0.5, 0.3, 0, 0]) / 0.8
+    for i, want in enumerate([probs, sharp, top2, torch.tensor([1.0, 0, 0, 0])]):
+        got = torch.bincount(tokens[i::4], minlength=4) / n
+        assert (got - want).abs().max() < 0.015, (i, got, want)
+    seeded = [Sequence([1], SamplingParams(temperature=1.0, seed=7)) for _ in range(2)]
+    one, many = Sampler(), Sampler()
+    alone = [one(logits[None], [seeded[0]])[0] for _ in range(30)]
+    others = [Sequence([1], kinds[0]), Sequence([1], kinds[1])]
+    in_batch = [many(logits.repeat(3, 1), [others[0], seeded[1], others[1]])[1] for _ in range(30)]
+    assert alone == in_batch and len(set(alone)) > 1
+
+
 def test_incremental_detokenization_is_the_whole_decode_and_never_half_a_character(tokenizer):
     """Random token ids of the bundled byte-level BPE tokenizer (multi-byte characters split over
     several tokens included): the pieces add up to the full decode, and no piece ends inside a

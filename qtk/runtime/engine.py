@@ -72,7 +72,7 @@ class LLM:
         self.runner = ModelRunner.for_engine(self.model, c, self.dtype, self.max_model_len, self.tokenizer)
         self.kv_dtype = self.runner.kv_dtype
         self.block_manager = BlockManager(self.runner.num_blocks, c.block_size, c.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len),
+        self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.step_tokens, self.max_model_len),
                                    self.block_manager)
         self.vocab_size = hf_model.get_input_embeddings().num_embeddings  # the ids a prompt may hold
         self.max_logprobs = self.vocab_size if c.max_logprobs == -1 else min(c.max_logprobs, self.vocab_size)

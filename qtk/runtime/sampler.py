@@ -1,7 +1,7 @@
 """The sampler: logits of the step's sampling sequences -> one token each, by each one's SamplingParams.
 
 Order, as vLLM applies them: the grammar's mask (structured outputs), logit_bias, penalties (repetition on prompt and output, presence and frequency on
-output), min_tokens (EOS and stop tokens masked until then), then greedy argmax or temperature, top-k, top-p, min-p and a draw. A request with a seed
+output), min_tokens (EOS and stop tokens masked until then), then greedy argmax or temperature, top-k, top-p, min-p and a draw (inverse CDF, the batch at once). A request with a seed
 draws from its own generator, so its tokens are the same alone or in any batch.
 """
 from __future__ import annotations
@@ -87,31 +87,51 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if all(s.params.greedy and not self._adjusts(s) for s in seqs):  # one argmax for the batch
             return logits.argmax(dim=-1).tolist()
-        out = []
-        for row, seq in zip(logits, seqs):
+        rows = logits.clone()
+        for i, seq in enumerate(seqs):  # the per-sequence adjustments, where a sequence has any
+            if not self._adjusts(seq):
+                continue
             p = seq.params
-            row = finite(apply_penalties(apply_logit_bias(row.clone(), seq), seq))
+            row = finite(apply_penalties(apply_logit_bias(rows[i], seq), seq))
             if seq.num_generated_tokens < p.min_tokens:  # EOS and stop tokens cannot come yet
                 banned = list((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids))
                 if seq.grammar is None or self._leaves_a_choice(row, banned):  # else the grammar wins
                     row[banned] = float("-inf")
-            if p.greedy:
-                out.append(int(row.argmax()))
-                continue
-            # shifted so the largest is 0 before the temperature (softmax does not change): a tiny
-            # temperature then sends the others to -inf, never the likeliest to +inf
-            row = filter_logits(finite((row - row.max()) / p.temperature), p.top_k, p.top_p, p.min_p)
-            gen = None
-            if p.seed is not None:
-                gen = self.generators.get(seq.seq_id)
+            rows[i] = row
+        rows = finite(rows)
+        out = rows.argmax(dim=-1)  # the greedy sequences' tokens
+        drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if drawn:
+            out[drawn] = self._draw(rows[drawn], [seqs[i] for i in drawn])
+        return out.tolist()
+
+    def _draw(self, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row [B, V] by temperature, top-k, top-p and min-p, the batch at once by inverse
+        CDF: one uniform u per row, the first token whose cumulative probability passes u * total (a
+        token of probability 0 never does). torch.multinomial draws an exponential per token (15 ms
+        for 16 x 49,152 on 2 cores, a fifth of a served decode step); this draws 16 numbers. A seeded
+        sequence's u comes from its own generator."""
+        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=rows.dtype, device=rows.device)
+        # shifted so the largest is 0 before the temperature (softmax does not change): a tiny
+        # temperature then sends the others to -inf, never the likeliest to +inf
+        rows = finite((rows - rows.amax(dim=-1, keepdim=True)) / temperature[:, None])
+        for i, s in enumerate(seqs):
+            p = s.params
+            if p.top_k or p.top_p < 1.0 or p.min_p > 0.0:
+                rows[i] = filter_logits(rows[i], p.top_k, p.top_p, p.min_p)
+        cdf = rows.softmax(dim=-1).cumsum_(dim=-1)
+        u = torch.rand(len(seqs), 1, dtype=cdf.dtype, device=cdf.device)
+        for i, s in enumerate(seqs):
+            if s.params.seed is not None:
+                gen = self.generators.get(s.seq_id)
                 if gen is None:
-                    gen = self.generators[seq.seq_id] = torch.Generator(device=row.device).manual_seed(p.seed)
-            probs = row.softmax(-1)
-            if not bool(torch.isfinite(probs).all()):  # every token excluded (a grammar's mask): its check fails it
-                out.append(int(row.argmax()))
-                continue
-            out.append(int(torch.multinomial(probs, 1, generator=gen)))
-        return out
+                    gen = self.generators[s.seq_id] = torch.Generator(device=rows.device).manual_seed(s.params.seed)
+                u[i] = torch.rand(1, generator=gen, dtype=cdf.dtype, device=cdf.device)
+        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+        excluded = ~torch.isfinite(cdf[:, -1])  # every token excluded (a grammar's mask): its check fails it
+        if bool(excluded.any()):
+            tokens[excluded] = rows[excluded].argmax(dim=-1)
+        return tokens
 
     @staticmethod
     def _adjusts(seq: Sequence) -> bool:
