@@ -182,7 +182,7 @@ def inspect(model, json_out):
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help=DTYPE_HELP)
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default="auto", show_default=True,
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "bfloat16", "fp8", "int8"]), default="auto", show_default=True,
               help="KV cache as the runtime would serve MODEL (auto: the model dtype; a baseline always runs auto).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the result as JSON here.")
@@ -309,9 +309,10 @@ ENGINE_OPTIONS = [  # EngineConfig's fields as flags (vLLM's names: --max-num-se
     click.option("--gpu-memory-utilization", type=float, default=ENGINE_DEFAULTS["gpu_memory_utilization"],
                  show_default=True,
                  help="CUDA: the fraction of the GPU's memory the engine may use (weights + KV cache)."),
-    click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "int8"]), default=ENGINE_DEFAULTS["kv_cache_dtype"],
-                 show_default=True, help="KV cache: the model dtype, or FP8 e4m3 / INT8 with the checkpoint's scales "
-                                         "(measured at load when it has none)."),
+    click.option("--kv-cache-dtype", type=click.Choice(["auto", "bfloat16", "fp8", "int8"]),
+                 default=ENGINE_DEFAULTS["kv_cache_dtype"], show_default=True,
+                 help="KV cache: the model dtype; bfloat16 (half a float32 model's bytes, no scales); or FP8 e4m3 / "
+                      "INT8 with the checkpoint's scales (measured at load when it has none)."),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=ENGINE_DEFAULTS["enable_prefix_caching"],
                  show_default=True, help="Reuse the KV blocks of a prompt prefix already computed."),
     click.option("--enforce-eager", is_flag=True, default=ENGINE_DEFAULTS["enforce_eager"],

@@ -385,7 +385,7 @@ def test_silu_and_mul(lib):
     assert torch.allclose(got, want, rtol=3e-7, atol=1e-30)  # each element, not only the norm
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("lens,D", [([1, 5, 17, 40], 32), ([37], 36), ([9, 40], 72)])
 def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D):
     """store_kv_ writes the bytes attention.write_kv writes; paged_decode_attention gives what the
@@ -396,7 +396,7 @@ def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D):
 
     g = torch.Generator().manual_seed(0)
     KV, H, bs, blocks = 2, 6, 4, 40
-    quant = kv_dtype != torch.float32
+    quant = kv_dtype not in (torch.float32, torch.bfloat16)  # bf16: a float cache at half the bytes, no scales
     scales = (torch.rand(KV, 1, 1, generator=g) + 0.5, torch.rand(KV, 1, 1, generator=g) + 0.5) if quant else (None, None)
     make = lambda: KVCache(torch.zeros(KV, blocks * bs, D, dtype=kv_dtype), torch.zeros(KV, blocks * bs, D, dtype=kv_dtype),
                            *scales)  # noqa: E731
@@ -437,6 +437,11 @@ def test_store_and_decode_refuse_mismatched_operands(lib):
         lib.store_kv_(cache(), cache(2), k, k, slots, None, None)
     with pytest.raises(RuntimeError, match="k, v must be float32"):
         lib.store_kv_(cache(), cache(), k, k[:1], slots, None, None)
+    bf16 = lambda: cache(dtype=torch.bfloat16)  # noqa: E731
+    with pytest.raises(RuntimeError, match="scales go with \\(and only with\\) an INT8 / FP8 cache"):
+        lib.store_kv_(bf16(), bf16(), k, k, slots, torch.ones(1), torch.ones(1))
+    with pytest.raises(RuntimeError, match="must be float32, bf16, int8 or FP8"):
+        lib.store_kv_(cache(dtype=torch.float16), cache(dtype=torch.float16), k, k, slots, None, None)
     i8 = lambda: cache(dtype=torch.int8)  # noqa: E731
     for n in (0, 3):
         with pytest.raises(RuntimeError, match=f"must hold 1 or 2 \\(kv_heads\\) values, got {n}"):

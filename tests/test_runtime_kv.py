@@ -165,10 +165,31 @@ def test_quantized_kv_engine_stays_close_to_the_float_cache(tiny_dir, kv, caplog
     assert len(b.outputs[0].token_ids) == 8
 
 
+def test_a_bf16_cache_holds_twice_the_tokens_and_decodes_alike(tiny_dir, caplog):
+    """kv_cache_dtype bfloat16 on a float32 model: no scales (nothing measured, no warning), twice the
+    tokens of a float32 cache in the same memory, the C++ decode reading bf16 rows; prompt logprobs
+    within bf16 rounding of the float cache's and the same greedy tokens."""
+    from qtk import LLM, SamplingParams
+
+    common = dict(dtype="float32", kv_cache_memory=2**20, max_model_len=128, block_size=8)
+    ref = LLM(str(tiny_dir), **common)
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(str(tiny_dir), kv_cache_dtype="bfloat16", **common)
+    assert "no KV-cache scales" not in caplog.text
+    assert llm.runner.kv_dtype == torch.bfloat16 and llm.runner.kv_caches[0].k_scale is None
+    assert llm.block_manager.num_blocks == 2 * ref.block_manager.num_blocks
+    prompt = list(range(300, 360))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    a, b = ref.generate([prompt], params)[0], llm.generate([prompt], params)[0]
+    diffs = [abs(x[t] - y[t]) for t, x, y in zip(prompt[1:], a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+    assert max(diffs) < 0.02, max(diffs)
+    assert b.outputs[0].token_ids == a.outputs[0].token_ids
+
+
 def test_bad_kv_cache_dtype_says_what_is_allowed(tiny_dir):
     from qtk import LLM
 
-    with pytest.raises(InputError, match="auto, fp8 or int8"):
+    with pytest.raises(InputError, match="auto, bfloat16, fp8 or int8"):
         LLM(str(tiny_dir), dtype="float32", kv_cache_dtype="fp4", kv_cache_memory=2**20, max_model_len=128)
 
 

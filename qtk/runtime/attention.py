@@ -37,7 +37,10 @@ import torch.nn.functional as F
 
 from ..quant import FP8_MAX
 
-KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+# kv_cache_dtype -> the cache's dtype: bf16 holds a float32 model's K and V at half the bytes (no scales;
+# rounded to nearest even, as vLLM's bf16 cache), FP8 / INT8 with scales
+KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+SCALED_KV = (torch.float8_e4m3fn, torch.int8)
 
 
 @dataclass

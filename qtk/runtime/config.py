@@ -33,7 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context length (None: the model's)
     kv_cache_memory: int | None = None  # bytes for the KV cache (None: 2 GiB on CPU; CUDA: by utilization)
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix already computed
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8 (e4m3) or int8
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), bfloat16, fp8 (e4m3) or int8
     gpu_memory_utilization: float = 0.9  # CUDA: the fraction of the GPU's memory for weights + KV cache
     max_logprobs: int = 20  # the most logprobs a request may ask for (-1: the vocabulary)
     enforce_eager: bool = False  # CUDA: every step eagerly, without the decode steps' CUDA graphs
@@ -61,7 +61,7 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be an integer of at least 1, got {value!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_DTYPES:
-            raise InputError(f"kv_cache_dtype must be auto, fp8 or int8, not {self.kv_cache_dtype!r}")
+            raise InputError(f"kv_cache_dtype must be auto, bfloat16, fp8 or int8, not {self.kv_cache_dtype!r}")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise InputError(f"gpu_memory_utilization must be in (0, 1], got {u}")

@@ -15,7 +15,7 @@ from ..errors import InputError
 from ..kernels.dispatch import prepare
 from ..kernels.fp8 import fp8_supported
 from ..kv_scales import cache_scheme, grid_absmax, kv_scale
-from .attention import KV_DTYPES, AttentionMetadata, KVCache, PrefillChunk
+from .attention import KV_DTYPES, SCALED_KV, AttentionMetadata, KVCache, PrefillChunk
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, Record, capture_sizes, cuda_record
 from .sampler import logprob_entry
@@ -58,6 +58,8 @@ def kv_cache_spec(model, kv_cache_dtype: str, dtype: torch.dtype, device, tokeni
     if kv_cache_dtype == "auto":
         return dtype, None
     kv_dtype = KV_DTYPES[kv_cache_dtype]
+    if kv_dtype not in SCALED_KV:  # a float cache (bfloat16): no scales
+        return kv_dtype, None
     cuda = torch.device(device).type == "cuda"
     if kv_cache_dtype == "fp8" and cuda and not fp8_supported(torch.device(device)):
         raise InputError("kv_cache_dtype fp8 on CUDA needs a GPU with FP8 support (compute capability 8.9+: "

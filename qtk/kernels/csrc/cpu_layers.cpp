@@ -288,7 +288,7 @@ uint8_t float_to_e4m3(float f) {  // round to nearest even, saturating at +-448 
   return sign | static_cast<uint8_t>(code);
 }
 
-enum class Kv { F32, I8, F8 };
+enum class Kv { F32, BF16, I8, F8 };  // BF16: a float model's cache in bf16 (no scales)
 
 // Scales of a quantized cache: one per tensor or one per KV head, as float32.
 at::Tensor kv_scale(const at::Tensor& scale, int64_t kv_heads, const char* name) {
@@ -299,8 +299,9 @@ at::Tensor kv_scale(const at::Tensor& scale, int64_t kv_heads, const char* name)
 
 Kv kv_kind(const at::Tensor& cache) {
   if (cache.scalar_type() == at::kFloat) return Kv::F32;
+  if (cache.scalar_type() == at::kBFloat16) return Kv::BF16;
   if (cache.scalar_type() == at::kChar) return Kv::I8;
-  TORCH_CHECK(cache.scalar_type() == at::kByte, "KV cache must be float32, int8 or FP8 e4m3 viewed as uint8");
+  TORCH_CHECK(cache.scalar_type() == at::kByte, "KV cache must be float32, bf16, int8 or FP8 e4m3 viewed as uint8");
   return Kv::F8;
 }
 
@@ -315,7 +316,7 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 &&
               v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "store_kv_: k, v must be float32 [T, kv_heads, D] with contiguous D");
-  TORCH_CHECK((kind == Kv::F32) == !k_scale.has_value() && k_scale.has_value() == v_scale.has_value(),
+  TORCH_CHECK((kind == Kv::F32 || kind == Kv::BF16) == !k_scale.has_value() && k_scale.has_value() == v_scale.has_value(),
               "store_kv_: scales go with (and only with) an INT8 / FP8 cache");
   const int64_t T = k.size(0), KV = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
   TORCH_CHECK(k.size(1) == KV && k.size(2) == D && slots.numel() == T && slots.scalar_type() == at::kLong,
@@ -337,6 +338,11 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
           std::memcpy(cache.data_ptr<float>() + off, x, D * sizeof(float));
           continue;
         }
+        if (kind == Kv::BF16) {  // rounded to nearest even, as torch's .to(bfloat16)
+          c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + off;
+          for (int64_t d = 0; d < D; ++d) dst[d] = c10::BFloat16(x[d]);
+          continue;
+        }
         const at::Tensor& sc = which ? vs : ks;
         const float scl = sc.data_ptr<float>()[sc.numel() == 1 ? 0 : h];  // divide, as attention.quantize_kv
         if (kind == Kv::I8) {
@@ -353,12 +359,21 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 }
 
 template <Kv KIND>
-using kv_t = std::conditional_t<KIND == Kv::F32, float, std::conditional_t<KIND == Kv::I8, int8_t, uint8_t>>;
+using kv_t = std::conditional_t<KIND == Kv::F32, float, std::conditional_t<KIND == Kv::BF16, uint16_t,
+                                 std::conditional_t<KIND == Kv::I8, int8_t, uint8_t>>>;
 
 template <Kv KIND>
 inline float kv_at(const kv_t<KIND>* row, int64_t d) {
-  if constexpr (KIND == Kv::F8) return e4m3().v[row[d]];
-  else return static_cast<float>(row[d]);
+  if constexpr (KIND == Kv::F8) {
+    return e4m3().v[row[d]];
+  } else if constexpr (KIND == Kv::BF16) {  // the top half of a float32
+    const uint32_t bits = static_cast<uint32_t>(row[d]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+    return static_cast<float>(row[d]);
+  }
 }
 
 // Cache row `slot` of one head as float32: the row itself (float32 cache) or decoded into buf.
@@ -523,7 +538,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
               block_tables.size(0) == q.size(0) && lens.scalar_type() == at::kLong && lens.is_contiguous() &&
               lens.numel() == q.size(0), "paged_decode_attention: block_tables [B, W] and lens [B] must be int64");
-  TORCH_CHECK((kind == Kv::F32) == !k_scale.has_value() && k_scale.has_value() == v_scale.has_value(),
+  TORCH_CHECK((kind == Kv::F32 || kind == Kv::BF16) == !k_scale.has_value() && k_scale.has_value() == v_scale.has_value(),
               "paged_decode_attention: scales go with (and only with) an INT8 / FP8 cache");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   at::Tensor ks, vs;
@@ -544,6 +559,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const float cap = static_cast<float>(softcap);
   if (kind == Kv::F32)
     decode<Kv::F32>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, window, cap, skp, out);
+  else if (kind == Kv::BF16)
+    decode<Kv::BF16>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, window, cap, skp, out);
   else if (kind == Kv::I8)
     decode<Kv::I8>(q, k_cache, v_cache, block_tables, lens, block_size, scale, ksp, nks, vsp, nvs, window, cap, skp, out);
   else
