@@ -9,16 +9,14 @@ Three measurements, in one process, 2 threads unless --threads:
    layer shapes (q/k/v joined, o, gate/up joined, down) at 256-2048 rows, in cache; the best
    GFLOP/s of float32 and of bf16 (bf16 only where the CPU has bf16 units).
 2. the crossover by rows: the model's decoder layers out of cache (every layer's own weights), per
-   rows M, in qtk's kernel (bf16 weights, float32 activations), oneDNN bf16 (the engine's choice
-   for many rows where the CPU has bf16 units: packed_linear.MANY_ROWS) and oneDNN float32 (what
-   the engine ran before, for comparison).
+   rows M, in three kernels the engine chooses among for a bf16 checkpoint's weights: qtk's kernel
+   (bf16 weights, float32 activations), oneDNN float32, oneDNN bf16 (packed_linear.MANY_ROWS).
 3. prefill: `num-prompts` prompts of exactly L tokens of the built-in evaluation text, 1 output
    token, prefix caching off (every token is computed), after a warm-up; tokens/s, and the FLOPs
    done per second (the decoder's linear layers, 2 per weight per token; attention, 4 * heads *
    head_dim per (query, key) pair it reads: causal, so (L + 1) / 2 keys on average; the lm_head on
    the last token) as a share of the peak of the dtype its many-row matmuls run in. Once as the
-   engine chooses (bf16 where the CPU has the units) and once with QTK_CPU_BF16=0 (qtk's kernel on
-   every row, float32 math).
+   engine chooses (bf16 where the CPU has the units) and once with QTK_CPU_BF16=0 (float32).
 Writes JSON (command, commit, CPU, versions, date) and prints tables.
 """
 from __future__ import annotations

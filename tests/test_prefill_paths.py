@@ -1,7 +1,7 @@
 """The kernel each float layer runs by rows (runtime/packed_linear.py): a bf16 checkpoint's weights
-kept in bf16, qtk's kernel (float32 activations, the float32 products) for a few rows, and for
-every row without bf16 units (QTK_CPU_BF16=0); oneDNN in bf16 for many where the CPU has the
-units (QTK_CPU_BF16=1 forces it); and the whole prompt's causal attention (runtime/attention.py)."""
+kept in bf16, qtk's kernel for a few rows (float32 activations, the float32 products), oneDNN for
+many (bf16 where the CPU has the units, QTK_CPU_BF16=1 forces it; float32 with QTK_CPU_BF16=0);
+and the whole prompt's causal attention (runtime/attention.py)."""
 from __future__ import annotations
 
 import copy
@@ -26,9 +26,9 @@ def bf16_numbers(module: torch.nn.Module) -> torch.nn.Module:
 
 @pytest.mark.parametrize("units", ["0", "1"])
 def test_a_bf16_checkpoints_layer_takes_its_kernel_by_rows(monkeypatch, units):
-    """A float32 Linear holding bf16 numbers becomes a WOQLinear: qtk's kernel gives F.linear's float32
-    result; with bf16 units, from MANY_ROWS rows on oneDNN in bf16 (x and y rounded to bf16, float32
-    sums); without them the kernel takes every row. The module and the runtime's direct call agree."""
+    """A float32 Linear holding bf16 numbers becomes a WOQLinear: below many.rows rows qtk's kernel gives
+    F.linear's float32 result; from there oneDNN in bf16 (x and y rounded to bf16, float32 sums) with
+    the units, in float32 without. The module and the runtime's direct call agree."""
     monkeypatch.setenv("QTK_CPU_BF16", units)
     from qtk.runtime.packed_linear import MANY_ROWS, WOQLinear, pack_linears
 
@@ -37,16 +37,14 @@ def test_a_bf16_checkpoints_layer_takes_its_kernel_by_rows(monkeypatch, units):
     model = torch.nn.Sequential(copy.deepcopy(lin))
     assert pack_linears(model) == 1 and isinstance(model[0], WOQLinear)
     packed, direct = model[0], model[0].direct()
-    if units == "1":
-        assert packed.many.packed.dtype == torch.bfloat16 and packed.many.rows == MANY_ROWS
-    else:
-        assert packed.many is None
-    for rows in (1, MANY_ROWS - 1, MANY_ROWS, 70):
+    dtype = torch.bfloat16 if units == "1" else torch.float32
+    assert packed.many.packed.dtype == dtype and packed.many.rows == MANY_ROWS[dtype]
+    for rows in (1, packed.many.rows - 1, packed.many.rows, 70):
         x = torch.randn(rows, 256)
         with torch.no_grad():
             got, want = packed(x), lin(x)
         assert torch.equal(direct(x), got)
-        if rows < MANY_ROWS or units == "0":
+        if rows < packed.many.rows or units == "0":
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         else:  # the float32 sum of bf16 products, rounded to bf16: within one bf16 step of it
             exact = (x.bfloat16().float() @ lin.weight.T).bfloat16().float() + lin.bias

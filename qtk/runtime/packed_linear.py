@@ -3,11 +3,11 @@ modules: the transformers model still runs.
 
 A float32 Linear becomes
 - where its weights are all bf16 numbers (a bf16 checkpoint's, upcast: most are): a WOQLinear that
-  keeps them in bf16 and runs qtk's kernel (float32 activations, exactly the float32 products at
-  half the bytes: 1.6-3x faster than oneDNN's float32 matmul at 1-8 rows); on a CPU with bf16 units
-  (AVX512-BF16, AMX: 2x the float32 peak) oneDNN in bf16 multiplies many rows (prefill chunks,
-  batched decode; from MANY_ROWS on) on a second bf16 copy (x and y rounded to bf16, the sums
-  float32; OneDNNMatmul), so 4 bytes per weight, as the float32 weight before;
+  keeps them in bf16 and runs qtk's kernel for a few rows (decode: float32 activations, exactly the
+  float32 products at half the bytes, 1.6-3x faster than oneDNN's float32 matmul at 1-8 rows) and
+  oneDNN for many (prefill chunks, batched decode) from MANY_ROWS on: in bf16 on a CPU with bf16
+  units (AVX512-BF16, AMX: 2x the float32 peak; x and y rounded to bf16, the sums float32), else
+  in float32 (OneDNNMatmul);
 - else a PackedLinear: the weight in oneDNN's float32 layout (kernels.dispatch.cpu_packed_weight:
   1.2-2.6x faster than F.linear for the few rows of a decode step).
 QuantLinears get their kernel's module (WOQLinear, W8A8Linear), or a packed Dense runtime."""
@@ -30,12 +30,11 @@ from ..quant_linear import QuantLinear
 # a pool of 64 MB of weights: 256x64 7 against 22 us at 1 row, 17 against 23 at 8; 128x256 19 against
 # 26 at 1 row, equal at 4-8; 256x256 oneDNN ahead from 2 rows, 46 against 40)
 SMALL_FLOAT = 2 ** 15
-# rows from which a layer kept in bf16 multiplies on oneDNN in bf16 instead of qtk's kernel, on a CPU with
-# bf16 units (benchmarks/prefill_peak.py's crossover: SmolLM2-135M's 120 decoder layers, weights out of
-# cache, 2-core Zen 4: the kernel 12.4 / oneDNN bf16 13.8 ms at 8 rows, 15.5 / 14.5 at 10, 22.1 / 18.2
-# at 16). Without bf16 units the kernel keeps every row: oneDNN float32 was 0.9x its time from 20 rows
-# on (36.2 against 39.1 ms at 20, 269.5 against 297.2 at 256) and would need a float32 copy.
-MANY_ROWS = 10
+# rows from which a layer kept in bf16 multiplies on oneDNN instead of qtk's kernel, by oneDNN's dtype
+# (benchmarks/prefill_peak.py's crossover: SmolLM2-135M's 120 decoder layers, weights out of cache, 2-core
+# Zen 4: the kernel 12.4 / oneDNN bf16 13.8 ms at 8 rows, 15.5 / 14.5 at 10, 22.1 / 18.2 at 16; oneDNN
+# float32 19.9 ms at 8 rows, 25.8 at 16, 31.5 at 20 against the kernel's 35.3)
+MANY_ROWS = {torch.bfloat16: 10, torch.float32: 18}
 
 
 class PackedLinear(nn.Module):
@@ -65,29 +64,31 @@ class PackedLinear(nn.Module):
 
 @dataclass(frozen=True)
 class OneDNNMatmul:
-    """y = x W^T + b for float32 x [T, K] on oneDNN, W reordered once in bf16 (x rounded to bf16,
-    float32 sums, y rounded to bf16 and returned in float32); for T >= rows."""
+    """y = x W^T + b for float32 x [T, K] on oneDNN, W reordered once: in bf16 (x rounded to bf16,
+    float32 sums, y rounded to bf16 and returned in float32) or float32; for T >= rows."""
 
     packed: torch.Tensor  # oneDNN's layout, bf16 or float32
     bias: torch.Tensor | None  # float32
     rows: int
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_linear(x.to(torch.bfloat16), self.packed, None).float()
-        return y if self.bias is None else y.add_(self.bias)
+        if self.packed.dtype == torch.bfloat16:
+            y = packed_linear(x.to(torch.bfloat16), self.packed, None).float()
+            return y if self.bias is None else y.add_(self.bias)
+        return packed_linear(x, self.packed, self.bias)
 
     @staticmethod
     def of(weight: torch.Tensor, bias: torch.Tensor | None) -> OneDNNMatmul | None:
-        """A float weight [N, K] in bf16 for oneDNN, on a CPU with bf16 units; else None: without
-        them qtk's kernel keeps every row (a float32 copy for many rows would be 10% faster at 256
-        rows and take 2x the bf16 weight's memory)."""
-        if not cpu_has_native_bf16() or not torch.backends.mkldnn.is_available():
+        """A float weight [N, K] for oneDNN in the CPU's fastest dtype for many rows: bf16 where it has
+        bf16 units, else float32 (None where oneDNN is not there)."""
+        dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        if not torch.backends.mkldnn.is_available():
             return None
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous(), None)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), None)
         except (AttributeError, RuntimeError):
             return None
-        return OneDNNMatmul(packed, bias, MANY_ROWS)
+        return OneDNNMatmul(packed, bias, MANY_ROWS[dtype])
 
 
 class KernelLinear(nn.Module):
@@ -137,7 +138,7 @@ class WOQLinear(KernelLinear):
         if self.runtime.w.bits != 16:
             return f"int{self.runtime.w.bits}"
         many = self.many
-        return "bf16" if many is None else f"bf16, oneDNN bf16 from {many.rows} rows"
+        return "bf16" if many is None else f"bf16, oneDNN {str(many.packed.dtype)[6:]} from {many.rows} rows"
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weights}, qtk CPU kernel"
@@ -168,7 +169,7 @@ def bf16_mlp(gate_up: nn.Module | None, down: nn.Module | None, glu):
     T >= rows, with the [T, 2I] and [T, I] activations between them left in bf16 (glu: qtk's fused op,
     which takes bf16 rows), so only x and the result are converted; else None."""
     many = [getattr(m, "many", None) for m in (gate_up, down)]
-    if any(m is None or m.bias is not None for m in many):
+    if any(m is None or m.packed.dtype != torch.bfloat16 or m.bias is not None for m in many):
         return None
     (gu, dn), bf16 = many, torch.bfloat16
     return max(gu.rows, dn.rows), lambda x: packed_linear(glu(packed_linear(x.to(bf16), gu.packed, None)),
