@@ -1,4 +1,4 @@
-"""qtk's CPU kernels (kernels/cpu.py, csrc/cpu_woq.cpp, csrc/cpu_w8a8.cpp) against their reference twin.
+"""qtk's CPU kernels (kernels/cpu.py, csrc/cpu_*.cpp) against their reference twin or the torch path.
 
 Every build the CPU can run is tested here: the AVX-512 one (on a CPU with AVX-512 and VNNI), the AVX2
 one (on a CPU with AVX2, i.e. any x86 machine CI runs on) and the portable one, which is what a CPU
@@ -219,7 +219,9 @@ def test_checkouts_of_one_version_share_a_build(tmp_path, monkeypatch):
         monkeypatch.setattr(cpu, "SOURCES", copies)
         assert cpu.library.__wrapped__("generic") is None
     assert calls[0] == calls[1]
-    assert [Path(p).read_bytes() for p in calls[0][1]] == [p.read_bytes() for p in cpu.SOURCES]
+    compiled = [p for p in cpu.SOURCES if p.suffix == ".cpp"]  # the header is written beside them
+    assert [Path(p).read_bytes() for p in calls[0][1]] == [p.read_bytes() for p in compiled]
+    assert (Path(calls[0][1][0]).parent / "cpu_kv.h").read_bytes() == (tmp_path / "b" / "cpu_kv.h").read_bytes()
 
 
 def w8a8_twin(x, codes, w_scale, static, bias):
@@ -457,6 +459,80 @@ def test_store_and_decode_refuse_mismatched_operands(lib):
         lib.paged_decode_attention(q, i8(), i8(), tables, lens, 8, 0.3, torch.ones(3), torch.ones(3))
     with pytest.raises(RuntimeError, match="one value per query head \\(4\\), got 3"):
         lib.paged_decode_attention(q, cache(), cache(), tables, lens, 8, 0.3, None, None, 0, 0.0, torch.ones(3))
+
+
+def bf16_attention_lib():
+    """The avx512 build where the CPU has AVX512-BF16 (the prefill attention kernel's), else skip."""
+    lib = cpu.library("avx512") if HAS_AVX512 else None
+    if lib is None or not lib.prefill_attention_runs():
+        pytest.skip("CPU without AVX-512 + AVX512-BF16 (or no compiler): prefill chunks attend in torch")
+    return lib
+
+
+def test_prefill_attention_runs_only_with_the_bf16_dot_product():
+    """Builds without AVX-512 have the kernel's name but not the kernel: they say so, and refuse."""
+    lib = cpu.library("generic")
+    if lib is None:
+        pytest.skip("no C++ compiler")
+    assert not lib.prefill_attention_runs()
+    with pytest.raises(RuntimeError, match="needs AVX-512 with AVX512-BF16"):
+        lib.prefill_attention(torch.randn(2, 2, 16), torch.zeros(1, 4, 16), torch.zeros(1, 4, 16), torch.arange(2), 0, 0.25)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("n,L,H,KV,D,window", [
+    (70, 70, 4, 2, 64, None),     # a whole prompt, two key blocks, a partial one
+    (37, 150, 6, 2, 80, None),    # a chunk after 113 cached tokens; D % 32 == 16
+    (100, 100, 4, 1, 64, 30),     # a sliding window inside one prompt
+    (20, 300, 4, 4, 128, 50),     # a window that hides the first 230 keys; D past 64 (two passes of P V)
+    (1, 33, 2, 1, 16, None),      # one query, the smallest D
+])
+def test_prefill_attention_matches_the_torch_path(kv_dtype, n, L, H, KV, D, window):
+    """prefill_attention over a chunk's slots gives attention._prefill's result (float32 math) within
+    bf16 rounding (q * scale, K, V and the softmax weights rounded to bf16), for every cache dtype
+    (per-head scales), GQA, windows, chunks after a prefix, and q as a strided view (the qkv
+    projection's output)."""
+    from qtk.runtime.attention import KVCache, PrefillChunk, _bytes, _first_key, _prefill, write_kv
+
+    lib = bf16_attention_lib()
+    g = torch.Generator().manual_seed(L)
+    quant = kv_dtype not in (torch.float32, torch.bfloat16)
+    scales = (torch.rand(KV, 1, 1, generator=g) * 0.02 + 0.01, torch.rand(KV, 1, 1, generator=g) * 0.02 + 0.01) \
+        if quant else (None, None)
+    S = L + 40
+    cache = KVCache(torch.zeros(KV, S, D, dtype=kv_dtype), torch.zeros(KV, S, D, dtype=kv_dtype), *scales)
+    slots = torch.randperm(S, generator=g)[:L]
+    write_kv(cache, torch.randn(L, KV, D, generator=g) * 2, torch.randn(L, KV, D, generator=g), slots)
+    qkv = torch.randn(n, H + 2 * KV, D, generator=g) * 2
+    q = qkv[:, :H]  # rows at a stride of H + 2 KV heads
+    scale = D ** -0.5
+    want = _prefill(q, cache, PrefillChunk(0, n, slots), scale, window)
+    flat = (None, None) if not quant else (scales[0].reshape(-1), scales[1].reshape(-1))
+    first = _first_key(n, L, window)
+    got = lib.prefill_attention(q, _bytes(cache.k), _bytes(cache.v), slots[first:], window or 0, scale, *flat)
+    assert got.shape == (n, H, D) and got.is_contiguous()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 8e-3, err  # bf16: 2^-9 relative per rounding; a wrong mask or block is off by O(1)
+    if window:  # the window is applied: without it the result is another one
+        unwindowed = _prefill(q, cache, PrefillChunk(0, n, slots), scale, None)
+        assert ((got - unwindowed).norm() / unwindowed.norm()).item() > 0.1
+
+
+def test_prefill_attention_refuses_mismatched_operands():
+    lib = bf16_attention_lib()
+    q, kc = torch.randn(3, 4, 16), torch.zeros(2, 8, 16)
+    with pytest.raises(RuntimeError, match="a slot is outside the cache"):
+        lib.prefill_attention(q, kc, kc, torch.tensor([0, 1, 8]), 0, 0.25)
+    with pytest.raises(RuntimeError, match="slots must be int64 \\[L\\] with L >= n"):
+        lib.prefill_attention(q, kc, kc, torch.arange(2), 0, 0.25)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16, got 8"):
+        lib.prefill_attention(torch.randn(3, 4, 8), kc[..., :8].contiguous(), kc[..., :8].contiguous(), torch.arange(3), 0, 0.25)
+    with pytest.raises(RuntimeError, match="q must be float32"):
+        lib.prefill_attention(q.bfloat16(), kc, kc, torch.arange(3), 0, 0.25)
+    with pytest.raises(RuntimeError, match="scales go with \\(and only with\\) an INT8 / FP8 cache"):
+        lib.prefill_attention(q, kc, kc, torch.arange(3), 0, 0.25, torch.ones(1), torch.ones(1))
+    with pytest.raises(RuntimeError, match="heads % kv_heads == 0"):
+        lib.prefill_attention(torch.randn(3, 3, 16), kc, kc, torch.arange(3), 0, 0.25)
 
 
 @pytest.mark.parametrize("T,I", [(1, 8), (3, 37), (5, 1536)])

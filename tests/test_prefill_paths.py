@@ -65,7 +65,8 @@ def test_other_float_layers_stay_float32():
 @pytest.mark.parametrize("units", ["0", "1"])
 def test_prefill_in_bf16_keeps_the_logits_within_bf16_rounding(monkeypatch, units):
     """A bf16 checkpoint through the engine's build (q/k/v and gate/up fused, the MLP in bf16 from
-    gate_up to down for many rows): prompts of 24 tokens prefilled in one chunk (oneDNN), then decode
+    gate_up to down for many rows, the prefill attention in qtk's bf16 flash kernel where the CPU has
+    AVX512-BF16): prompts of 24 tokens prefilled in one chunk (oneDNN), then decode
     steps of 2 rows (qtk's kernel). The logits follow the float32 model's: within float32 rounding
     with QTK_CPU_BF16=0, within bf16 rounding of the activations with the units."""
     monkeypatch.setenv("QTK_CPU_BF16", units)
@@ -74,12 +75,19 @@ def test_prefill_in_bf16_keeps_the_logits_within_bf16_rounding(monkeypatch, unit
     model = bf16_numbers(hf_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                                   num_key_value_heads=2))
     runtime = build(copy.deepcopy(model))
-    assert runtime.cpu_ops is not None
+    ops = runtime.cpu_ops
+    assert ops is not None
+    calls = []
+    if ops.prefill_attention_runs():  # the bf16 flash kernel attends for the bf16 prefill chunks only
+        kernel = ops.prefill_attention
+        monkeypatch.setattr(ops, "prefill_attention", lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
     prompts = [list(range(30, 54)), list(range(70, 94))]
     _, want, _ = greedy_through_runtime(model, prompts, new_tokens=3, budget=64)
     _, got, _ = greedy_through_runtime(None, prompts, new_tokens=3, budget=64, runtime=runtime)
     many_mlp = runtime._plan[0][-1]
     assert (many_mlp is not None) == (units == "1")
+    if ops.prefill_attention_runs():
+        assert len(calls) == (2 * len(runtime.layers) if units == "1" else 0)  # two prompts, every layer
     tol = dict(atol=2e-4, rtol=1e-4) if units == "0" else dict(atol=0.05, rtol=0.05)
     for a, b in zip(want.values(), got.values()):
         torch.testing.assert_close(torch.stack(b), torch.stack(a), **tol)

@@ -40,7 +40,7 @@ from ..paths import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_woq.cpp", "cpu_w8a8.cpp", "cpu_layers.cpp",
-                                                                 "cpu_bindings.cpp")]
+                                                                 "cpu_attention.cpp", "cpu_bindings.cpp", "cpu_kv.h")]
 OVERRIDE = "QTK_CPU_KERNEL"
 VARIANTS = {
     "avx512": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
@@ -128,7 +128,8 @@ def _copy_sources(src: Path, sources: dict[str, bytes]) -> list[str]:
         path = src / name
         if not path.exists():  # written whole: a concurrent build sees all of it or none
             write_file(path, data)
-        paths.append(str(path))
+        if path.suffix == ".cpp":  # headers are written beside them, not compiled
+            paths.append(str(path))
     return paths
 
 

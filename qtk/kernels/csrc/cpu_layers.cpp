@@ -250,24 +250,7 @@ float exp_sum_(float* v, int64_t n, float shift) {
 }
 
 // -- the KV cache ---------------------------------------------------------------------------------
-// FP8 e4m3 (finite, no infinities; 0x7F / 0xFF are NaN) <-> float32
-float e4m3_to_float(uint8_t b) {
-  const int sign = b >> 7, exp = (b >> 3) & 0xF, man = b & 7;
-  float v;
-  if (exp == 0) v = std::ldexp(static_cast<float>(man), -9);  // subnormal: man/8 * 2^-6
-  else if (exp == 15 && man == 7) v = NAN;
-  else v = std::ldexp(1.f + man / 8.f, exp - 7);
-  return sign ? -v : v;
-}
-
-struct E4M3Table {
-  float v[256];
-  E4M3Table() { for (int i = 0; i < 256; ++i) v[i] = e4m3_to_float(static_cast<uint8_t>(i)); }
-};
-const E4M3Table& e4m3() {
-  static const E4M3Table t;
-  return t;
-}
+#include "cpu_kv.h"  // its element types (Kv), e4m3 -> float32, kv_scale, kv_kind, kv_at, row_f32
 
 uint8_t float_to_e4m3(float f) {  // round to nearest even, saturating at +-448 (as torch's .to(float8_e4m3fn) after clamp)
   if (std::isnan(f)) return 0x7F;
@@ -286,23 +269,6 @@ uint8_t float_to_e4m3(float f) {  // round to nearest even, saturating at +-448 
     if (d1 < d0 || (d1 == d0 && (code & 1))) code += 1;
   }
   return sign | static_cast<uint8_t>(code);
-}
-
-enum class Kv { F32, BF16, I8, F8 };  // BF16: a float model's cache in bf16 (no scales)
-
-// Scales of a quantized cache: one per tensor or one per KV head, as float32.
-at::Tensor kv_scale(const at::Tensor& scale, int64_t kv_heads, const char* name) {
-  TORCH_CHECK(scale.numel() == 1 || scale.numel() == kv_heads, name, ": k_scale and v_scale must hold 1 or ", kv_heads,
-              " (kv_heads) values, got ", scale.numel());
-  return scale.to(at::kFloat).contiguous();
-}
-
-Kv kv_kind(const at::Tensor& cache) {
-  if (cache.scalar_type() == at::kFloat) return Kv::F32;
-  if (cache.scalar_type() == at::kBFloat16) return Kv::BF16;
-  if (cache.scalar_type() == at::kChar) return Kv::I8;
-  TORCH_CHECK(cache.scalar_type() == at::kByte, "KV cache must be float32, bf16, int8 or FP8 e4m3 viewed as uint8");
-  return Kv::F8;
 }
 
 void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
@@ -356,35 +322,6 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
       }
     }
   });
-}
-
-template <Kv KIND>
-using kv_t = std::conditional_t<KIND == Kv::F32, float, std::conditional_t<KIND == Kv::BF16, uint16_t,
-                                 std::conditional_t<KIND == Kv::I8, int8_t, uint8_t>>>;
-
-template <Kv KIND>
-inline float kv_at(const kv_t<KIND>* row, int64_t d) {
-  if constexpr (KIND == Kv::F8) {
-    return e4m3().v[row[d]];
-  } else if constexpr (KIND == Kv::BF16) {  // the top half of a float32
-    const uint32_t bits = static_cast<uint32_t>(row[d]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-  } else {
-    return static_cast<float>(row[d]);
-  }
-}
-
-// Cache row `slot` of one head as float32: the row itself (float32 cache) or decoded into buf.
-template <Kv KIND>
-inline const float* row_f32(const kv_t<KIND>* head, int64_t slot, int64_t D, float* buf) {
-  if constexpr (KIND == Kv::F32) {
-    return head + slot * D;
-  } else {
-    for (int64_t d = 0; d < D; ++d) buf[d] = kv_at<KIND>(head + slot * D, d);
-    return buf;
-  }
 }
 
 #ifdef QTK_AVX2

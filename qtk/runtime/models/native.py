@@ -246,13 +246,14 @@ class NativeModel(nn.Module):
             else:  # in place, through 2-D views
                 ops.rope_(q.view(T, H * D), cos, sin, H)
                 ops.rope_(k.view(T, KV * D), cos, sin, KV)
-            o = paged_attention(q, k, v, cache, meta, self.scales[i], ops, self.windows[i], self.terms[i])
+            many = many_mlp is not None and T >= many_mlp[0]  # a step whose matmuls run in bf16
+            o = paged_attention(q, k, v, cache, meta, self.scales[i], ops, self.windows[i], self.terms[i], bf16=many)
             a = o_proj(o.view(T, H * D))
             if sandwich:
                 x = ops.add_rms_norm_(h, ops.rms_norm(a, *self._post_norms[i]), *self._pre_ff_norms[i])
             else:
                 x = ops.add_rms_norm_(h, a, *self._post_norms[i])
-            if many_mlp is not None and T >= many_mlp[0]:  # prefill chunks: bf16 from gate_up to down
+            if many:  # prefill chunks: bf16 from gate_up to down
                 m = many_mlp[1](x)
             else:
                 m = down(glu(gate_up(x))) if gate_up is not None else layer.mlp(x)

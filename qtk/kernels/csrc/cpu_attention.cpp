@@ -1,0 +1,370 @@
+// Prefill attention on CPUs with AVX512-BF16: FlashAttention's loop (Dao et al. 2022; FlashAttention-2's
+// order: queries outside, keys inside, one running max and sum per query row) over a prefill chunk.
+//
+//   prefill_attention(q, k_cache, v_cache, slots, window, scale, k_scale, v_scale) -> o
+//     q [n, H, D] float32 (heads contiguous, rows at any stride): the chunk's queries; k_cache, v_cache [KV, S, D]: float32, bf16, INT8 or
+//     FP8 e4m3 (as uint8), read at slots [L], the keys in order, the chunk's own n last (query i
+//     sits where key L - n + i does); k_scale, v_scale [1 or KV] for INT8 / FP8;
+//     the query at p sees the keys at p - window < j <= p (window 0: every j <= p);
+//     GQA: query head h reads KV head h / (H / KV), as transformers' repeat_kv.
+//     o [n, H, D] float32.
+//   prefill_attention_runs()   whether this build and CPU run it (AVX-512 with the BF16 dot product)
+//
+// Numerics of a bf16 FlashAttention (vLLM's CPU attention in bf16 rounds the same tensors): q * scale,
+// K, V and the softmax weights P rounded to bf16 (to nearest even), every sum in float32 (Q K^T, the
+// softmax's denominator, P V). INT8 and e4m3 codes are bf16 numbers, so a quantized cache loses
+// nothing more: k_scale joins the query's scale and v_scale the output's.
+//
+// The work, for D % 16 == 0:
+//   1. pack   each KV head's keys and values once, in blocks of BK = 64 keys, in the operand layout of
+//             vdpbf16ps (which multiplies pairs of bf16 and adds both products to a float32 lane):
+//             K as [D/2][BK] pairs (k[j][2i], k[j][2i+1]): one 16-lane load is 16 keys' pair i;
+//             V as [BK/2][D] pairs (v[2j][d], v[2j+1][d]): one load is 16 dims of a pair of keys.
+//   2. attend for each (KV head, BQ = 32 query positions): rows are (position, head of the group), so
+//             one K/V block serves the whole group. Per key block: S = Q K^T in 4 x 64 register tiles;
+//             the causal / window mask (only on blocks the diagonal or the window's edge crosses);
+//             the online softmax in base 2 (log2 e joins the query's scale): m = max(m, rowmax S),
+//             alpha = 2^(m_old - m), l = alpha l + sum 2^(S - m), P = bf16(2^(S - m)); O = alpha O + P V in
+//             4 x 64 register tiles. Finally O / l.
+// Work items are handed out largest first from one counter (causal items differ up to n / BQ times in
+// size), on torch's threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define QTK_ATTN_AVX512 1
+#endif
+
+#ifndef QTK_LIB
+#define QTK_LIB qtk_cpu_generic
+#endif
+
+namespace {
+
+#include "cpu_kv.h"
+
+bool runs() {
+#ifdef QTK_ATTN_AVX512
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+#ifdef QTK_ATTN_AVX512
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")  // these functions only: the build's other code runs on CPUs without it
+
+constexpr int64_t BK = 64;  // keys per block: 4 vectors of 16 scores, 32 pairs for P V
+constexpr int64_t BQ = 32;  // query positions per work item
+constexpr int64_t MR = 4;   // query rows per register tile
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 16 keys' or values' elements as float32 from any cache dtype (codes, unscaled)
+template <Kv KIND>
+inline __m512 load16(const kv_t<KIND>* p) {
+  if constexpr (KIND == Kv::F32) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (KIND == Kv::BF16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  } else if constexpr (KIND == Kv::I8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_i32gather_ps(idx, e4m3().v, 4);
+  }
+}
+
+// 32 floats -> 16 words, word i = (bf16(lo[2i]), bf16(lo[2i + 1])) for i < 8, then hi's: a row's pairs
+inline __m512i pairs32(__m512 lo, __m512 hi) { return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)); }
+
+// bf16 (rounded to nearest even) of a in the low half of each word, of b in the high half
+inline __m512i interleave16(__m512 a, __m512 b) {
+  const __m256i ab = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(a)), bb = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(b));
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(ab), _mm512_slli_epi32(_mm512_cvtepu16_epi32(bb), 16));
+}
+
+// 2^x for x <= 0 (-inf included: 0): x = n + f, |f| <= 1/2, 2^f by its Taylor polynomial to f^6
+// (relative error below 2e-7), times 2^n by vscalefps (underflows to 0 below 2^-149)
+inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-160.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);  // ln2^6 / 6!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Step 1: keys j0 .. j0 + BK of one head (rows past `keys` zero) into kp [D/2][BK] and vp [BK/2][D] words.
+template <Kv KIND>
+void pack_block(const kv_t<KIND>* kh, const kv_t<KIND>* vh, const int64_t* slots, int64_t j0, int64_t keys,
+                int64_t D, uint32_t* kp, uint32_t* vp) {
+  const int64_t half = D / 2;
+  std::memset(kp, 0, sizeof(uint32_t) * half * BK);
+  std::memset(vp, 0, sizeof(uint32_t) * BK / 2 * D);
+  alignas(64) uint32_t w[16];
+  for (int64_t jj = 0; jj < BK && j0 + jj < keys; ++jj) {
+    const kv_t<KIND>* row = kh + slots[j0 + jj] * D;
+    for (int64_t d = 0; d < D; d += 32) {  // D % 16 == 0: the last 16 pair with zeros if D % 32 != 0
+      const __m512 lo = load16<KIND>(row + d), hi = d + 16 < D ? load16<KIND>(row + d + 16) : _mm512_setzero_ps();
+      _mm512_store_si512(w, pairs32(lo, hi));
+      for (int64_t i = 0; i < 16 && d / 2 + i < half; ++i) kp[(d / 2 + i) * BK + jj] = w[i];
+    }
+  }
+  for (int64_t jj = 0; jj < BK && j0 + jj < keys; jj += 2) {
+    const kv_t<KIND>* a = vh + slots[j0 + jj] * D;
+    const kv_t<KIND>* b = j0 + jj + 1 < keys ? vh + slots[j0 + jj + 1] * D : nullptr;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_si512(vp + jj / 2 * D + d, interleave16(load16<KIND>(a + d), b ? load16<KIND>(b + d) : _mm512_setzero_ps()));
+  }
+}
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// S rows r .. r + MR of one key block: s[r][j] = q[r] . k[j], q [rows][D/2] words, kp [D/2][BK] words
+inline void qk_tile(const uint32_t* q, const uint32_t* kp, int64_t half, float* s) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < half; ++i) {
+    const uint32_t* k = kp + i * BK;
+    const __m512bh k0 = as_bh(_mm512_loadu_si512(k)), k1 = as_bh(_mm512_loadu_si512(k + 16)),
+                   k2 = as_bh(_mm512_loadu_si512(k + 32)), k3 = as_bh(_mm512_loadu_si512(k + 48));
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(q[r * half + i])));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, k0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, k1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, k2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, k3);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * BK + 16 * c, acc[r][c]);
+}
+
+// O rows r .. r + MR, dims d0 .. d0 + 16 NV: o = alpha o + P V, p [rows][BK/2] words, vp [BK/2][D] words
+template <int NV>
+inline void pv_tile(const uint32_t* p, const uint32_t* vp, int64_t D, int64_t d0, const float* alpha, float* o) {
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(al, _mm512_loadu_ps(o + r * D + d0 + 16 * c));
+  }
+  for (int64_t jp = 0; jp < BK / 2; ++jp) {
+    __m512bh v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = as_bh(_mm512_loadu_si512(vp + jp * D + d0 + 16 * c));
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (BK / 2) + jp])));
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, v[c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + d0 + 16 * c, acc[r][c]);
+}
+
+void pv_rows(const uint32_t* p, const uint32_t* vp, int64_t D, const float* alpha, float* o) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    switch (std::min<int64_t>(4, (D - d0) / 16)) {
+      case 4: pv_tile<4>(p, vp, D, d0, alpha, o); break;
+      case 3: pv_tile<3>(p, vp, D, d0, alpha, o); break;
+      case 2: pv_tile<2>(p, vp, D, d0, alpha, o); break;
+      default: pv_tile<1>(p, vp, D, d0, alpha, o); break;
+    }
+  }
+}
+
+struct Problem {
+  int64_t n, H, KV, D, keys, window;  // keys = L; query i sits at key keys - n + i
+  int64_t q_row;  // q's stride between tokens
+  float scale;
+  const float *q, *ks, *vs;  // ks / vs: per-head scales (nks / nvs of them: 1 or KV), or null
+  int64_t nks, nvs;
+  float* out;
+  const uint32_t *kp, *vp;  // packed: head h, block b at ((h * blocks + b) * BK * D / 2)
+  int64_t blocks;
+};
+
+// Step 2 for KV head h and query positions i0 .. i1 (buffers sized for BQ positions of the group)
+void attend(const Problem& P, int64_t h, int64_t i0, int64_t i1, std::vector<uint32_t>& qw, std::vector<float>& s,
+            std::vector<uint32_t>& pw, std::vector<float>& o, std::vector<float>& stats) {
+  const int64_t G = P.H / P.KV, D = P.D, half = D / 2;
+  const int64_t rows = (i1 - i0) * G, padded = (rows + MR - 1) / MR * MR;
+  float* m = stats.data();
+  float* l = m + padded;
+  float* alpha = l + padded;
+  // the queries, scaled (log2 e: the softmax in base 2) and rounded to bf16; padding rows zero
+  const float qs = P.scale * kLog2e * (P.ks ? P.ks[P.nks == 1 ? 0 : h] : 1.f);
+  std::fill(qw.begin(), qw.begin() + padded * half, 0u);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = P.q + (i0 + r / G) * P.q_row + (h * G + r % G) * D;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_set1_ps(qs));
+      const __m512 hi = d + 16 < D ? _mm512_mul_ps(_mm512_loadu_ps(src + d + 16), _mm512_set1_ps(qs)) : _mm512_setzero_ps();
+      const __m512i w = pairs32(lo, hi);
+      if (d + 32 <= D) _mm512_storeu_si512(qw.data() + r * half + d / 2, w);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(qw.data() + r * half + d / 2), _mm512_castsi512_si256(w));
+    }
+  }
+  std::fill(o.begin(), o.begin() + padded * D, 0.f);
+  std::fill(pw.begin(), pw.begin() + padded * BK / 2, 0u);
+  for (int64_t r = 0; r < padded; ++r) m[r] = -INFINITY, l[r] = 0.f, alpha[r] = 1.f;
+  // keys j seen by the row at position p: lo(p) <= j < hi(p)
+  const int64_t p0 = P.keys - P.n + i0, p1 = P.keys - P.n + i1 - 1;
+  auto hi_of = [&](int64_t p) { return p + 1; };
+  auto lo_of = [&](int64_t p) { return P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : int64_t(0); };
+  const int64_t b0 = lo_of(p0) / BK, b1 = (hi_of(p1) + BK - 1) / BK;
+  const uint32_t* kph = P.kp + h * P.blocks * BK * half;
+  const uint32_t* vph = P.vp + h * P.blocks * BK * half;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t j0 = b * BK;
+    const uint32_t* kp = kph + b * BK * half;
+    for (int64_t r = 0; r < padded; r += MR) qk_tile(qw.data() + r * half, kp, half, s.data() + r * BK);
+    const bool whole = j0 + BK <= hi_of(p0) && j0 >= lo_of(p1);  // every row sees every key of the block
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s.data() + r * BK;
+      __m512 sv[4];
+      for (int c = 0; c < 4; ++c) sv[c] = _mm512_loadu_ps(sr + 16 * c);
+      if (!whole) {
+        const int64_t p = p0 + r / G;
+        const int64_t lo = std::clamp<int64_t>(lo_of(p) - j0, 0, BK), hi = std::clamp<int64_t>(hi_of(p) - j0, 0, BK);
+        const uint64_t below = hi >= 64 ? ~uint64_t(0) : (uint64_t(1) << hi) - 1;
+        const uint64_t seen = lo >= 64 ? 0 : below & ~((uint64_t(1) << lo) - 1);
+        for (int c = 0; c < 4; ++c)
+          sv[c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(seen >> (16 * c)), sv[c]);
+      }
+      const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(sv[0], sv[1]), _mm512_max_ps(sv[2], sv[3])));
+      const float mn = std::max(m[r], mx);
+      uint32_t* pr = pw.data() + r * BK / 2;
+      if (mn == -INFINITY) {  // nothing seen yet (a window's first block): no weights, nothing to rescale
+        std::fill(pr, pr + BK / 2, 0u);
+        alpha[r] = 1.f;
+        continue;
+      }
+      alpha[r] = m[r] == -INFINITY ? 0.f : std::exp2(m[r] - mn);
+      const __m512 shift = _mm512_set1_ps(mn);
+      __m512 e[4];
+      for (int c = 0; c < 4; ++c) e[c] = exp2_16(_mm512_sub_ps(sv[c], shift));
+      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])));
+      m[r] = mn;
+      _mm512_storeu_si512(pr, pairs32(e[0], e[1]));
+      _mm512_storeu_si512(pr + 16, pairs32(e[2], e[3]));
+    }
+    const uint32_t* vp = vph + b * BK * half;
+    for (int64_t r = 0; r < padded; r += MR) pv_rows(pw.data() + r * BK / 2, vp, D, alpha + r, o.data() + r * D);
+  }
+  const float vscale = P.vs ? P.vs[P.nvs == 1 ? 0 : h] : 1.f;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = P.out + ((i0 + r / G) * P.H + h * G + r % G) * D;
+    const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? vscale / l[r] : 0.f);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o.data() + r * D + d)));
+  }
+}
+
+template <Kv KIND>
+void run(Problem& P, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* slots) {
+  const int64_t D = P.D, half = D / 2, S = k_cache.size(1);
+  P.blocks = (P.keys + BK - 1) / BK;
+  // only the blocks some query reads: with a window the keys before the first query's go unread
+  const int64_t lo_block = (P.window > 0 ? std::max<int64_t>(0, P.keys - P.n - P.window + 1) : 0) / BK;
+  std::vector<uint32_t> kp(P.KV * P.blocks * BK * half), vp(P.KV * P.blocks * BK * half);
+  const kv_t<KIND>* kc = reinterpret_cast<const kv_t<KIND>*>(k_cache.data_ptr());
+  const kv_t<KIND>* vc = reinterpret_cast<const kv_t<KIND>*>(v_cache.data_ptr());
+  const int64_t nb = P.blocks - lo_block;
+  at::parallel_for(0, P.KV * nb, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t h = t / nb, b = lo_block + t % nb;
+      pack_block<KIND>(kc + h * S * D, vc + h * S * D, slots, b * BK, P.keys, D, kp.data() + (h * P.blocks + b) * BK * half,
+                       vp.data() + (h * P.blocks + b) * BK * half);
+    }
+  });
+  P.kp = kp.data();
+  P.vp = vp.data();
+  const int64_t G = P.H / P.KV, qblocks = (P.n + BQ - 1) / BQ, items = P.KV * qblocks;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const int64_t padded = (BQ * G + MR - 1) / MR * MR;
+    std::vector<uint32_t> qw(padded * half), pw(padded * BK / 2);
+    std::vector<float> s(padded * BK), o(padded * D), stats(3 * padded);
+    for (int64_t t; (t = next.fetch_add(1)) < items;) {
+      const int64_t qb = qblocks - 1 - t / P.KV, h = t % P.KV;  // the last queries (the most keys) first
+      attend(P, h, qb * BQ, std::min(P.n, (qb + 1) * BQ), qw, s, pw, o, stats);
+    }
+  });
+}
+
+#pragma GCC pop_options
+#endif  // QTK_ATTN_AVX512
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& slots, int64_t window, double scale,
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(runs(), "prefill_attention: needs AVX-512 with AVX512-BF16 (this build or CPU has not; the torch path "
+              "attends here)");
+  const Kv kind = kv_kind(k_cache);
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1 &&
+              q.stride(1) == q.size(2), "prefill_attention: q must be float32 [n, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == q.size(2) &&
+              q.size(1) % k_cache.size(0) == 0,
+              "prefill_attention: caches must be contiguous [kv_heads, slots, D], both of one shape, with heads % kv_heads == 0");
+  TORCH_CHECK(q.size(2) % 16 == 0, "prefill_attention: head_dim must be a multiple of 16, got ", q.size(2));
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() >= q.size(0),
+              "prefill_attention: slots must be int64 [L] with L >= n (the chunk's own keys last)");
+  TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0");
+  TORCH_CHECK((kind == Kv::F32 || kind == Kv::BF16) == !k_scale.has_value() && k_scale.has_value() == v_scale.has_value(),
+              "prefill_attention: scales go with (and only with) an INT8 / FP8 cache");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+#ifdef QTK_ATTN_AVX512
+  const at::Tensor sl = slots.contiguous();
+  const int64_t S = k_cache.size(1);
+  if (sl.numel()) {
+    const auto [lo, hi] = at::aminmax(sl);
+    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < S, "prefill_attention: a slot is outside the cache");
+  }
+  at::Tensor ks, vs;
+  if (k_scale) {
+    ks = kv_scale(*k_scale, k_cache.size(0), "prefill_attention");
+    vs = kv_scale(*v_scale, k_cache.size(0), "prefill_attention");
+  }
+  Problem P{q.size(0), q.size(1), k_cache.size(0), q.size(2), sl.numel(), window, q.stride(0), static_cast<float>(scale),
+            q.data_ptr<float>(), k_scale ? ks.data_ptr<float>() : nullptr, k_scale ? vs.data_ptr<float>() : nullptr,
+            k_scale ? ks.numel() : 0, k_scale ? vs.numel() : 0, out.data_ptr<float>(), nullptr, nullptr, 0};
+  if (P.n == 0) return out;
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  if (kind == Kv::F32) run<Kv::F32>(P, k_cache, v_cache, sp);
+  else if (kind == Kv::BF16) run<Kv::BF16>(P, k_cache, v_cache, sp);
+  else if (kind == Kv::I8) run<Kv::I8>(P, k_cache, v_cache, sp);
+  else run<Kv::F8>(P, k_cache, v_cache, sp);
+#endif
+  return out;
+}
+
+}  // namespace
+
+namespace QTK_LIB {
+void bind_attention(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("prefill_attention_runs", &runs);
+  m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(), py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("window"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+}
+}  // namespace QTK_LIB
