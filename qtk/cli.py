@@ -311,8 +311,9 @@ ENGINE_OPTIONS = [  # EngineConfig's fields as flags (vLLM's names: --max-num-se
                  help="CUDA: the fraction of the GPU's memory the engine may use (weights + KV cache)."),
     click.option("--kv-cache-dtype", type=click.Choice(["auto", "bfloat16", "fp8", "int8"]),
                  default=ENGINE_DEFAULTS["kv_cache_dtype"], show_default=True,
-                 help="KV cache: the model dtype; bfloat16 (half a float32 model's bytes, no scales); or FP8 e4m3 / "
-                      "INT8 with the checkpoint's scales (measured at load when it has none)."),
+                 help="KV cache: auto, the model dtype (a bf16 checkpoint's bf16 where the CPU multiplies prefills "
+                      "in bf16); bfloat16 (half a float32 model's bytes, no scales); or FP8 e4m3 / INT8 with the "
+                      "checkpoint's scales (measured at load when it has none)."),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=ENGINE_DEFAULTS["enable_prefix_caching"],
                  show_default=True, help="Reuse the KV blocks of a prompt prefix already computed."),
     click.option("--enforce-eager", is_flag=True, default=ENGINE_DEFAULTS["enforce_eager"],

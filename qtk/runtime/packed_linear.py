@@ -194,6 +194,13 @@ def kept_in_bf16(weight: torch.Tensor, bias: torch.Tensor | None, many: bool = T
     return WOQLinear(CpuWOQ(packed, None, bias, lib), weight.shape[1], OneDNNMatmul.of(weight, bias) if many else None)
 
 
+def many_rows_in_bf16(model: nn.Module) -> bool:
+    """Whether the model's many-row matmuls (prefill chunks) run in bf16: some layer kept in bf16 has
+    oneDNN's bf16 copy (a bf16 checkpoint on a CPU with bf16 units, QTK_CPU_BF16 not 0)."""
+    return any(isinstance(m, WOQLinear) and m.many is not None and m.many.packed.dtype == torch.bfloat16
+               for m in model.modules())
+
+
 def bf16_lm_head(model: nn.Module) -> bool:
     """Give a float32 CPU model's lm_head (a plain nn.Linear; run this before pack_linears) to
     a bf16 WOQLinear where its weight is all bf16 numbers and qtk's CPU kernel is built (a tied

@@ -43,15 +43,20 @@ template <Kv KIND>
 using kv_t = std::conditional_t<KIND == Kv::F32, float, std::conditional_t<KIND == Kv::BF16, uint16_t,
                                  std::conditional_t<KIND == Kv::I8, int8_t, uint8_t>>>;
 
+inline float as_float(float x) { return x; }
+inline float as_float(uint16_t bf16) {  // the top half of a float32
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 template <Kv KIND>
 inline float kv_at(const kv_t<KIND>* row, int64_t d) {
   if constexpr (KIND == Kv::F8) {
     return e4m3().v[row[d]];
-  } else if constexpr (KIND == Kv::BF16) {  // the top half of a float32
-    const uint32_t bits = static_cast<uint32_t>(row[d]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
+  } else if constexpr (KIND == Kv::BF16) {
+    return as_float(row[d]);
   } else {
     return static_cast<float>(row[d]);
   }

@@ -175,6 +175,7 @@ inline __m256 load8(const c10::BFloat16* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+inline __m256 load8(const uint16_t* p) { return load8(reinterpret_cast<const c10::BFloat16*>(p)); }  // a bf16 cache's
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(c10::BFloat16* p, __m256 v) {
   const __m256i b = _mm256_castps_si256(v);
@@ -327,18 +328,19 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 #ifdef QTK_AVX2
 // q . k for 8 keys at once: 8 FMA chains over D (D % 8 == 0), then the 8 sums across lanes by a
 // transpose of adds, into one vector of 8 scores (one horizontal sum per key cost more than the dots).
-static inline __m256 dot8(const float* q, const float* const* rows, int64_t D) {
+template <typename R>  // rows of float32, or of bf16 read in place (a bf16 cache)
+static inline __m256 dot8(const float* q, const R* const* rows, int64_t D) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[0] + d), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[1] + d), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[2] + d), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[3] + d), a3);
-    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[4] + d), a4);
-    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[5] + d), a5);
-    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[6] + d), a6);
-    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[7] + d), a7);
+    a0 = _mm256_fmadd_ps(qv, load8(rows[0] + d), a0);
+    a1 = _mm256_fmadd_ps(qv, load8(rows[1] + d), a1);
+    a2 = _mm256_fmadd_ps(qv, load8(rows[2] + d), a2);
+    a3 = _mm256_fmadd_ps(qv, load8(rows[3] + d), a3);
+    a4 = _mm256_fmadd_ps(qv, load8(rows[4] + d), a4);
+    a5 = _mm256_fmadd_ps(qv, load8(rows[5] + d), a5);
+    a6 = _mm256_fmadd_ps(qv, load8(rows[6] + d), a6);
+    a7 = _mm256_fmadd_ps(qv, load8(rows[7] + d), a7);
   }
   const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // [a0..a3 lo | a0..a3 hi]
   const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
@@ -346,43 +348,49 @@ static inline __m256 dot8(const float* q, const float* const* rows, int64_t D) {
 }
 
 // out[d0 .. d0 + 8NV) = sum_j p[j] * rows[j][d0 ..]: NV accumulators held in registers over the context.
-template <int NV>
-static inline void pv_chunk(const float* p, const float* const* rows, int64_t L, int64_t d0, float* out) {
+template <int NV, typename R>
+static inline void pv_chunk(const float* p, const R* const* rows, int64_t L, int64_t d0, float* out, bool add) {
   __m256 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+  for (int v = 0; v < NV; ++v) acc[v] = add ? _mm256_loadu_ps(out + d0 + 8 * v) : _mm256_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
     const __m256 pj = _mm256_broadcast_ss(p + j);
-    const float* r = rows[j] + d0;
+    const R* r = rows[j] + d0;
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 8 * v), acc[v]);
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(pj, load8(r + 8 * v), acc[v]);
   }
   for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + d0 + 8 * v, acc[v]);
 }
 #endif
 
-// out [D] = sum_j p[j] * rows[j] over the context.
-static void weighted_rows(const float* p, const float* const* rows, int64_t L, int64_t D, float* out) {
+// out [D] = sum_j p[j] * rows[j] over L rows (add: out += that).
+template <typename R>
+static void weighted_rows(const float* p, const R* const* rows, int64_t L, int64_t D, float* out, bool add) {
   int64_t d0 = 0;
 #ifdef QTK_AVX2
-  for (; d0 + 64 <= D; d0 += 64) pv_chunk<8>(p, rows, L, d0, out);
+  for (; d0 + 64 <= D; d0 += 64) pv_chunk<8>(p, rows, L, d0, out, add);
   switch ((D - d0) / 8) {
-    case 1: pv_chunk<1>(p, rows, L, d0, out); break;
-    case 2: pv_chunk<2>(p, rows, L, d0, out); break;
-    case 3: pv_chunk<3>(p, rows, L, d0, out); break;
-    case 4: pv_chunk<4>(p, rows, L, d0, out); break;
-    case 5: pv_chunk<5>(p, rows, L, d0, out); break;
-    case 6: pv_chunk<6>(p, rows, L, d0, out); break;
-    case 7: pv_chunk<7>(p, rows, L, d0, out); break;
+    case 1: pv_chunk<1>(p, rows, L, d0, out, add); break;
+    case 2: pv_chunk<2>(p, rows, L, d0, out, add); break;
+    case 3: pv_chunk<3>(p, rows, L, d0, out, add); break;
+    case 4: pv_chunk<4>(p, rows, L, d0, out, add); break;
+    case 5: pv_chunk<5>(p, rows, L, d0, out, add); break;
+    case 6: pv_chunk<6>(p, rows, L, d0, out, add); break;
+    case 7: pv_chunk<7>(p, rows, L, d0, out, add); break;
     default: break;
   }
   d0 += (D - d0) / 8 * 8;
 #endif
   for (int64_t d = d0; d < D; ++d) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < L; ++j) acc += p[j] * rows[j][d];
+    float acc = add ? out[d] : 0.f;
+    for (int64_t j = 0; j < L; ++j) acc += p[j] * as_float(rows[j][d]);
     out[d] = acc;
   }
 }
+
+// Keys per tile of the decode's two passes (Q K^T, then P V): a tile's rows (64 x D of float32 or bf16)
+// stay in L1 while every query head of the group reads them; head by head over the whole context,
+// each head re-read them from L2 and ran 3x slower (a 2-core Zen 4, 16 sequences x 1024 keys).
+constexpr int64_t DECODE_TILE = 64;
 
 // One work item: the query heads g0..g1 of KV head h of sequence b. With few sequences (B * KV items
 // would leave threads idle, as at batch 1) the query heads of a KV head are split over items too.
@@ -405,7 +413,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t items = B * KV * splits;
   at::parallel_for(0, items, work < (1 << 12) ? items : 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, kbuf, vbuf;
-    std::vector<const float*> krow, vrow;
+    using row_t = std::conditional_t<KIND == Kv::BF16, uint16_t, float>;  // bf16 rows are read in place
+    std::vector<const row_t*> krow, vrow;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (KV * splits), h = (i / splits) % KV, s = i % splits;
       const int64_t g0 = s * G / splits, g1 = (s + 1) * G / splits, ng = g1 - g0, n = ln[b];
@@ -416,7 +425,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const kv_t<KIND>* vh = vc + h * S * D;
       krow.resize(L);  // the context's rows, through the block table (decoded once for INT8 / FP8)
       vrow.resize(L);
-      if constexpr (KIND != Kv::F32) {
+      if constexpr (KIND == Kv::I8 || KIND == Kv::F8) {
         kbuf.resize(L * D);
         vbuf.resize(L * D);
       }
@@ -425,26 +434,37 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         TORCH_CHECK(base >= 0 && base + bs <= S, "paged_decode_attention: block table points outside the cache");
         for (int64_t o = std::max(first - blk * bs, int64_t(0)); o < bs && blk * bs + o < n; ++o) {
           const int64_t j = blk * bs + o - first;
-          krow[j] = row_f32<KIND>(kh, base + o, D, KIND == Kv::F32 ? nullptr : kbuf.data() + j * D);
-          vrow[j] = row_f32<KIND>(vh, base + o, D, KIND == Kv::F32 ? nullptr : vbuf.data() + j * D);
+          if constexpr (KIND == Kv::F32 || KIND == Kv::BF16) {
+            krow[j] = kh + (base + o) * D;
+            vrow[j] = vh + (base + o) * D;
+          } else {
+            krow[j] = row_f32<KIND>(kh, base + o, D, kbuf.data() + j * D);
+            vrow[j] = row_f32<KIND>(vh, base + o, D, vbuf.data() + j * D);
+          }
         }
       }
       scores.resize(ng * L);
       const float kscale = static_cast<float>(scale) * (ks ? ks[nks == 1 ? 0 : h] : 1.f);
       const float vscale = vs ? vs[nvs == 1 ? 0 : h] : 1.f;
-      for (int64_t g = g0; g < g1; ++g) {
-        const float* qr = qp + b * qs0 + (h * G + g) * qs1;
-        float* sr = scores.data() + (g - g0) * L;
-        int64_t j = 0;
+      for (int64_t j0 = 0; j0 < L; j0 += DECODE_TILE) {  // scores: q . k over the context, a tile at a time
+        const int64_t j1 = std::min(L, j0 + DECODE_TILE);
+        for (int64_t g = g0; g < g1; ++g) {
+          const float* qr = qp + b * qs0 + (h * G + g) * qs1;
+          float* sr = scores.data() + (g - g0) * L;
+          int64_t j = j0;
 #ifdef QTK_AVX2
-        if (D % 8 == 0)
-          for (; j + 8 <= L; j += 8) _mm256_storeu_ps(sr + j, _mm256_mul_ps(dot8(qr, &krow[j], D), _mm256_set1_ps(kscale)));
+          if (D % 8 == 0)
+            for (; j + 8 <= j1; j += 8) _mm256_storeu_ps(sr + j, _mm256_mul_ps(dot8(qr, &krow[j], D), _mm256_set1_ps(kscale)));
 #endif
-        for (; j < L; ++j) {  // scores: q . k over the context
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * krow[j][d];
-          sr[j] = dot * kscale;
+          for (; j < j1; ++j) {
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; ++d) dot += qr[d] * as_float(krow[j][d]);
+            sr[j] = dot * kscale;
+          }
         }
+      }
+      for (int64_t g = g0; g < g1; ++g) {
+        float* sr = scores.data() + (g - g0) * L;
         if (softcap > 0.f)
           for (int64_t jj = 0; jj < L; ++jj) sr[jj] = softcap * std::tanh(sr[jj] / softcap);
         const float sink = sinks ? sinks[h * G + g] : -INFINITY;
@@ -452,8 +472,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const float inv = vscale / (exp_sum_(sr, L, mx) + (sinks ? std::exp(sink - mx) : 0.f));
 #pragma omp simd
         for (int64_t jj = 0; jj < L; ++jj) sr[jj] *= inv;
-        weighted_rows(sr, vrow.data(), L, D, op + (b * H + h * G + g) * D);  // out = p . v
       }
+      for (int64_t j0 = 0; j0 < L; j0 += DECODE_TILE)  // out = p . v, a tile at a time
+        for (int64_t g = g0; g < g1; ++g)
+          weighted_rows(scores.data() + (g - g0) * L + j0, vrow.data() + j0, std::min(DECODE_TILE, L - j0), D,
+                        op + (b * H + h * G + g) * D, j0 > 0);
     }
   });
 }
