@@ -4,14 +4,16 @@ this CPU's matmul units can do, for each path the engine may take on a float che
     python benchmarks/prefill_peak.py [--model smollm2-135m] [--prompts 256,1024] [--num-prompts 16]
         [--out benchmarks/results]
 
-Three measurements, in one process, 2 threads unless --threads:
+Four measurements, in one process, 2 threads unless --threads:
 1. matmul peak, per dtype: oneDNN's matmul (the engine's, weights reordered once) on the model's
    layer shapes (q/k/v joined, o, gate/up joined, down) at 256-2048 rows, in cache; the best
    GFLOP/s of float32 and of bf16 (bf16 only where the CPU has bf16 units).
 2. the crossover by rows: the model's decoder layers out of cache (every layer's own weights), per
    rows M, in three kernels the engine chooses among for a bf16 checkpoint's weights: qtk's kernel
    (bf16 weights, float32 activations), oneDNN float32, oneDNN bf16 (packed_linear.MANY_ROWS).
-3. prefill: `num-prompts` prompts of exactly L tokens of the built-in evaluation text, 1 output
+3. attention: one layer's causal attention over a whole prompt (the prompt lengths and 4096) in
+   qtk's bf16 flash kernel (where the CPU has AVX512-BF16) and torch's float32 flash kernel.
+4. prefill: `num-prompts` prompts of exactly L tokens of the built-in evaluation text, 1 output
    token, prefix caching off (every token is computed), after a warm-up; tokens/s, and the FLOPs
    done per second (the decoder's linear layers, 2 per weight per token; attention, 4 * heads *
    head_dim per (query, key) pair it reads: causal, so (L + 1) / 2 keys on average; the lm_head on
@@ -99,6 +101,32 @@ def crossover(shapes, layers: int, ms: list[int], bf16: bool) -> list[dict]:
     return rows
 
 
+def attention_rates(cfg, lengths: list[int]) -> list[dict]:
+    """Per prompt length L: one layer's prefill attention over a whole prompt (n = L, causal) in the
+    two kernels the engine chooses between: qtk's bf16 flash kernel (csrc/cpu_attention.cpp, where
+    the CPU has AVX512-BF16) and torch's float32 flash kernel (sdpa, the path without it), in ms
+    and GFLOP/s (4 * heads * head_dim per (query, key) pair, causal: L (L + 1) / 2 pairs)."""
+    import torch.nn.functional as F
+
+    lib = cpu_kernels.ops()
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kernel = lib is not None and hasattr(lib, "prefill_attention_runs") and lib.prefill_attention_runs()
+    rows = []
+    for length in lengths:
+        q, k, v = torch.randn(length, heads, d), torch.randn(kv, length, d), torch.randn(kv, length, d)
+        slots, flops = torch.arange(length), 4 * heads * d * length * (length + 1) / 2
+        r = {"prompt_len": length}
+        torch_s = best_seconds(lambda: F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=d ** -0.5, enable_gqa=kv != heads))
+        r["torch_float32_ms"], r["torch_float32_gflops"] = 1e3 * torch_s, flops / torch_s / 1e9
+        if kernel:
+            qtk_s = best_seconds(lambda: lib.prefill_attention(q, k, v, slots, 0, d ** -0.5))
+            r["qtk_bf16_ms"], r["qtk_bf16_gflops"] = 1e3 * qtk_s, flops / qtk_s / 1e9
+        rows.append(r)
+    return rows
+
+
 def flops_per_token(cfg, length: int) -> float:
     h, heads, layers = cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers
     d = getattr(cfg, "head_dim", None) or h // heads
@@ -152,8 +180,13 @@ def main() -> None:
     print("\n| rows | " + " | ".join(k for k in cross[0] if k != "m") + " |  (ms per pass over the decoder layers)")
     for r in cross:
         print(f"| {r['m']} | " + " | ".join(f"{v:.1f}" for k, v in r.items() if k != "m") + " |")
+    lengths = [int(x) for x in a.prompts.split(",")]
+    attention = attention_rates(cfg, sorted(set(lengths + [4096])))
+    print("\n| prompt tokens | " + " | ".join(k for k in attention[0] if k != "prompt_len") + " |  (one layer's attention)")
+    for r in attention:
+        print(f"| {r['prompt_len']} | " + " | ".join(f"{v:.1f}" for k, v in r.items() if k != "prompt_len") + " |")
     runs = []
-    for length in (int(x) for x in a.prompts.split(",")):
+    for length in lengths:
         for force in ([False, True] if bf16 else [False]):
             r = prefill(a.model, length, a.num_prompts, force)
             r["matmul_dtype"] = "bfloat16" if bf16 and not force else "float32"
@@ -168,7 +201,7 @@ def main() -> None:
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_name(),
               "capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": bf16, "threads": a.threads,
               "torch": torch.__version__, "model": a.model, "matmul_peak_gflops": peak, "crossover_ms": cross,
-              "prefill": runs}
+              "attention": attention, "prefill": runs}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = result["capability"].lower() + ("-bf16" if bf16 else "")

@@ -65,10 +65,11 @@ def test_bundled_greedy_matches_transformers(checkpoints, weights):
     plain = LLM(str(checkpoints[weights]), dtype="float32", max_model_len=512, kv_cache_memory=2**27)
     agreed = compare_greedy(plain.chat(convs, params), ref)
     assert agreed >= 0.75 * NEW * len(QUESTIONS), agreed
+    kv_bytes = plain.kv_dtype.itemsize  # "auto": bf16 where the CPU multiplies the bf16 checkpoint's prefills in bf16
     del plain
     # the shared system prompt is a cached prefix; 16-token prefill chunks; a pool of 160 tokens
     # for 4 sequences of ~60: preempted and recomputed
-    per_token = 2 * 30 * 3 * 64 * 4
+    per_token = 2 * 30 * 3 * 64 * kv_bytes
     tight = LLM(str(checkpoints[weights]), dtype="float32", max_model_len=160, kv_cache_memory=160 * per_token,
                 max_num_batched_tokens=16, block_size=16, enable_prefix_caching=True)
     outs = tight.chat(convs, params)
