@@ -357,6 +357,24 @@ def test_rms_norm_and_residual_add(lib):
     assert torch.equal(res, want_res) and rel_err(got, norm(want_res)) < 1e-6
 
 
+def test_rms_norms_take_and_give_bf16_rows(lib):
+    """A bf16 prefill step: the norms write bf16 (what the float32 output rounds to, to nearest even),
+    and the residual adds a bf16 matmul output as its float32 value; 100 columns: vectors and a tail."""
+    w = torch.randn(100)
+    x, res = torch.randn(7, 100) * 3, torch.randn(7, 100)
+    got = lib.rms_norm(x, w, 1e-5, True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, lib.rms_norm(x, w, 1e-5).bfloat16())
+    a = torch.randn(7, 100).bfloat16()
+    want_res, want = res + a.float(), lib.add_rms_norm_(res.clone(), a.float(), w, 1e-5)
+    for bf16_out in (False, True):
+        r = res.clone()
+        got = lib.add_rms_norm_(r, a, w, 1e-5, bf16_out)
+        assert torch.equal(r, want_res)
+        assert torch.equal(got, want.bfloat16() if bf16_out else want)
+    with pytest.raises(RuntimeError, match="x must be a float32 or bf16"):
+        lib.add_rms_norm_(res, a.half(), w, 1e-5)
+
+
 def test_rope_in_place_matches_rotate_half(lib):
     T, H, KV, D = 4, 6, 2, 16
     qkv = torch.randn(T, (H + 2 * KV) * D)

@@ -84,8 +84,9 @@ def test_prefill_in_bf16_keeps_the_logits_within_bf16_rounding(monkeypatch, unit
     prompts = [list(range(30, 54)), list(range(70, 94))]
     _, want, _ = greedy_through_runtime(model, prompts, new_tokens=3, budget=64)
     _, got, _ = greedy_through_runtime(None, prompts, new_tokens=3, budget=64, runtime=runtime)
-    many_mlp = runtime._plan[0][-1]
-    assert (many_mlp is not None) == (units == "1")
+    many_mlp, bf16 = runtime._plan[0][-2:]
+    assert (many_mlp is not None) == (bf16 is not None) == (units == "1")
+    assert (runtime._bf16_rows is not None) == (units == "1")  # prefill steps in bf16 between the norms
     if ops.prefill_attention_runs():
         assert len(calls) == (2 * len(runtime.layers) if units == "1" else 0)  # two prompts, every layer
     tol = dict(atol=2e-4, rtol=1e-4) if units == "0" else dict(atol=0.05, rtol=0.05)
@@ -93,6 +94,11 @@ def test_prefill_in_bf16_keeps_the_logits_within_bf16_rounding(monkeypatch, unit
         torch.testing.assert_close(torch.stack(b), torch.stack(a), **tol)
     if units == "1":  # not the float32 numbers: the bf16 path ran
         assert any(not torch.allclose(torch.stack(b), torch.stack(a), atol=1e-5) for a, b in zip(want.values(), got.values()))
+        # bf16 between the norms gives exactly the numbers of converting around each bf16 matmul
+        runtime._bf16_rows = None
+        _, per_matmul, _ = greedy_through_runtime(None, prompts, new_tokens=3, budget=64, runtime=runtime)
+        for a, b in zip(per_matmul.values(), got.values()):
+            assert torch.equal(torch.stack(a), torch.stack(b))
 
 
 @pytest.mark.parametrize("budget", [64, 5])

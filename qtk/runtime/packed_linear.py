@@ -163,17 +163,24 @@ class W8A8Linear(KernelLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8, qtk CPU VNNI kernel"
 
 
+def bf16_matmul(module: nn.Module | None):
+    """(rows, f) for a layer that multiplies many rows in bf16 (a WOQLinear with a bf16 OneDNNMatmul,
+    no bias): f(x) = x W^T for bf16 x [T, K], T >= rows, in bf16 (float32 sums); else None."""
+    many = getattr(module, "many", None)
+    if many is None or many.packed.dtype != torch.bfloat16 or many.bias is not None:
+        return None
+    return many.rows, lambda x: packed_linear(x, many.packed, None)
+
+
 def bf16_mlp(gate_up: nn.Module | None, down: nn.Module | None, glu):
     """(rows, mlp) for a GLU MLP whose gate_up and down projections multiply many rows in bf16
-    (WOQLinear with a bf16 OneDNNMatmul, no bias): mlp(x) = down(glu(gate_up(x))) for float32 x [T, K],
-    T >= rows, with the [T, 2I] and [T, I] activations between them left in bf16 (glu: qtk's fused op,
-    which takes bf16 rows), so only x and the result are converted; else None."""
-    many = [getattr(m, "many", None) for m in (gate_up, down)]
-    if any(m is None or m.packed.dtype != torch.bfloat16 or m.bias is not None for m in many):
+    (bf16_matmul): mlp(x) = down(glu(gate_up(x))) for bf16 x [T, K], T >= rows, in bf16, the [T, 2I]
+    and [T, I] activations between them left in bf16 too (glu: qtk's fused op, which takes bf16
+    rows); else None."""
+    gu, dn = bf16_matmul(gate_up), bf16_matmul(down)
+    if gu is None or dn is None:
         return None
-    (gu, dn), bf16 = many, torch.bfloat16
-    return max(gu.rows, dn.rows), lambda x: packed_linear(glu(packed_linear(x.to(bf16), gu.packed, None)),
-                                                          dn.packed, None).float()
+    return max(gu[0], dn[0]), lambda x: dn[1](glu(gu[1](x)))
 
 
 def direct(module: nn.Module | None):

@@ -4,8 +4,10 @@
 // 4-bit matmuls themselves; these bring it to ~300. float32 activations; the torch code in
 // qtk/runtime (models/llama.py, attention.py) is the reference and the path for everything else.
 //
-//   rms_norm(x, w, eps)                y = x / sqrt(mean(x^2) + eps) * w, per row
-//   add_rms_norm_(residual, x, w, eps) residual += x, then rms_norm(residual): the residual stream
+//   rms_norm(x, w, eps, bf16_out)      y = x / sqrt(mean(x^2) + eps) * w, per row (bf16_out: y in bf16)
+//   add_rms_norm_(residual, x, w, eps, bf16_out)
+//                                      residual += x (float32 or bf16), then rms_norm(residual): the
+//                                      residual stream
 //   rope_(x, cos, sin, heads)          rotate the first `heads` heads of each row of x in place
 //                                      (HF's rotate_half layout: pairs (i, i + D/2)); cos, sin [T, D]
 //   silu_and_mul(x)                    x [T, 2I] -> silu(x[:, :I]) * x[:, I:]  (float32, or bf16 in and out)
@@ -58,47 +60,6 @@ inline float rms_inv(const float* x, int64_t n, double eps) {
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(ss) / n + eps));
-}
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  check_rows(x, "rms_norm");
-  const int64_t T = x.size(0), H = x.size(1);
-  TORCH_CHECK(w.numel() == H && w.scalar_type() == at::kFloat && w.is_contiguous(), "rms_norm: weight must be float32 [", H, "]");
-  at::Tensor y = at::empty({T, H}, x.options());
-  const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* xr = x.data_ptr<float>() + t * x.stride(0);
-      float* yr = y.data_ptr<float>() + t * H;
-      const float inv = rms_inv(xr, H, eps);
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) yr[i] = wp[i] * (xr[i] * inv);
-    }
-  });
-  return y;
-}
-
-at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w, double eps) {
-  check_rows(residual, "add_rms_norm_");
-  check_rows(x, "add_rms_norm_");
-  const int64_t T = residual.size(0), H = residual.size(1);
-  TORCH_CHECK(x.size(0) == T && x.size(1) == H, "add_rms_norm_: x and residual differ in shape");
-  TORCH_CHECK(w.numel() == H && w.scalar_type() == at::kFloat && w.is_contiguous(), "add_rms_norm_: weight must be float32 [", H, "]");
-  at::Tensor y = at::empty({T, H}, x.options());
-  const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      float* rr = residual.data_ptr<float>() + t * residual.stride(0);
-      const float* xr = x.data_ptr<float>() + t * x.stride(0);
-      float* yr = y.data_ptr<float>() + t * H;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) rr[i] += xr[i];
-      const float inv = rms_inv(rr, H, eps);
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) yr[i] = wp[i] * (rr[i] * inv);
-    }
-  });
-  return y;
 }
 
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
@@ -185,6 +146,69 @@ inline void store8(c10::BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 #endif
+
+// y = w * (x * inv) for one row of H, y float32 or bf16 (rounded to nearest even)
+template <typename Y>
+inline void scale_row(const float* x, const float* w, float inv, int64_t H, Y* y) {
+  int64_t i = 0;
+#ifdef QTK_AVX2
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (; i + 8 <= H; i += 8) store8(y + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), iv)));
+#endif
+  for (; i < H; ++i) y[i] = static_cast<Y>(w[i] * (x[i] * inv));
+}
+
+// residual += x for one row, x float32 or bf16 (a bf16 matmul's output)
+template <typename X>
+inline void add_row(float* r, const X* x, int64_t H) {
+  int64_t i = 0;
+#ifdef QTK_AVX2
+  for (; i + 8 <= H; i += 8) _mm256_storeu_ps(r + i, _mm256_add_ps(_mm256_loadu_ps(r + i), load8(x + i)));
+#endif
+  for (; i < H; ++i) r[i] += static_cast<float>(x[i]);
+}
+
+// bf16_out: y in bf16 for the bf16 matmuls of a prefill step (what they would round it to anyway)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool bf16_out) {
+  check_rows(x, "rms_norm");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(w.numel() == H && w.scalar_type() == at::kFloat && w.is_contiguous(), "rms_norm: weight must be float32 [", H, "]");
+  at::Tensor y = at::empty({T, H}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xr = x.data_ptr<float>() + t * x.stride(0);
+      const float inv = rms_inv(xr, H, eps);
+      if (bf16_out) scale_row(xr, wp, inv, H, y.data_ptr<c10::BFloat16>() + t * H);
+      else scale_row(xr, wp, inv, H, y.data_ptr<float>() + t * H);
+    }
+  });
+  return y;
+}
+
+// x float32, or bf16 (a bf16 matmul's output, added as it is: its float32 value); bf16_out as rms_norm
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w, double eps, bool bf16_out) {
+  check_rows(residual, "add_rms_norm_");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              x.dim() == 2 && x.stride(1) == 1, "add_rms_norm_: x must be a float32 or bf16 CPU matrix with contiguous rows");
+  const int64_t T = residual.size(0), H = residual.size(1);
+  TORCH_CHECK(x.size(0) == T && x.size(1) == H, "add_rms_norm_: x and residual differ in shape");
+  TORCH_CHECK(w.numel() == H && w.scalar_type() == at::kFloat && w.is_contiguous(), "add_rms_norm_: weight must be float32 [", H, "]");
+  at::Tensor y = at::empty({T, H}, residual.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  const float* wp = w.data_ptr<float>();
+  const bool xb = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* rr = residual.data_ptr<float>() + t * residual.stride(0);
+      if (xb) add_row(rr, x.data_ptr<c10::BFloat16>() + t * x.stride(0), H);
+      else add_row(rr, x.data_ptr<float>() + t * x.stride(0), H);
+      const float inv = rms_inv(rr, H, eps);
+      if (bf16_out) scale_row(rr, wp, inv, H, y.data_ptr<c10::BFloat16>() + t * H);
+      else scale_row(rr, wp, inv, H, y.data_ptr<float>() + t * H);
+    }
+  });
+  return y;
+}
 
 template <Glu ACT, typename T>
 void act_and_mul_rows(const at::Tensor& x, at::Tensor& y) {
@@ -531,8 +555,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }  // namespace
 
 QTK_FRAGMENT(QTK_LIB, m) {
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
-  m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps, bool bf16_out=False) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor w, float eps, bool bf16_out=False) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
@@ -558,13 +582,14 @@ QTK_IMPL(QTK_LIB, CPU, m) {
 namespace QTK_LIB {
 void bind_layers(pybind11::module_& m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
-  m.def("rms_norm", &rms_norm, nogil);
-  m.def("add_rms_norm_", &add_rms_norm_, nogil);
+  namespace py = pybind11;
+  m.def("rms_norm", &rms_norm, nogil, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("bf16_out") = false);
+  m.def("add_rms_norm_", &add_rms_norm_, nogil, py::arg("residual"), py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("bf16_out") = false);
   m.def("rope_", &rope_, nogil);
   m.def("silu_and_mul", &silu_and_mul, nogil);
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, nogil);
   m.def("store_kv_", &store_kv_, nogil);
-  namespace py = pybind11;
   m.def("paged_decode_attention", &paged_decode_attention, nogil, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("lens"), py::arg("block_size"), py::arg("scale"), py::arg("k_scale"),
         py::arg("v_scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());

@@ -126,6 +126,7 @@ class NativeModel(nn.Module):
         if moe.install(self.layers, cfg, self.cpu_ops):  # each MoE layer's mlp now a SparseMoE over [T, H]
             self.why_no_graphs = moe.WHY_NO_GRAPHS
         self._plan = None  # per layer, the projections' callables (built at the first fused forward)
+        self._bf16_rows = None  # rows from which a step runs all in bf16 between norms (with the plan)
 
     def _frozen_ropes(self, cfg) -> None:
         """The RoPE frequencies per layer (frozen_rope), as buffers rope_inv_freq_<type>: one type for
@@ -213,10 +214,17 @@ class NativeModel(nn.Module):
         stream h is added to and normalized in one op (add_rms_norm_), RoPE rotates q and k in
         place in the projection's output, the MLP's activation-and-multiply is one op; the
         projections qtk's kernel runs are called directly (a plan built once: at batch 1 a step is
-        ~300 calls, and Python's module machinery would cost as much as the attention)."""
+        ~300 calls, and Python's module machinery would cost as much as the attention).
+        A step of many rows whose every layer multiplies them in bf16 (_layer_plan's bf16 entry: a
+        bf16 checkpoint on a CPU with bf16 units) keeps the activations between the norms and the
+        matmuls in bf16: the norms write bf16, the residual adds the o and down projections' bf16
+        outputs as they are, so only the qkv output (for RoPE, the cache and attention) and the
+        attention output convert; the same numbers as converting around each matmul."""
         ops = self.cpu_ops
         if self._plan is None:
             self._plan = [self._layer_plan(layer, getattr(ops, self.glu_op)) for layer in self.layers]
+            bf16_rows = [p[-1][0] for p in self._plan if p[-1] is not None]
+            self._bf16_rows = max(bf16_rows) if len(bf16_rows) == len(self._plan) and not self.family.sandwich else None
             norm, layers = self._norm_weights, self.layers
             self._norms = [norm(layer.input_layernorm) for layer in layers] + [norm(self.norm)]
             self._post_norms = [norm(layer.post_attention_layernorm) for layer in layers]
@@ -226,11 +234,16 @@ class NativeModel(nn.Module):
         T, H, KV, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk_norm, sandwich, norms, heads = self.family.qk_norm, self.family.sandwich, self._norms, [H, KV, KV]
         full_rope, glu = self.rotary_dim == D, getattr(ops, self.glu_op)
-        x = ops.rms_norm(h, *norms[0])
+        bf16 = self._bf16_rows is not None and T >= self._bf16_rows  # the whole step in bf16 between norms
+        last = len(self.layers) - 1
+        x = ops.rms_norm(h, *norms[0], bf16)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            qkv, q_proj, k_proj, v_proj, o_proj, gate_up, down, many_mlp = self._plan[i]
+            qkv, q_proj, k_proj, v_proj, o_proj, gate_up, down, many_mlp, bf16_plan = self._plan[i]
             attn = layer.self_attn
-            if qkv is not None:
+            if bf16:
+                y = bf16_plan[1](x).float()
+                q, k, v = y.view(T, H + 2 * KV, D).split_with_sizes(heads, 1)
+            elif qkv is not None:
                 y = qkv(x)
                 q, k, v = y.view(T, H + 2 * KV, D).split_with_sizes(heads, 1)  # views of y, one call
             else:
@@ -241,20 +254,24 @@ class NativeModel(nn.Module):
             if not full_rope:  # a partial RoPE: the first rotary_dim of each head, in torch
                 rope_(q, cos[:, None], sin[:, None])
                 rope_(k, cos[:, None], sin[:, None])
-            elif qkv is not None and not qk_norm:  # q and k side by side in each row: one pass
+            elif (qkv is not None or bf16) and not qk_norm:  # q and k side by side in each row: one pass
                 ops.rope_(y, cos, sin, H + KV)
             else:  # in place, through 2-D views
                 ops.rope_(q.view(T, H * D), cos, sin, H)
                 ops.rope_(k.view(T, KV * D), cos, sin, KV)
-            many = many_mlp is not None and T >= many_mlp[0]  # a step whose matmuls run in bf16
+            many = bf16 or (many_mlp is not None and T >= many_mlp[0])  # a step whose matmuls run in bf16
             o = paged_attention(q, k, v, cache, meta, self.scales[i], ops, self.windows[i], self.terms[i], bf16=many)
+            if bf16:  # o and the MLP in bf16; the residual adds their bf16 outputs
+                x = ops.add_rms_norm_(h, bf16_plan[2](o.view(T, H * D).to(torch.bfloat16)), *self._post_norms[i], True)
+                x = ops.add_rms_norm_(h, bf16_plan[3](x), *norms[i + 1], i < last)
+                continue
             a = o_proj(o.view(T, H * D))
             if sandwich:
                 x = ops.add_rms_norm_(h, ops.rms_norm(a, *self._post_norms[i]), *self._pre_ff_norms[i])
             else:
                 x = ops.add_rms_norm_(h, a, *self._post_norms[i])
             if many:  # prefill chunks: bf16 from gate_up to down
-                m = many_mlp[1](x)
+                m = many_mlp[1](x.to(torch.bfloat16)).float()
             else:
                 m = down(glu(gate_up(x))) if gate_up is not None else layer.mlp(x)
             if sandwich:
@@ -264,17 +281,21 @@ class NativeModel(nn.Module):
 
     @staticmethod
     def _layer_plan(layer, glu) -> tuple:
-        """(qkv, q, k, v, o, gate_up, down, many_mlp): a callable per projection (the kernel call itself
-        for a packed one, packed_linear.direct, else the module), None where fused or unfused away;
-        many_mlp: (rows, the MLP in bf16 for at least that many rows) where its projections have a bf16
-        oneDNN copy (packed_linear.bf16_mlp), else None."""
-        from ..packed_linear import bf16_mlp, direct
+        """(qkv, q, k, v, o, gate_up, down, many_mlp, bf16): a callable per projection (the kernel call
+        itself for a packed one, packed_linear.direct, else the module), None where fused or unfused
+        away; many_mlp: (rows, the MLP in bf16, bf16 in and out, for at least that many rows) where its
+        projections have a bf16 oneDNN copy (packed_linear.bf16_mlp), else None; bf16: (rows, qkv, o,
+        mlp), each bf16 in and out, where q/k/v are joined and the attention's and the MLP's
+        projections all have a bf16 copy without bias (packed_linear.bf16_matmul), else None."""
+        from ..packed_linear import bf16_matmul, bf16_mlp, direct
 
         attn, mlp = layer.self_attn, layer.mlp
         get = lambda m, name: direct(getattr(m, name, None))  # noqa: E731
+        many_mlp = bf16_mlp(getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None), glu)
+        qkv, o = bf16_matmul(getattr(attn, "qkv_proj", None)), bf16_matmul(getattr(attn, "o_proj", None))
+        bf16 = None if None in (qkv, o, many_mlp) else (max(qkv[0], o[0], many_mlp[0]), qkv[1], o[1], many_mlp[1])
         return (get(attn, "qkv_proj"), get(attn, "q_proj"), get(attn, "k_proj"), get(attn, "v_proj"),
-                get(attn, "o_proj"), get(mlp, "gate_up_proj"), get(mlp, "down_proj"),
-                bf16_mlp(getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None), glu))
+                get(attn, "o_proj"), get(mlp, "gate_up_proj"), get(mlp, "down_proj"), many_mlp, bf16)
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         if hasattr(mlp, "gate_up_proj") and self.glu is not None:  # fused by the engine, or in the checkpoint
