@@ -87,7 +87,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if all(s.params.greedy and not self._adjusts(s) for s in seqs):  # one argmax for the batch
             return logits.argmax(dim=-1).tolist()
-        rows = logits.clone()
+        rows = finite(logits)  # a copy: the adjustments below write into it
         for i, seq in enumerate(seqs):  # the per-sequence adjustments, where a sequence has any
             if not self._adjusts(seq):
                 continue
@@ -98,9 +98,10 @@ class Sampler:
                 if seq.grammar is None or self._leaves_a_choice(row, banned):  # else the grammar wins
                     row[banned] = float("-inf")
             rows[i] = row
-        rows = finite(rows)
-        out = rows.argmax(dim=-1)  # the greedy sequences' tokens
         drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if len(drawn) == len(seqs):  # every row drawn (a served batch at temperature > 0): no argmax, no copy
+            return self._draw(rows, seqs).tolist()
+        out = rows.argmax(dim=-1)  # the greedy sequences' tokens
         if drawn:
             out[drawn] = self._draw(rows[drawn], [seqs[i] for i in drawn])
         return out.tolist()
@@ -114,7 +115,8 @@ class Sampler:
         temperature = torch.tensor([s.params.temperature for s in seqs], dtype=rows.dtype, device=rows.device)
         # shifted so the largest is 0 before the temperature (softmax does not change): a tiny
         # temperature then sends the others to -inf, never the likeliest to +inf
-        rows = finite((rows - rows.amax(dim=-1, keepdim=True)) / temperature[:, None])
+        rows = torch.nan_to_num_((rows - rows.amax(dim=-1, keepdim=True)).div_(temperature[:, None]), nan=float("-inf"),
+                                 posinf=torch.finfo(rows.dtype).max, neginf=float("-inf"))  # finite(), in place
         for i, s in enumerate(seqs):
             p = s.params
             if p.top_k or p.top_p < 1.0 or p.min_p > 0.0:
