@@ -1,4 +1,5 @@
-"""The files qtk ships (evals/, calibration/recipes/) are read from the package, and a wheel carries them."""
+"""The files qtk ships (evals/, calibration/recipes/, the CPU kernels' sources) are read from the package, and a
+wheel carries them."""
 import fnmatch
 import shutil
 import subprocess
@@ -61,4 +62,7 @@ def test_wheel_carries_the_shipped_files(tmp_path):
     (wheel,) = tmp_path.glob("qtk-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"qtk/assets/{f}" for f in _shipped_files()} <= names
+    from qtk.kernels import cpu
+
+    assert {f"qtk/kernels/csrc/{p.name}" for p in cpu.SOURCES} <= names  # the C++ kernels' sources and header
     assert not any(n.startswith(("evals/", "calibration/")) for n in names)
