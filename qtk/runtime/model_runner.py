@@ -17,8 +17,8 @@ from ..kernels.fp8 import fp8_supported
 from ..kv_scales import cache_scheme, grid_absmax, kv_scale
 from .attention import KV_DTYPES, SCALED_KV, AttentionMetadata, KVCache, PrefillChunk
 from .config import EngineConfig
-from .packed_linear import many_rows_in_bf16
 from .cuda_graphs import DecodeGraphs, Record, capture_sizes, cuda_record
+from .packed_linear import many_rows_in_bf16
 from .sampler import logprob_entry
 from .scheduler import Batch
 from .sequence import Sequence

@@ -259,7 +259,7 @@ class NativeModel(nn.Module):
             else:  # in place, through 2-D views
                 ops.rope_(q.view(T, H * D), cos, sin, H)
                 ops.rope_(k.view(T, KV * D), cos, sin, KV)
-            many = bf16 or (many_mlp is not None and T >= many_mlp[0])  # a step whose matmuls run in bf16
+            many = many_mlp is not None and T >= many_mlp[0]  # a step whose matmuls run in bf16 (bf16 implies it)
             o = paged_attention(q, k, v, cache, meta, self.scales[i], ops, self.windows[i], self.terms[i], bf16=many)
             if bf16:  # o and the MLP in bf16; the residual adds their bf16 outputs
                 x = ops.add_rms_norm_(h, bf16_plan[2](o.view(T, H * D).to(torch.bfloat16)), *self._post_norms[i], True)
