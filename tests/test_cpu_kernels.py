@@ -553,6 +553,60 @@ def test_prefill_attention_refuses_mismatched_operands():
         lib.prefill_attention(torch.randn(3, 3, 16), kc, kc, torch.arange(3), 0, 0.25)
 
 
+def test_bf16_linear_runs_only_with_the_bf16_dot_product():
+    """Builds without AVX-512 have the bf16 layer kernel's name but not the kernel: they say so, and refuse."""
+    lib = cpu.library("generic")
+    if lib is None:
+        pytest.skip("no C++ compiler")
+    assert not lib.bf16_linear_runs()
+    w = cpu.pack_bf16(torch.randn(16, 32).bfloat16().float())
+    with pytest.raises(RuntimeError, match="needs AVX-512 with AVX512-BF16"):
+        lib.bf16_linear(torch.randn(2, 32), w.codes, None, 16)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 21, 40])  # row tiles of 16 and every remainder kind
+@pytest.mark.parametrize("N,K", [(384, 256), (24, 96), (13, 130), (8, 2)])  # odd block counts, n % 8 != 0, K % 32 != 0
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_linear_is_the_float32_sum_of_bf16_products(M, N, K, x_dtype):
+    """bf16_linear(x, codes) is x rounded to bf16 times the bf16 weight with float32 sums, plus the
+    bias: within float32 summation-order error of that, y float32; with bf16_out, y rounded to bf16
+    (to nearest even) from it."""
+    lib = bf16_attention_lib()
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    w = torch.randn(N, K, generator=g).bfloat16().float()
+    x = torch.randn(M, K, generator=g).to(x_dtype)
+    bias = torch.randn(N, generator=g)
+    packed = cpu.pack_bf16(w)
+    exact = x.bfloat16().double() @ w.double().T + bias.double()
+    got = lib.bf16_linear(x, packed.codes, bias, N)
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    torch.testing.assert_close(got.double(), exact, atol=1e-5 * K ** 0.5, rtol=1e-5)
+    assert not torch.equal(got, x.float() @ w.T + bias) or x_dtype == torch.bfloat16  # x was rounded
+    rounded = lib.bf16_linear(x, packed.codes, None, N, True)
+    assert rounded.dtype == torch.bfloat16
+    near = (exact - bias.double()).float()
+    # one bf16 rounding of a float32 that may itself be a few float32 steps away from the exact sum
+    assert ((rounded.float() - near).abs() <= near.abs() * 2 ** -8 + 1e-5).all()
+    if M > 1:  # strided rows: a view of every other row, and bf16 rows of a wider matrix
+        wide = torch.randn(M, K + 2, generator=g).to(x_dtype)[:, :K]
+        torch.testing.assert_close(lib.bf16_linear(wide, packed.codes, bias, N), lib.bf16_linear(wide.contiguous(), packed.codes, bias, N), atol=0, rtol=0)
+
+
+def test_bf16_linear_refuses_mismatched_operands():
+    lib = bf16_attention_lib()
+    packed = cpu.pack_bf16(torch.randn(16, 32).bfloat16().float())
+    with pytest.raises(RuntimeError, match="K must be even"):
+        lib.bf16_linear(torch.randn(2, 31), cpu.pack_bf16(torch.randn(16, 31).bfloat16().float()).codes, None, 16)
+    with pytest.raises(RuntimeError, match="codes must be int16 \\[N/8, K, 8\\]"):
+        lib.bf16_linear(torch.randn(2, 64), packed.codes, None, 16)
+    with pytest.raises(RuntimeError, match="codes hold 2 column blocks for n=24"):
+        lib.bf16_linear(torch.randn(2, 32), packed.codes, None, 24)
+    with pytest.raises(RuntimeError, match="bias must be float32 \\[16\\]"):
+        lib.bf16_linear(torch.randn(2, 32), packed.codes, torch.zeros(8), 16)
+    with pytest.raises(RuntimeError, match="x must be a float32 or bf16 CPU matrix"):
+        lib.bf16_linear(torch.randn(2, 32).half(), packed.codes, None, 16)
+
+
 @pytest.mark.parametrize("T,I", [(1, 8), (3, 37), (5, 1536)])
 def test_gelu_tanh_and_mul_matches_torch(lib, T, I):
     """Gemma's GeGLU: gelu(gate, approximate="tanh") * up, in and out of whole vectors."""

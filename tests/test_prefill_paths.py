@@ -26,30 +26,66 @@ def bf16_numbers(module: torch.nn.Module) -> torch.nn.Module:
 
 @pytest.mark.parametrize("units", ["0", "1"])
 def test_a_bf16_checkpoints_layer_takes_its_kernel_by_rows(monkeypatch, units):
-    """A float32 Linear holding bf16 numbers becomes a WOQLinear: below many.rows rows qtk's kernel gives
-    F.linear's float32 result; from there oneDNN in bf16 (x and y rounded to bf16, float32 sums) with
-    the units, in float32 without. The module and the runtime's direct call agree."""
+    """A float32 Linear holding bf16 numbers becomes a WOQLinear. Below the first bf16 row count, qtk's
+    float32 kernel gives F.linear's float32 result. With the units: where the CPU has AVX512-BF16, qtk's
+    bf16 kernel from BF16_DOT_ROWS[0] rows (x rounded to bf16, float32 sums, y float32) and oneDNN
+    from BF16_DOT_ROWS[1]; else oneDNN from MANY_ROWS; oneDNN in bf16 (x and y rounded to bf16,
+    float32 sums). Without the units, oneDNN in float32. The module and the runtime's direct call agree."""
     monkeypatch.setenv("QTK_CPU_BF16", units)
-    from qtk.runtime.packed_linear import MANY_ROWS, WOQLinear, pack_linears
+    from qtk.runtime.packed_linear import BF16_DOT_ROWS, MANY_ROWS, WOQLinear, pack_linears
 
     torch.manual_seed(0)
     lin = bf16_numbers(torch.nn.Linear(256, 384))
     model = torch.nn.Sequential(copy.deepcopy(lin))
     assert pack_linears(model) == 1 and isinstance(model[0], WOQLinear)
-    packed, direct = model[0], model[0].direct()
+    packed, direct, dot = model[0], model[0].direct(), model[0].dot
     dtype = torch.bfloat16 if units == "1" else torch.float32
-    assert packed.many.packed.dtype == dtype and packed.many.rows == MANY_ROWS[dtype]
-    for rows in (1, packed.many.rows - 1, packed.many.rows, 70):
+    assert (dot is not None) == (units == "1" and cpu_kernels.ops().bf16_linear_runs())
+    assert packed.many.packed.dtype == dtype
+    assert packed.many.rows == (BF16_DOT_ROWS[1] if dot else MANY_ROWS[dtype])
+    first = dot.lo if dot else packed.many.rows
+    for rows in sorted({1, first - 1, first, packed.many.rows - 1, packed.many.rows, packed.many.rows + 7}):
         x = torch.randn(rows, 256)
         with torch.no_grad():
             got, want = packed(x), lin(x)
         assert torch.equal(direct(x), got)
-        if rows < packed.many.rows or units == "0":
+        exact = x.bfloat16().float() @ lin.weight.T + lin.bias
+        if rows < first or units == "0":
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        else:  # the float32 sum of bf16 products, rounded to bf16: within one bf16 step of it
-            exact = (x.bfloat16().float() @ lin.weight.T).bfloat16().float() + lin.bias
-            assert ((got - exact).abs() <= exact.abs() * 2 ** -7 + 1e-6).all()
+        elif rows < packed.many.rows:  # qtk's bf16 kernel: the float32 sum of bf16 products, not rounded
+            torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-5)
             assert not torch.equal(got, want)
+        else:  # the float32 sum of bf16 products, rounded to bf16 (then the bias): within one bf16 step of it
+            sums = (exact - lin.bias).detach()
+            assert ((got - lin.bias - sums.bfloat16().float()).abs() <= sums.abs() * 2 ** -7 + 1e-6).all()
+            assert not torch.equal(got, want)
+
+
+def test_the_lm_head_multiplies_a_decode_batch_in_bf16_and_many_rows_in_float32(monkeypatch):
+    """A bf16 lm_head (bf16_lm_head): float32 logits of float32 products for a few rows and for many (a
+    perplexity's), and of bf16-rounded rows with float32 sums on qtk's bf16 kernel for a decode batch
+    (BF16_DOT_ROWS), where the CPU has AVX512-BF16."""
+    from qtk.runtime.packed_linear import BF16_DOT_ROWS, WOQLinear, bf16_lm_head
+
+    monkeypatch.setenv("QTK_CPU_BF16", "1")
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.lm_head = bf16_numbers(torch.nn.Linear(64, 1000, bias=False))
+    weight = model.lm_head.weight.detach().clone()
+    assert bf16_lm_head(model) and isinstance(model.lm_head, WOQLinear) and model.lm_head.many is None
+    if model.lm_head.dot is None:
+        pytest.skip("CPU without AVX512-BF16: the lm_head multiplies every row in float32")
+    lo, hi = BF16_DOT_ROWS
+    for rows in (1, lo - 1, lo, hi - 1, hi, 300):
+        x = torch.randn(rows, 64)
+        with torch.no_grad():
+            got = model.lm_head(x)
+        assert got.dtype == torch.float32
+        if lo <= rows < hi:
+            torch.testing.assert_close(got, x.bfloat16().float() @ weight.T, atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(got, x @ weight.T, atol=1e-5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(got, x @ weight.T, atol=1e-5, rtol=1e-5)
 
 
 def test_other_float_layers_stay_float32():

@@ -40,7 +40,8 @@ from ..paths import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_woq.cpp", "cpu_w8a8.cpp", "cpu_layers.cpp",
-                                                                 "cpu_attention.cpp", "cpu_bindings.cpp", "cpu_kv.h")]
+                                                                 "cpu_attention.cpp", "cpu_bf16_linear.cpp", "cpu_bindings.cpp",
+                                                                 "cpu_kv.h")]
 OVERRIDE = "QTK_CPU_KERNEL"
 VARIANTS = {
     "avx512": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",

@@ -3,11 +3,15 @@ modules: the transformers model still runs.
 
 A float32 Linear becomes
 - where its weights are all bf16 numbers (a bf16 checkpoint's, upcast: most are): a WOQLinear that
-  keeps them in bf16 and runs qtk's kernel for a few rows (decode: float32 activations, exactly the
-  float32 products at half the bytes, 1.6-3x faster than oneDNN's float32 matmul at 1-8 rows) and
-  oneDNN for many (prefill chunks, batched decode) from MANY_ROWS on: in bf16 on a CPU with bf16
-  units (AVX512-BF16, AMX: 2x the float32 peak; x and y rounded to bf16, the sums float32), else
-  in float32 (OneDNNMatmul);
+  keeps them in bf16 and, by rows of x:
+  - a few (batch-1 decode): qtk's kernel with float32 activations, exactly the float32 products at half
+    the bytes, 1.6-3x faster than oneDNN's float32 matmul at 1-8 rows;
+  - on a CPU with AVX512-BF16, from BF16_DOT_ROWS[0] (batched decode): qtk's bf16 kernel on the same
+    copy (csrc/cpu_bf16_linear.cpp; x rounded to bf16, the sums float32), and from BF16_DOT_ROWS[1]
+    (prefill chunks) oneDNN's bf16 matmul on its own copy;
+  - else oneDNN from MANY_ROWS (prefill chunks, batched decode): in bf16 on a CPU with bf16 units
+    (x and y rounded to bf16, the sums float32),
+    else in float32 (OneDNNMatmul);
 - else a PackedLinear: the weight in oneDNN's float32 layout (kernels.dispatch.cpu_packed_weight:
   1.2-2.6x faster than F.linear for the few rows of a decode step).
 QuantLinears get their kernel's module (WOQLinear, W8A8Linear), or a packed Dense runtime."""
@@ -35,6 +39,12 @@ SMALL_FLOAT = 2 ** 15
 # Zen 4: the kernel 12.4 / oneDNN bf16 13.8 ms at 8 rows, 15.5 / 14.5 at 10, 22.1 / 18.2 at 16; oneDNN
 # float32 19.9 ms at 8 rows, 25.8 at 16, 31.5 at 20 against the kernel's 35.3)
 MANY_ROWS = {torch.bfloat16: 10, torch.float32: 18}
+# rows from which a layer kept in bf16 multiplies in bf16 on qtk's AVX512-BF16 kernel, and from which on
+# oneDNN's bf16 matmul takes over (benchmarks/prefill_peak.py's crossover, 2-core Zen 4, SmolLM2-135M's 120
+# decoder layers out of cache, ms per pass: at 4 rows the float32 kernel 8.2 / the bf16 kernel 8.2, at 5
+# 10.1 / 8.8, at 8 12.4 / 8.8 / oneDNN bf16 13.4, at 16 21.3 / 11.3 / 16.4, at 64 87 / 39 / 44, at 80
+# 110 / 50 / 51). Below it the float32 kernel keeps batch-1 and small batches' float32 numbers.
+BF16_DOT_ROWS = (5, 80)
 
 
 class PackedLinear(nn.Module):
@@ -91,6 +101,32 @@ class OneDNNMatmul:
         return OneDNNMatmul(packed, bias, MANY_ROWS[dtype])
 
 
+@dataclass(frozen=True)
+class BF16Dot:
+    """y = x W^T + b on qtk's AVX512-BF16 kernel (csrc/cpu_bf16_linear.cpp) for lo <= T < hi rows of
+    float32 or bf16 x [T, K]: x rounded to bf16, float32 sums, y float32 (or rounded to bf16); it reads
+    the WOQLinear's own bf16 copy (codes)."""
+
+    codes: torch.Tensor  # int16 [N/8, K, 8] (kernels.cpu.pack_bf16)
+    bias: torch.Tensor | None  # float32
+    n: int
+    op: object  # the kernel build's bf16_linear
+    lo: int = BF16_DOT_ROWS[0]
+    hi: int = BF16_DOT_ROWS[1]
+
+    def __call__(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+        return self.op(x, self.codes, self.bias, self.n, bf16_out)
+
+    @staticmethod
+    def of(w: cpu_kernels.PackedWOQ, bias: torch.Tensor | None, lib) -> BF16Dot | None:
+        """The kernel for a bf16 layer where this CPU and build run it (AVX512-BF16; QTK_CPU_BF16 not 0)
+        and K is even (pairs of bf16), else None."""
+        runs = getattr(lib, "bf16_linear_runs", None)
+        if w.bits != 16 or w.codes.shape[1] % 2 or runs is None or not runs() or not cpu_has_native_bf16():
+            return None
+        return BF16Dot(w.codes, bias, w.n, lib.bf16_linear)
+
+
 class KernelLinear(nn.Module):
     """A layer one of qtk's CPU kernels runs straight from the module (no dispatch on each call),
     from its runtime (kernels/dispatch.py)."""
@@ -110,25 +146,38 @@ class WOQLinear(KernelLinear):
     - weight-only QuantLinears, and several that read the same input (q/k/v, gate/up) joined into
       one: one call per step instead of three, and more columns to share among threads;
     - a float32 Linear whose weight holds only bf16 numbers (a bf16 checkpoint's, upcast), kept in
-      bf16: exactly the float32 products at half the bytes (kept_in_bf16); from many.rows rows on,
+      bf16: exactly the float32 products at half the bytes (kept_in_bf16); on qtk's bf16 kernel for
+      dot.lo <= rows < dot.hi (`dot`, where the CPU has AVX512-BF16), and from many.rows rows on
       oneDNN's matmul on its own copy (`many`). The lm_head gets no `many`: its logits stay float32
-      (the engine computes them for a few rows; a perplexity's many rows take the kernel's tiles)."""
+      (the engine computes them for a few rows, in the bf16 kernel from dot.lo with float32 sums and
+      output; a perplexity's many rows take the float32 kernel's tiles)."""
 
-    def __init__(self, runtime: CpuWOQ, in_features: int, many: OneDNNMatmul | None = None):
+    def __init__(self, runtime: CpuWOQ, in_features: int, many: OneDNNMatmul | None = None,
+                 dot: BF16Dot | None = None):
         super().__init__(runtime, in_features)
         self.many = many
+        self.dot = dot
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        y = self.many(x.float().contiguous()).to(x.dtype) if self.many and x.shape[0] >= self.many.rows else self.runtime(x)
+        T, dot, many = x.shape[0], self.dot, self.many
+        if dot is not None and dot.lo <= T < dot.hi:
+            y = dot(x.float().contiguous()).to(x.dtype)
+        elif many is not None and T >= many.rows:
+            y = many(x.float().contiguous()).to(x.dtype)
+        else:
+            y = self.runtime(x)
         return y.view(*shape[:-1], self.out_features)
 
     def direct(self):
         """The kernel call itself, for float32 [T, K] contiguous x (the runtime's fused forward)."""
         w, bias, op = self.runtime.w, self.runtime.bias, self.runtime.lib.woq_linear
         few = lambda x: op(x, w.codes, w.scales, w.zs, bias, w.bits, w.n)  # noqa: E731
-        many = self.many
+        many, dot = self.many, self.dot
+        if dot is not None:
+            rest = few if many is None else many  # from dot.hi rows: the lm_head's float32 tiles, or oneDNN
+            return lambda x: dot(x) if dot.lo <= x.shape[0] < dot.hi else few(x) if x.shape[0] < dot.lo else rest(x)
         if many is None:
             return few
         return lambda x: many(x) if x.shape[0] >= many.rows else few(x)
@@ -137,8 +186,13 @@ class WOQLinear(KernelLinear):
     def weights(self) -> str:
         if self.runtime.w.bits != 16:
             return f"int{self.runtime.w.bits}"
-        many = self.many
-        return "bf16" if many is None else f"bf16, oneDNN {str(many.packed.dtype)[6:]} from {many.rows} rows"
+        many, dot = self.many, self.dot
+        parts = ["bf16"]
+        if dot is not None:
+            parts.append(f"qtk bf16 dot products from {dot.lo} rows")
+        if many is not None:
+            parts.append(f"oneDNN {str(many.packed.dtype)[6:]} from {many.rows} rows")
+        return ", ".join(parts)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weights}, qtk CPU kernel"
@@ -165,18 +219,24 @@ class W8A8Linear(KernelLinear):
 
 def bf16_matmul(module: nn.Module | None):
     """(rows, f) for a layer that multiplies many rows in bf16 (a WOQLinear with a bf16 OneDNNMatmul,
-    no bias): f(x) = x W^T for bf16 x [T, K], T >= rows, in bf16 (float32 sums); else None."""
+    no bias): f(x) = x W^T for bf16 or float32 x [T, K], T >= rows, with x rounded to bf16 and float32
+    sums: y rounded to bf16 on oneDNN; y float32 on qtk's bf16 kernel, which takes below dot.hi rows
+    where the layer has it (rows = dot.lo; the rounding of y saves nothing there); else None."""
     many = getattr(module, "many", None)
     if many is None or many.packed.dtype != torch.bfloat16 or many.bias is not None:
         return None
-    return many.rows, lambda x: packed_linear(x, many.packed, None)
+    onednn = lambda x: packed_linear(x.to(torch.bfloat16), many.packed, None)  # noqa: E731
+    dot = module.dot
+    if dot is None:
+        return many.rows, onednn
+    return dot.lo, lambda x: dot(x) if x.shape[0] < dot.hi else onednn(x)
 
 
 def bf16_mlp(gate_up: nn.Module | None, down: nn.Module | None, glu):
     """(rows, mlp) for a GLU MLP whose gate_up and down projections multiply many rows in bf16
-    (bf16_matmul): mlp(x) = down(glu(gate_up(x))) for bf16 x [T, K], T >= rows, in bf16, the [T, 2I]
-    and [T, I] activations between them left in bf16 too (glu: qtk's fused op, which takes bf16
-    rows); else None."""
+    (bf16_matmul): mlp(x) = down(glu(gate_up(x))) for bf16 or float32 x [T, K], T >= rows, the [T, 2I]
+    and [T, I] activations between them in the dtype the projections give (bf16 on oneDNN; glu: qtk's
+    fused op, which takes either); else None."""
     gu, dn = bf16_matmul(gate_up), bf16_matmul(down)
     if gu is None or dn is None:
         return None
@@ -198,7 +258,11 @@ def kept_in_bf16(weight: torch.Tensor, bias: torch.Tensor | None, many: bool = T
     if packed is None:
         return None
     bias = None if bias is None else bias.detach().float().contiguous()
-    return WOQLinear(CpuWOQ(packed, None, bias, lib), weight.shape[1], OneDNNMatmul.of(weight, bias) if many else None)
+    dot = BF16Dot.of(packed, bias, lib)
+    onednn = OneDNNMatmul.of(weight, bias) if many else None
+    if onednn is not None and dot is not None:
+        onednn = replace(onednn, rows=dot.hi)
+    return WOQLinear(CpuWOQ(packed, None, bias, lib), weight.shape[1], onednn, dot)
 
 
 def many_rows_in_bf16(model: nn.Module) -> bool:

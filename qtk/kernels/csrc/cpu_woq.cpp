@@ -197,6 +197,14 @@ static inline void dot_4blocks(const uint8_t* blk, int64_t bb, const float* x0, 
   } else {
     int64_t k = k0;
     for (; k + 2 <= k1; k += 2) {
+      if (k % (64 / (LANES * BITS / 8)) == 0) {  // the next tile's weights, a line per block, into L2 (a bf16
+        // tile is more than L1 holds; at 1-2 rows of SmolLM2's layers this made the gemv 10-30% faster, and T0 less)
+        const char* next = reinterpret_cast<const char*>(blk + k * LANES * (BITS / 8)) + 4 * bb;
+        _mm_prefetch(next, _MM_HINT_T1);
+        _mm_prefetch(next + bb, _MM_HINT_T1);
+        _mm_prefetch(next + 2 * bb, _MM_HINT_T1);
+        _mm_prefetch(next + 3 * bb, _MM_HINT_T1);
+      }
       acc.template fma<false>(load_lanes<BITS>(blk, k), load_lanes<BITS>(blk + bb, k),
                               load_lanes<BITS>(blk + 2 * bb, k), load_lanes<BITS>(blk + 3 * bb, k), x0 + k, x1 + k);
       acc.template fma<true>(load_lanes<BITS>(blk, k + 1), load_lanes<BITS>(blk + bb, k + 1),
@@ -304,6 +312,11 @@ static QTK_INLINE void dot_8blocks(const uint8_t* blk, int64_t bb, const float* 
   } else {
     int64_t k = k0;
     for (; k + 2 <= k1; k += 2) {
+      if (k % (64 / (LANES * BITS / 8)) == 0) {  // the next tile's weights (8 blocks on), a line per block
+        const char* next = reinterpret_cast<const char*>(blk + k * LANES * (BITS / 8)) + 8 * bb;
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) _mm_prefetch(next + t * bb, _MM_HINT_T1);
+      }
       const __m512 w0[4] = {pair_lanes<BITS>(blk, bb, k), pair_lanes<BITS>(blk + 2 * bb, bb, k),
                             pair_lanes<BITS>(blk + 4 * bb, bb, k), pair_lanes<BITS>(blk + 6 * bb, bb, k)};
       fma16<MR, false>(acc, w0, x, k);

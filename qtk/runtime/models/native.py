@@ -217,9 +217,10 @@ class NativeModel(nn.Module):
         ~300 calls, and Python's module machinery would cost as much as the attention).
         A step of many rows whose every layer multiplies them in bf16 (_layer_plan's bf16 entry: a
         bf16 checkpoint on a CPU with bf16 units) keeps the activations between the norms and the
-        matmuls in bf16: the norms write bf16, the residual adds the o and down projections' bf16
-        outputs as they are, so only the qkv output (for RoPE, the cache and attention) and the
-        attention output convert; the same numbers as converting around each matmul."""
+        matmuls in bf16: the norms write bf16, the residual adds the o and down projections' outputs
+        as they are (bf16 from oneDNN, float32 from qtk's bf16 kernel for a decode batch), so only
+        the qkv output (for RoPE, the cache and attention) and the attention output convert; the
+        same numbers as converting around each matmul."""
         ops = self.cpu_ops
         if self._plan is None:
             self._plan = [self._layer_plan(layer, getattr(ops, self.glu_op)) for layer in self.layers]
@@ -262,7 +263,7 @@ class NativeModel(nn.Module):
             many = many_mlp is not None and T >= many_mlp[0]  # a step whose matmuls run in bf16 (bf16 implies it)
             o = paged_attention(q, k, v, cache, meta, self.scales[i], ops, self.windows[i], self.terms[i], bf16=many)
             if bf16:  # o and the MLP in bf16; the residual adds their bf16 outputs
-                x = ops.add_rms_norm_(h, bf16_plan[2](o.view(T, H * D).to(torch.bfloat16)), *self._post_norms[i], True)
+                x = ops.add_rms_norm_(h, bf16_plan[2](o.view(T, H * D)), *self._post_norms[i], True)
                 x = ops.add_rms_norm_(h, bf16_plan[3](x), *norms[i + 1], i < last)
                 continue
             a = o_proj(o.view(T, H * D))
@@ -271,7 +272,7 @@ class NativeModel(nn.Module):
             else:
                 x = ops.add_rms_norm_(h, a, *self._post_norms[i])
             if many:  # prefill chunks: bf16 from gate_up to down
-                m = many_mlp[1](x.to(torch.bfloat16)).float()
+                m = many_mlp[1](x).float()
             else:
                 m = down(glu(gate_up(x))) if gate_up is not None else layer.mlp(x)
             if sandwich:
