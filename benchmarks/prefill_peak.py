@@ -9,8 +9,9 @@ Four measurements, in one process, 2 threads unless --threads:
    layer shapes (q/k/v joined, o, gate/up joined, down) at 256-2048 rows, in cache; the best
    GFLOP/s of float32 and of bf16 (bf16 only where the CPU has bf16 units).
 2. the crossover by rows: the model's decoder layers out of cache (every layer's own weights), per
-   rows M, in three kernels the engine chooses among for a bf16 checkpoint's weights: qtk's kernel
-   (bf16 weights, float32 activations), oneDNN float32, oneDNN bf16 (packed_linear.MANY_ROWS).
+   rows M, in the kernels the engine chooses among for a bf16 checkpoint's weights: qtk's kernel
+   (bf16 weights, float32 activations), qtk's bf16 kernel (AVX512-BF16, packed_linear.BF16_DOT_ROWS),
+   oneDNN float32, oneDNN bf16 (packed_linear.MANY_ROWS).
 3. attention: one layer's causal attention over a whole prompt (the prompt lengths and 4096) in
    qtk's bf16 flash kernel (where the CPU has AVX512-BF16) and torch's float32 flash kernel.
 4. prefill: `num-prompts` prompts of exactly L tokens of the built-in evaluation text, 1 output
@@ -92,6 +93,9 @@ def crossover(shapes, layers: int, ms: list[int], bf16: bool) -> list[dict]:
         if woq is not None:
             r["qtk_kernel_bf16_weights"] = 1e3 * best_seconds(lambda: [
                 lib.woq_linear(x, w.codes, w.scales, w.zs, None, w.bits, w.n) for layer in woq for x, w in zip(xs, layer)])
+            if bf16 and lib.bf16_linear_runs():
+                r["qtk_bf16_kernel"] = 1e3 * best_seconds(lambda: [
+                    lib.bf16_linear(x, w.codes, None, w.n) for layer in woq for x, w in zip(xs, layer)])
         r["onednn_float32"] = 1e3 * best_seconds(lambda: [
             packed_linear(x, p, None) for layer in kinds["onednn_float32"] for x, p in zip(xs, layer)])
         if bf16:
@@ -176,7 +180,7 @@ def main() -> None:
     shapes, bf16 = layer_shapes(cfg), cpu_has_native_bf16()
     peak = matmul_peak(shapes, [torch.float32] + ([torch.bfloat16] if bf16 else []))
     print("matmul peak (oneDNN, model shapes, in cache): " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items()))
-    cross = crossover(shapes, cfg.num_hidden_layers, [1, 2, 4, 8, 10, 12, 16, 20, 24, 32, 64, 256], bf16)
+    cross = crossover(shapes, cfg.num_hidden_layers, [1, 2, 4, 5, 8, 10, 12, 16, 20, 24, 32, 64, 80, 128, 256], bf16)
     print("\n| rows | " + " | ".join(k for k in cross[0] if k != "m") + " |  (ms per pass over the decoder layers)")
     for r in cross:
         print(f"| {r['m']} | " + " | ".join(f"{v:.1f}" for k, v in r.items() if k != "m") + " |")

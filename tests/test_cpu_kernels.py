@@ -553,6 +553,55 @@ def test_prefill_attention_refuses_mismatched_operands():
         lib.prefill_attention(torch.randn(3, 3, 16), kc, kc, torch.arange(3), 0, 0.25)
 
 
+@pytest.mark.parametrize("B,H,KV,D,lens,window,softcap,sinks", [
+    (16, 9, 3, 64, [256 + 7 * i for i in range(16)], 0, 0.0, False),  # a decode batch: items of one KV head
+    (3, 4, 2, 80, [1, 17, 40], 0, 0.0, False),      # D % 32 == 16, a context of one key, odd lengths
+    (2, 8, 1, 128, [33, 70], 20, 0.0, True),        # a window, sinks, 8 query heads per KV head
+    (4, 16, 2, 64, [5, 16, 31, 100], 0, 30.0, False),  # softcap; 8 heads per KV head in passes of 8
+    (1, 9, 3, 64, [300], 0, 0.0, False),            # one sequence: its heads split over the threads
+])
+def test_bf16_decode_attention_matches_the_float32_kernel(B, H, KV, D, lens, window, softcap, sinks):
+    """paged_decode_attention_bf16 over a bf16 cache gives paged_decode_attention's result (float32
+    math) within bf16 rounding of q and the softmax weights, through shuffled block tables, with
+    windows, softcap, sinks, GQA and any D % 16 == 0; a wrong key, mask or lane order is off by O(1)."""
+    lib = bf16_attention_lib()
+    g = torch.Generator().manual_seed(B * 100 + D)
+    bs, lens = 16, torch.tensor(lens)
+    nblk = int((lens.max() + bs - 1) // bs)
+    S = B * nblk * bs + 64
+    k, v = torch.randn(KV, S, D, generator=g).bfloat16(), torch.randn(KV, S, D, generator=g).bfloat16()
+    tables = torch.randperm(S // bs, generator=g)[:B * nblk].view(B, nblk).contiguous()
+    qkv = torch.randn(B, H + 2 * KV, D, generator=g) * 2
+    q = qkv[:, :H]  # heads of the qkv projection's output: rows at a stride
+    sk = torch.randn(H, generator=g) if sinks else None
+    want = lib.paged_decode_attention(q, k, v, tables, lens, bs, D ** -0.5, None, None, window, softcap, sk)
+    got = lib.paged_decode_attention_bf16(q, k, v, tables, lens, bs, D ** -0.5, window, softcap, sk)
+    assert got.shape == (B, H, D)
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 8e-3, err
+    if window:  # the window is applied: without it the result is another one
+        unwindowed = lib.paged_decode_attention(q, k, v, tables, lens, bs, D ** -0.5, None, None, 0, softcap, sk)
+        assert ((got - unwindowed).norm() / unwindowed.norm()).item() > 0.1
+
+
+def test_bf16_decode_attention_refuses_what_it_does_not_read():
+    lib = bf16_attention_lib()
+    q, kc, tables, lens = torch.randn(1, 4, 16), torch.zeros(2, 16, 16).bfloat16(), torch.zeros(1, 1, dtype=torch.long), torch.tensor([3])
+    with pytest.raises(RuntimeError, match="caches must be contiguous bf16"):
+        lib.paged_decode_attention_bf16(q, kc.float(), kc.float(), tables, lens, 16, 0.25)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16, got 8"):
+        lib.paged_decode_attention_bf16(q[..., :8].contiguous(), kc[..., :8].contiguous(), kc[..., :8].contiguous(), tables, lens, 16, 0.25)
+    with pytest.raises(RuntimeError, match="context longer than its block table"):
+        lib.paged_decode_attention_bf16(q, kc, kc, tables, torch.tensor([17]), 16, 0.25)
+    with pytest.raises(RuntimeError, match="block table points outside the cache"):
+        lib.paged_decode_attention_bf16(q, kc, kc, torch.tensor([[1]]), lens, 16, 0.25)
+    generic = cpu.library("generic")
+    if generic is not None:
+        assert not generic.prefill_attention_runs()
+        with pytest.raises(RuntimeError, match="needs AVX-512 with AVX512-BF16"):
+            generic.paged_decode_attention_bf16(q, kc, kc, tables, lens, 16, 0.25)
+
+
 def test_bf16_linear_runs_only_with_the_bf16_dot_product():
     """Builds without AVX-512 have the bf16 layer kernel's name but not the kernel: they say so, and refuse."""
     lib = cpu.library("generic")

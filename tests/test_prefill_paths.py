@@ -137,6 +137,35 @@ def test_prefill_in_bf16_keeps_the_logits_within_bf16_rounding(monkeypatch, unit
             assert torch.equal(torch.stack(a), torch.stack(b))
 
 
+@pytest.mark.parametrize("units", ["0", "1"])
+def test_a_bf16_decode_batch_attends_in_the_bf16_decode_kernel(monkeypatch, units):
+    """Decode steps of 6 sequences of a bf16 checkpoint over a bf16 cache (at least BF16_DOT_ROWS[0] rows:
+    the step's matmuls in bf16) attend in qtk's bf16 decode kernel where the CPU has AVX512-BF16, once
+    per layer per step; with QTK_CPU_BF16=0 the float32-math kernel attends. Either way the logits
+    follow the float32 model's within bf16 rounding."""
+    monkeypatch.setenv("QTK_CPU_BF16", units)
+    from qtk.runtime.models import build
+    from qtk.runtime.packed_linear import BF16_DOT_ROWS
+
+    model = bf16_numbers(hf_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                  num_key_value_heads=2))
+    runtime = build(copy.deepcopy(model))
+    ops = runtime.cpu_ops
+    calls = []
+    if hasattr(ops, "paged_decode_attention_bf16"):
+        kernel = ops.paged_decode_attention_bf16
+        monkeypatch.setattr(ops, "paged_decode_attention_bf16", lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    prompts = [list(range(10 + 7 * i, 30 + 9 * i)) for i in range(6)]
+    assert len(prompts) >= BF16_DOT_ROWS[0]
+    _, want, _ = greedy_through_runtime(model, prompts, new_tokens=4, budget=256)
+    _, got, _ = greedy_through_runtime(None, prompts, new_tokens=4, budget=256, runtime=runtime, kv_dtype=torch.bfloat16)
+    runs = units == "1" and ops.prefill_attention_runs()
+    # 3 decode steps of 6 rows after the prefill step (which samples the first token), every layer
+    assert calls == ([6] * 3 * len(runtime.layers) if runs else [])
+    for a, b in zip(want.values(), got.values()):  # the bf16 cache rounds K and V either way
+        torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=0.05, rtol=0.05)
+
+
 @pytest.mark.parametrize("budget", [64, 5])
 def test_whole_prompt_and_chunked_prefill_attend_alike(budget):
     """A prompt in one chunk takes sdpa's causal flag, in chunks the offset mask: the same logits as

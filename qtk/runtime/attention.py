@@ -203,8 +203,9 @@ def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: flo
 def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: float, ops=None,
                    window: int | None = None, terms: ScoreTerms = NO_TERMS, bf16: bool = False) -> torch.Tensor:
     """qtk's CPU kernels store the step's keys and values and attend for the decodes (window, softcap
-    and sinks included); prefill chunks attend in qtk's bf16 flash kernel where `bf16` and it runs
-    (_bf16_prefill_kernel), else in torch (_prefill)."""
+    and sinks included), in bf16 where `bf16` and the bf16 decode kernel runs (_bf16_decode_kernel);
+    prefill chunks attend in qtk's bf16 flash kernel where `bf16` and it runs (_bf16_prefill_kernel),
+    else in torch (_prefill)."""
     if ops is None:
         from ..kernels import cpu as cpu_kernels
 
@@ -214,9 +215,14 @@ def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: floa
     ops.store_kv_(kc, vc, k, v, meta.slot_mapping, *scales)
     extra = (window or 0, terms.softcap or 0.0, terms.sinks)
 
-    def decode(q):
-        return ops.paged_decode_attention(q, kc, vc, meta.block_tables, meta.decode_lens, meta.block_size, scale,
-                                          *scales, *extra)
+    if bf16 and _bf16_decode_kernel(ops, q, kc):
+        def decode(q):
+            return ops.paged_decode_attention_bf16(q, kc, vc, meta.block_tables, meta.decode_lens, meta.block_size,
+                                                   scale, *extra)
+    else:
+        def decode(q):
+            return ops.paged_decode_attention(q, kc, vc, meta.block_tables, meta.decode_lens, meta.block_size, scale,
+                                              *scales, *extra)
     if not meta.prefills:  # a step of decodes only: token i is sequence i's
         return decode(q)
     out = torch.empty_like(q)
@@ -240,6 +246,14 @@ def _bf16_prefill_kernel(ops, q: torch.Tensor, terms: ScoreTerms) -> bool:
     layer's prefill chunks: the CPU has the bf16 dot product (AVX512-BF16), D % 16 == 0, and the
     layer has no softcap or sinks."""
     return (not terms and q.dtype == torch.float32 and q.shape[-1] % 16 == 0 and
+            hasattr(ops, "prefill_attention_runs") and ops.prefill_attention_runs())
+
+
+def _bf16_decode_kernel(ops, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether qtk's bf16 decode kernel (csrc/cpu_attention.cpp: q and the softmax weights rounded to bf16,
+    the sums float32, keys read in place; 1.5-2.5x the float32-math kernel at 16 sequences x 320-1024 keys on
+    Zen 4) takes a step's decodes: a bf16 cache, D % 16 == 0, and the CPU has AVX512-BF16."""
+    return (k_cache.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.shape[-1] % 16 == 0 and
             hasattr(ops, "prefill_attention_runs") and ops.prefill_attention_runs())
 
 

@@ -65,6 +65,7 @@ bool runs() {
 #ifdef QTK_ATTN_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")  // these functions only: the build's other code runs on CPUs without it
+#define QTK_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t BK = 64;  // keys per block: 4 vectors of 16 scores, 32 pairs for P V
 constexpr int64_t BQ = 32;  // query positions per work item
@@ -310,6 +311,195 @@ void run(Problem& P, const at::Tensor& k_cache, const at::Tensor& v_cache, const
   });
 }
 
+
+// ---- decode: each sequence's one query against its paged context, in a bf16 cache --------------------------
+// For the decode rows of a step whose matmuls run in bf16 (a batched decode of a bf16 checkpoint), with the
+// prefill kernel's numerics: q * scale and the softmax weights rounded to bf16, the sums float32. A work item
+// is the query heads of one KV head of one sequence (split further when there are few sequences, as in
+// cpu_layers.cpp's float32 kernel), over its keys in tiles of 16, read in place through the block table:
+//   Q K^T  per key: a dpbf16 per 32 dims of its row against the head's q pairs (16 lanes of partial sums),
+//          then 16 keys' lanes summed at once by a tree of unpacks and lane shuffles into 16 scores;
+//   softmax in base 2 (log2 e joins the scores' scale), softcap and sinks as the float32 kernel;
+//   P V    per pair of keys: their rows interleaved by two unpacks (pairs (v[2i][d], v[2i+1][d]), dims in a
+//          lane order undone once at the end), a dpbf16 per 32 dims for each head against its weights' pair.
+
+// lane j of the result: the sum of x[j]'s 16 lanes
+static QTK_INLINE __m512 sum16x16(const __m512 (&x)[16]) {
+  __m512 y[8], z[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // 128-bit lane l of y[i]: (x[2i], x[2i+1]) x (elements 0+2, 1+3 of lane l)
+    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {  // lane l of z[k]: keys 4k .. 4k + 3, each summed over lane l
+    const __m512d a = _mm512_castps_pd(y[2 * k]), b = _mm512_castps_pd(y[2 * k + 1]);
+    z[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// 32 bf16 of a row from dim d (the last 16 alone when D - d == 16)
+static QTK_INLINE __m512i row32(const uint16_t* row, int64_t d, int64_t D) {
+  return D - d >= 32 ? _mm512_loadu_si512(row + d) : _mm512_maskz_loadu_epi16(0xFFFF, row + d);
+}
+
+constexpr int DECODE_HEADS = 8;
+constexpr int64_t DECODE_AHEAD = 64;  // keys ahead whose rows are asked for  // query heads per P V pass: 2 accumulators each per 32 dims
+
+struct DecodeItem {
+  const uint16_t* const* krow;  // the context's L key and value rows, in order
+  const uint16_t* const* vrow;
+  int64_t L, D;
+  const float* q;  // ng rows of D, at stride qs
+  int64_t ng, qs;
+  float scale, softcap;
+  const float* sinks;  // ng, or null
+  float* out;          // ng rows of D, contiguous
+};
+
+static void decode_item(const DecodeItem& it, std::vector<uint32_t>& qp, std::vector<float>& sc, std::vector<uint32_t>& pp) {
+  const int64_t L = it.L, D = it.D, ng = it.ng, half = (D + 31) / 32 * 16;  // pairs per head, padded to 16
+  const float qscale = it.softcap > 0.f ? it.scale : it.scale * kLog2e;  // softcap: on natural-scale scores
+  qp.assign(ng * half, 0);
+  for (int64_t g = 0; g < ng; ++g) {
+    const float* qr = it.q + g * it.qs;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __mmask16 m2 = D - d >= 32 ? 0xFFFF : 0;
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(qr + d), _mm512_set1_ps(qscale));
+      const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(m2, qr + d + 16), _mm512_set1_ps(qscale));
+      _mm512_storeu_si512(qp.data() + g * half + d / 2, pairs32(lo, hi));
+    }
+  }
+  const int64_t Lp = (L + 15) / 16 * 16;
+  sc.resize(ng * Lp);
+  const int64_t row_bytes = D * 2;
+  for (int64_t j = 0; j < std::min<int64_t>(L, DECODE_AHEAD); ++j)  // the first tiles' keys
+    for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(it.krow[j]) + c, _MM_HINT_T0);
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {  // Q K^T: 16 keys at a time, every head of the item
+    const uint16_t* rows[16];
+    for (int j = 0; j < 16; ++j) rows[j] = it.krow[j0 + j < L ? j0 + j : j0];
+    // a sequence's blocks lie anywhere in the pool: ask for the next tile's keys, and this tile's values
+    // (into L2, for P V), while this one computes, rather than wait for each row
+    for (int64_t j = j0; j < std::min(L, j0 + 16); ++j)
+      for (int64_t c = 0; c < row_bytes; c += 64) {
+        if (j + DECODE_AHEAD < L) _mm_prefetch(reinterpret_cast<const char*>(it.krow[j + DECODE_AHEAD]) + c, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(it.vrow[j]) + c, _MM_HINT_T1);
+      }
+    for (int64_t g = 0; g < ng; ++g) {
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512bh qv = as_bh(_mm512_loadu_si512(qp.data() + g * half + d / 2));
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], as_bh(row32(rows[j], d, D)), qv);
+      }
+      _mm512_storeu_ps(sc.data() + g * Lp + j0, sum16x16(acc));
+    }
+  }
+  const int64_t npairs = (L + 1) / 2;
+  pp.resize(ng * npairs);
+  for (int64_t g = 0; g < ng; ++g) {  // softmax, in base 2; the weights rounded to bf16 in pairs
+    float* s = sc.data() + g * Lp;
+    if (it.softcap > 0.f)
+      for (int64_t j = 0; j < L; ++j) s[j] = it.softcap * std::tanh(s[j] / it.softcap) * kLog2e;
+    const float sink = it.sinks ? it.sinks[g] * kLog2e : -INFINITY;
+    float mx = sink;
+    for (int64_t j = 0; j < L; ++j) mx = std::max(mx, s[j]);
+    for (int64_t j = L; j < Lp; ++j) s[j] = -INFINITY;
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < Lp; j += 16) {
+      const __m512 e = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(mx)));
+      _mm512_storeu_ps(s + j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    const float inv = 1.f / (_mm512_reduce_add_ps(total) + (it.sinks ? std::exp2(sink - mx) : 0.f));
+    for (int64_t j = 0; j < Lp; j += 32) {  // Lp % 16 == 0; past L the weights are 0
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(inv));
+      const __m512 hi = j + 16 < Lp ? _mm512_mul_ps(_mm512_loadu_ps(s + j + 16), _mm512_set1_ps(inv)) : _mm512_setzero_ps();
+      alignas(64) uint32_t w[16];
+      _mm512_store_si512(w, pairs32(lo, hi));
+      for (int64_t i = 0; i < 16 && j / 2 + i < npairs; ++i) pp[g * npairs + j / 2 + i] = w[i];
+    }
+  }
+  // dims of the unpacked accumulators: lo lane 4l + t is dim 8l + t, hi's is 8l + 4 + t (per 32 dims)
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t g0 = 0; g0 < ng; g0 += DECODE_HEADS) {  // P V: 32 dims at a time, up to 8 heads
+    const int64_t nh = std::min<int64_t>(DECODE_HEADS, ng - g0);
+    for (int64_t d = 0; d < D; d += 32) {
+      __m512 lo[DECODE_HEADS], hi[DECODE_HEADS];
+#pragma GCC unroll 8
+      for (int g = 0; g < DECODE_HEADS; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < npairs; ++i) {
+        const __m512i a = row32(it.vrow[2 * i], d, D);
+        const __m512i b = row32(it.vrow[2 * i + 1 < L ? 2 * i + 1 : 2 * i], d, D);  // a lone last key: weight 0
+        const __m512bh ul = as_bh(_mm512_unpacklo_epi16(a, b)), uh = as_bh(_mm512_unpackhi_epi16(a, b));
+#pragma GCC unroll 8
+        for (int g = 0; g < DECODE_HEADS; ++g) {
+          if (g < nh) {
+            const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int>(pp[(g0 + g) * npairs + i])));
+            lo[g] = _mm512_dpbf16_ps(lo[g], ul, p);
+            hi[g] = _mm512_dpbf16_ps(hi[g], uh, p);
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int g = 0; g < DECODE_HEADS; ++g) {
+        if (g < nh) {
+          float* o = it.out + (g0 + g) * D + d;
+          _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo[g], first, hi[g]));
+          if (D - d >= 32) _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo[g], second, hi[g]));
+        }
+      }
+    }
+  }
+}
+
+void decode_run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                const at::Tensor& lens, int64_t bs, float scale, int64_t window, float softcap, const float* sinks,
+                at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(0), S = k_cache.size(1);
+  const int64_t G = H / KV, W = tables.size(1);
+  const int64_t* tb = tables.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  const uint16_t* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+  const uint16_t* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  const int64_t splits = B * KV < 2 * at::get_num_threads() ? G : 1;  // few sequences: split the heads too
+  const int64_t items = B * KV * splits;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<const uint16_t*> krow, vrow;
+    std::vector<uint32_t> qp, pp;
+    std::vector<float> sc, o;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (KV * splits), h = (i / splits) % KV, sp = i % splits;
+      const int64_t g0 = sp * G / splits, g1 = (sp + 1) * G / splits, n = ln[b];
+      TORCH_CHECK(n >= 1, "paged_decode_attention_bf16: context length ", n, " of sequence ", b, " (at least 1)");
+      TORCH_CHECK((n + bs - 1) / bs <= W, "paged_decode_attention_bf16: context longer than its block table");
+      const int64_t first = window > 0 && n > window ? n - window : 0, L = n - first;
+      krow.resize(L);
+      vrow.resize(L);
+      for (int64_t blk = first / bs; blk * bs < n; ++blk) {
+        const int64_t base = tb[b * W + blk] * bs;
+        TORCH_CHECK(base >= 0 && base + bs <= S, "paged_decode_attention_bf16: block table points outside the cache");
+        for (int64_t off = std::max(first - blk * bs, int64_t(0)); off < bs && blk * bs + off < n; ++off) {
+          krow[blk * bs + off - first] = kc + (h * S + base + off) * D;
+          vrow[blk * bs + off - first] = vc + (h * S + base + off) * D;
+        }
+      }
+      if (g1 == g0) continue;
+      const DecodeItem it{krow.data(), vrow.data(), L, D, q.data_ptr<float>() + b * q.stride(0) + (h * G + g0) * q.stride(1),
+                          g1 - g0, q.stride(1), scale, softcap, sinks ? sinks + h * G + g0 : nullptr,
+                          out.data_ptr<float>() + (b * H + h * G + g0) * D};
+      decode_item(it, qp, sc, pp);
+    }
+  });
+}
+
 #pragma GCC pop_options
 #endif  // QTK_ATTN_AVX512
 
@@ -357,6 +547,38 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   return out;
 }
 
+
+at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& lens, int64_t block_size,
+                                       double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(runs(), "paged_decode_attention_bf16: needs AVX-512 with AVX512-BF16 (this build or CPU has not; "
+              "paged_decode_attention attends there)");
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
+              "paged_decode_attention_bf16: q must be float32 [B, H, D] with contiguous D");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+              v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(0) == 0,
+              "paged_decode_attention_bf16: caches must be contiguous bf16 [kv_heads, slots, D], both of one shape, "
+              "with heads % kv_heads == 0");
+  TORCH_CHECK(q.size(2) % 16 == 0, "paged_decode_attention_bf16: head_dim must be a multiple of 16, got ", q.size(2));
+  TORCH_CHECK(block_size > 0, "paged_decode_attention_bf16: block_size must be positive, got ", block_size);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+              block_tables.size(0) == q.size(0) && lens.scalar_type() == at::kLong && lens.is_contiguous() &&
+              lens.numel() == q.size(0), "paged_decode_attention_bf16: block_tables [B, W] and lens [B] must be int64");
+  at::Tensor sk;
+  if (sinks) {
+    TORCH_CHECK(sinks->numel() == q.size(1), "paged_decode_attention_bf16: sinks must hold one value per query head (",
+                q.size(1), "), got ", sinks->numel());
+    sk = sinks->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+#ifdef QTK_ATTN_AVX512
+  if (q.size(0))
+    decode_run(q, k_cache, v_cache, block_tables, lens, block_size, static_cast<float>(scale), window,
+               static_cast<float>(softcap), sinks ? sk.data_ptr<float>() : nullptr, out);
+#endif
+  return out;
+}
 }  // namespace
 
 namespace QTK_LIB {
@@ -366,5 +588,9 @@ void bind_attention(pybind11::module_& m) {
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(), py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("window"), py::arg("scale"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, py::call_guard<py::gil_scoped_release>(),
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none());
 }
 }  // namespace QTK_LIB
