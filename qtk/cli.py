@@ -300,8 +300,8 @@ ENGINE_OPTIONS = [  # EngineConfig's fields as flags (vLLM's names: --max-num-se
                  show_default=True, help="Sequences per step at most."),
     click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
                  default=ENGINE_DEFAULTS["max_num_batched_tokens"],
-                 help="Tokens per step at most (longer prompts are prefilled in chunks; default: 2048 on CPU, "
-                      "as vLLM's CPU server, 8192 on CUDA)."),
+                 help="Tokens per step at most (longer prompts are prefilled in chunks; default: 512 on CPU, "
+                      "where smaller steps bring first tokens sooner, 8192 on CUDA)."),
     click.option("--max-model-len", type=click.IntRange(min=1), default=ENGINE_DEFAULTS["max_model_len"],
                  help="Context length (default: the model's)."),
     click.option("--kv-cache-memory", type=click.IntRange(min=1), default=ENGINE_DEFAULTS["kv_cache_memory"],

@@ -1,8 +1,9 @@
 """Attention over the paged KV cache: the CPU path in torch, below; on CUDA the Triton kernels of
 qtk.kernels.attention over the same layout (`_triton_attention`), and on a CPU with qtk's C++ ops
 (float32 activations) the fused store and decode of kernels/csrc/cpu_layers.cpp (`_cpu_attention`;
-its prefill chunks in the bf16 flash kernel of kernels/csrc/cpu_attention.cpp where the CPU has
-AVX512-BF16 and bf16 is on, else in torch): chosen by AttentionMetadata.backend.
+in a step whose matmuls run in bf16, where the CPU has AVX512-BF16, its prefill chunks in the bf16
+flash kernel of kernels/csrc/cpu_attention.cpp and its decodes over a bf16 cache in that file's bf16
+decode kernel; else prefill chunks in torch): chosen by AttentionMetadata.backend.
 
 The cache of one layer (KVCache) is two tensors [kv_heads, num_slots, head_dim], num_slots =
 num_blocks * block_size, so one block of one head is a contiguous [block_size, head_dim] tile; a
