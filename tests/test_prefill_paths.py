@@ -5,6 +5,7 @@ and the whole prompt's causal attention (runtime/attention.py)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -61,10 +62,10 @@ def test_a_bf16_checkpoints_layer_takes_its_kernel_by_rows(monkeypatch, units):
             assert not torch.equal(got, want)
 
 
-def test_the_lm_head_multiplies_a_decode_batch_in_bf16_and_many_rows_in_float32(monkeypatch):
-    """A bf16 lm_head (bf16_lm_head): float32 logits of float32 products for a few rows and for many (a
-    perplexity's), and of bf16-rounded rows with float32 sums on qtk's bf16 kernel for a decode batch
-    (BF16_DOT_ROWS), where the CPU has AVX512-BF16."""
+def test_the_lm_head_multiplies_every_row_in_float32_and_offers_the_bf16_kernel(monkeypatch):
+    """A bf16 lm_head (bf16_lm_head) gives the float32 products for any rows as a module (a quantized
+    model's logits, a perplexity's); its `dot` (where the CPU has AVX512-BF16) is the runtime's, for a
+    decode batch of a step in bf16: bf16-rounded rows, float32 sums and logits."""
     from qtk.runtime.packed_linear import BF16_DOT_ROWS, WOQLinear, bf16_lm_head
 
     monkeypatch.setenv("QTK_CPU_BF16", "1")
@@ -73,29 +74,20 @@ def test_the_lm_head_multiplies_a_decode_batch_in_bf16_and_many_rows_in_float32(
     model.lm_head = bf16_numbers(torch.nn.Linear(64, 1000, bias=False))
     weight = model.lm_head.weight.detach().clone()
     assert bf16_lm_head(model) and isinstance(model.lm_head, WOQLinear) and model.lm_head.many is None
-    if model.lm_head.dot is None:
-        pytest.skip("CPU without AVX512-BF16: the lm_head multiplies every row in float32")
-    lo, hi = BF16_DOT_ROWS
-    for rows in (1, lo - 1, lo, hi - 1, hi, 300):
+    head, direct = model.lm_head, model.lm_head.direct()
+    for rows in (1, BF16_DOT_ROWS[0], 300):
         x = torch.randn(rows, 64)
         with torch.no_grad():
-            got = model.lm_head(x)
-        assert got.dtype == torch.float32
-        if lo <= rows < hi:
-            torch.testing.assert_close(got, x.bfloat16().float() @ weight.T, atol=1e-5, rtol=1e-5)
-            assert not torch.allclose(got, x @ weight.T, atol=1e-5, rtol=1e-5)
-        else:
-            torch.testing.assert_close(got, x @ weight.T, atol=1e-5, rtol=1e-5)
-
-
-def test_other_float_layers_stay_float32():
-    """Weights that are not all bf16 numbers, and layers of at most SMALL_FLOAT weights, keep float32."""
-    from qtk.runtime.packed_linear import SMALL_FLOAT, PackedLinear, pack_linears
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 384), bf16_numbers(torch.nn.Linear(128, SMALL_FLOAT // 128)))
-    assert pack_linears(model) == 2
-    assert isinstance(model[0], PackedLinear) and isinstance(model[1], PackedLinear)
+            got = head(x)
+        assert torch.equal(direct(x), got)
+        torch.testing.assert_close(got, x @ weight.T, atol=1e-5, rtol=1e-5)
+    if head.dot is None:
+        pytest.skip("CPU without AVX512-BF16: no bf16 kernel")
+    x = torch.randn(BF16_DOT_ROWS[0], 64)
+    got = head.dot(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x.bfloat16().float() @ weight.T, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, x @ weight.T, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("units", ["0", "1"])
@@ -155,6 +147,11 @@ def test_a_bf16_decode_batch_attends_in_the_bf16_decode_kernel(monkeypatch, unit
     if hasattr(ops, "paged_decode_attention_bf16"):
         kernel = ops.paged_decode_attention_bf16
         monkeypatch.setattr(ops, "paged_decode_attention_bf16", lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    head_rows = []
+    if runtime.lm_head.dot is not None:  # the decode batches' logits on the lm_head's bf16 kernel
+        dot = runtime.lm_head.dot
+        monkeypatch.setattr(runtime.lm_head, "dot", dataclasses.replace(
+            dot, op=lambda x, *a: head_rows.append(x.shape[0]) or dot.op(x, *a)))
     prompts = [list(range(10 + 7 * i, 30 + 9 * i)) for i in range(6)]
     assert len(prompts) >= BF16_DOT_ROWS[0]
     _, want, _ = greedy_through_runtime(model, prompts, new_tokens=4, budget=256)
@@ -162,6 +159,7 @@ def test_a_bf16_decode_batch_attends_in_the_bf16_decode_kernel(monkeypatch, unit
     runs = units == "1" and ops.prefill_attention_runs()
     # 3 decode steps of 6 rows after the prefill step (which samples the first token), every layer
     assert calls == ([6] * 3 * len(runtime.layers) if runs else [])
+    assert head_rows == ([6] * 4 if runs else [])  # and the 6 sampling rows of the prefill step (in bf16 too)
     for a, b in zip(want.values(), got.values()):  # the bf16 cache rounds K and V either way
         torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=0.05, rtol=0.05)
 

@@ -148,9 +148,9 @@ class WOQLinear(KernelLinear):
     - a float32 Linear whose weight holds only bf16 numbers (a bf16 checkpoint's, upcast), kept in
       bf16: exactly the float32 products at half the bytes (kept_in_bf16); on qtk's bf16 kernel for
       dot.lo <= rows < dot.hi (`dot`, where the CPU has AVX512-BF16), and from many.rows rows on
-      oneDNN's matmul on its own copy (`many`). The lm_head gets no `many`: its logits stay float32
-      (the engine computes them for a few rows, in the bf16 kernel from dot.lo with float32 sums and
-      output; a perplexity's many rows take the float32 kernel's tiles)."""
+      oneDNN's matmul on its own copy (`many`). The lm_head gets no `many` and runs every row in
+      float32 (a perplexity's many rows take the float32 kernel's tiles); its `dot` is for the
+      runtime, which takes it for the logits of a decode batch whose step ran in bf16 (NativeModel.logits)."""
 
     def __init__(self, runtime: CpuWOQ, in_features: int, many: OneDNNMatmul | None = None,
                  dot: BF16Dot | None = None):
@@ -162,7 +162,7 @@ class WOQLinear(KernelLinear):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         T, dot, many = x.shape[0], self.dot, self.many
-        if dot is not None and dot.lo <= T < dot.hi:
+        if dot is not None and many is not None and dot.lo <= T < dot.hi:
             y = dot(x.float().contiguous()).to(x.dtype)
         elif many is not None and T >= many.rows:
             y = many(x.float().contiguous()).to(x.dtype)
@@ -175,11 +175,10 @@ class WOQLinear(KernelLinear):
         w, bias, op = self.runtime.w, self.runtime.bias, self.runtime.lib.woq_linear
         few = lambda x: op(x, w.codes, w.scales, w.zs, bias, w.bits, w.n)  # noqa: E731
         many, dot = self.many, self.dot
-        if dot is not None:
-            rest = few if many is None else many  # from dot.hi rows: the lm_head's float32 tiles, or oneDNN
-            return lambda x: dot(x) if dot.lo <= x.shape[0] < dot.hi else few(x) if x.shape[0] < dot.lo else rest(x)
         if many is None:
             return few
+        if dot is not None:
+            return lambda x: few(x) if x.shape[0] < dot.lo else dot(x) if x.shape[0] < dot.hi else many(x)
         return lambda x: many(x) if x.shape[0] >= many.rows else few(x)
 
     @property

@@ -127,6 +127,7 @@ class NativeModel(nn.Module):
             self.why_no_graphs = moe.WHY_NO_GRAPHS
         self._plan = None  # per layer, the projections' callables (built at the first fused forward)
         self._bf16_rows = None  # rows from which a step runs all in bf16 between norms (with the plan)
+        self._step_bf16 = False  # whether the last step did (its logits follow: logits())
 
     def _frozen_ropes(self, cfg) -> None:
         """The RoPE frequencies per layer (frozen_rope), as buffers rope_inv_freq_<type>: one type for
@@ -173,6 +174,7 @@ class NativeModel(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
         h = self.embed_tokens(input_ids)
         ropes = self.rope(positions, h.dtype)
+        self._step_bf16 = False
         if self.cpu_ops is not None and meta.backend == "cpu":
             return self._forward_fused(h, ropes, meta, kv_caches)
         ropes = {t: (cos[:, None, :], sin[:, None, :]) for t, (cos, sin) in ropes.items()}  # [T, 1, D]
@@ -236,6 +238,7 @@ class NativeModel(nn.Module):
         qk_norm, sandwich, norms, heads = self.family.qk_norm, self.family.sandwich, self._norms, [H, KV, KV]
         full_rope, glu = self.rotary_dim == D, getattr(ops, self.glu_op)
         bf16 = self._bf16_rows is not None and T >= self._bf16_rows  # the whole step in bf16 between norms
+        self._step_bf16 = bf16
         last = len(self.layers) - 1
         x = ops.rms_norm(h, *norms[0], bf16)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
@@ -305,7 +308,15 @@ class NativeModel(nn.Module):
         return mlp(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        """The logits of the step's sampling rows: float32. After a step that ran in bf16 between the
+        norms, a decode batch's (packed_linear.BF16_DOT_ROWS) on qtk's bf16 kernel where the lm_head
+        has it (its rows rounded to bf16 as every matmul's of that step, float32 sums); else the
+        lm_head's float32 products."""
+        dot = getattr(self.lm_head, "dot", None)
+        if self._step_bf16 and dot is not None and dot.lo <= hidden.shape[0] < dot.hi:
+            logits = dot(hidden.contiguous())
+        else:
+            logits = self.lm_head(hidden).float()
         if self.final_softcap:  # Gemma 2: logits = cap * tanh(logits / cap)
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
