@@ -252,7 +252,7 @@ def _bf16_prefill_kernel(ops, q: torch.Tensor, terms: ScoreTerms) -> bool:
 
 def _bf16_decode_kernel(ops, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether qtk's bf16 decode kernel (csrc/cpu_attention.cpp: q and the softmax weights rounded to bf16,
-    the sums float32, keys read in place; 1.5-2.5x the float32-math kernel at 16 sequences x 320-1024 keys on
+    the sums float32, keys read in place; 1.3-2.2x the float32-math kernel at 16 sequences x 320-1024 keys on
     Zen 4) takes a step's decodes: a bf16 cache, D % 16 == 0, and the CPU has AVX512-BF16."""
     return (k_cache.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.shape[-1] % 16 == 0 and
             hasattr(ops, "prefill_attention_runs") and ops.prefill_attention_runs())

@@ -41,10 +41,11 @@ SMALL_FLOAT = 2 ** 15
 MANY_ROWS = {torch.bfloat16: 10, torch.float32: 18}
 # rows from which a layer kept in bf16 multiplies in bf16 on qtk's AVX512-BF16 kernel, and from which on
 # oneDNN's bf16 matmul takes over (benchmarks/prefill_peak.py's crossover, 2-core Zen 4, SmolLM2-135M's 120
-# decoder layers out of cache, ms per pass: at 4 rows the float32 kernel 8.2 / the bf16 kernel 8.2, at 5
-# 10.1 / 8.8, at 8 12.4 / 8.8 / oneDNN bf16 13.4, at 16 21.3 / 11.3 / 16.4, at 64 87 / 39 / 44, at 80
-# 110 / 50 / 51). Below it the float32 kernel keeps batch-1 and small batches' float32 numbers.
-BF16_DOT_ROWS = (5, 80)
+# decoder layers out of cache, ms per pass, float32 kernel / bf16 kernel / oneDNN bf16: 4 rows 7.3 / 6.9 /
+# 10.9, 5 rows 8.7 / 6.8 / 11.0, 16 rows 21.6 / 9.8 / 16.9, 64 rows 77 / 36 / 42, 128 rows 145 / 71 / 84,
+# 256 rows 285 / 181 / 186; prefill-peak-...-1758ac4.json). Below it the float32 kernel keeps batch 1 and
+# small batches' float32 numbers.
+BF16_DOT_ROWS = (5, 128)
 
 
 class PackedLinear(nn.Module):
