@@ -161,14 +161,7 @@ class WOQLinear(KernelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        T, dot, many = x.shape[0], self.dot, self.many
-        if dot is not None and many is not None and dot.lo <= T < dot.hi:
-            y = dot(x.float().contiguous()).to(x.dtype)
-        elif many is not None and T >= many.rows:
-            y = many(x.float().contiguous()).to(x.dtype)
-        else:
-            y = self.runtime(x)
+        y = self.direct()(x.reshape(-1, shape[-1]).float().contiguous()).to(x.dtype)  # the kernel by rows
         return y.view(*shape[:-1], self.out_features)
 
     def direct(self):
