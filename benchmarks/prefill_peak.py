@@ -2,12 +2,14 @@
 this CPU's matmul units can do, for each path the engine may take on a float checkpoint.
 
     python benchmarks/prefill_peak.py [--model smollm2-135m] [--prompts 256,1024] [--num-prompts 16]
-        [--out benchmarks/results]
+        [--quantized W4A16_DIR,W8A8_DIR] [--out benchmarks/results]
 
 Four measurements, in one process, 2 threads unless --threads:
 1. matmul peak, per dtype: oneDNN's matmul (the engine's, weights reordered once) on the model's
    layer shapes (q/k/v joined, o, gate/up joined, down) at 256-2048 rows, in cache; the best
-   GFLOP/s of float32 and of bf16 (bf16 only where the CPU has bf16 units).
+   GFLOP/s of float32 and of bf16 (bf16 only where the CPU has bf16 units); and, where the CPU has
+   int8 dot products (VNNI), the best GOP/s of int8 x int8 -> int32 products: oneDNN's (torch._int_mm)
+   and qtk's W8A8 kernel (csrc/cpu_w8a8.cpp, the activations' quantization included).
 2. the crossover by rows: the model's decoder layers out of cache (every layer's own weights), per
    rows M, in the kernels the engine chooses among for a bf16 checkpoint's weights: qtk's kernel
    (bf16 weights, float32 activations), qtk's bf16 kernel (AVX512-BF16, packed_linear.BF16_DOT_ROWS),
@@ -20,6 +22,9 @@ Four measurements, in one process, 2 threads unless --threads:
    head_dim per (query, key) pair it reads: causal, so (L + 1) / 2 keys on average; the lm_head on
    the last token) as a share of the peak of the dtype its many-row matmuls run in. Once as the
    engine chooses (bf16 where the CPU has the units) and once with QTK_CPU_BF16=0 (float32).
+   --quantized: checkpoints of the same model (`qtk quantize` outputs) prefilled alike, as the engine
+   runs them: weight-only int4/int8 in bf16 on qtk's kernel for the codes where the CPU has AVX512-BF16
+   (against the bf16 peak), else float32 (the float32 peak); W8A8 on qtk's VNNI kernel (the int8 peak).
 Writes JSON (command, commit, CPU, versions, date) and prints tables.
 """
 from __future__ import annotations
@@ -38,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]  # this checkout's qtk, not an installed one
 
 from qtk.bench import git_commit  # noqa: E402
-from qtk.device import cpu_has_native_bf16, cpu_name  # noqa: E402
+from qtk.device import cpu_has_int8_dot, cpu_has_native_bf16, cpu_name  # noqa: E402
 from qtk.kernels import cpu as cpu_kernels  # noqa: E402
 from qtk.kernels.dispatch import packed_linear  # noqa: E402
 
@@ -64,8 +69,10 @@ def reorder(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
 
 
-def matmul_peak(shapes, dtypes) -> dict:
-    """{dtype name: best GFLOP/s} of oneDNN's matmul on these shapes, in cache."""
+def matmul_peak(shapes, dtypes, int8: bool) -> dict:
+    """{dtype name: best GFLOP/s} of oneDNN's matmul on these shapes, in cache; int8: the best GOP/s of
+    int8 products (oneDNN's torch._int_mm, qtk's W8A8 kernel) as "int8", and each as "int8_onednn",
+    "int8_qtk_w8a8"."""
     peak = {}
     for dtype in dtypes:
         best = 0.0
@@ -75,6 +82,18 @@ def matmul_peak(shapes, dtypes) -> dict:
                 x = torch.randn(m, k).to(dtype)
                 best = max(best, 2 * m * k * n / best_seconds(lambda: packed_linear(x, w, None), 10) / 1e9)
         peak[str(dtype)[6:]] = best
+    if int8:
+        lib, onednn, qtk = cpu_kernels.ops(), 0.0, 0.0
+        for k, n in shapes:
+            wq = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+            packed = cpu_kernels.pack_w8a8(wq, torch.full((n,), 0.01)) if lib is not None else None
+            for m in (256, 1024, 2048):
+                xq, x = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.randn(m, k)
+                ops = 2 * m * k * n
+                onednn = max(onednn, ops / best_seconds(lambda: torch._int_mm(xq, wq.T), 10) / 1e9)
+                if packed is not None:
+                    qtk = max(qtk, ops / best_seconds(lambda: cpu_kernels.w8a8_linear(x, packed, None, None, lib), 10) / 1e9)
+        peak.update(int8=max(onednn, qtk), int8_onednn=onednn, int8_qtk_w8a8=qtk)
     return peak
 
 
@@ -139,6 +158,14 @@ def flops_per_token(cfg, length: int) -> float:
     return linear + attention + 2 * h * cfg.vocab_size / length
 
 
+def matmul_dtype(kernels: str, bf16: bool) -> str:
+    """The dtype of the peak a run's many-row matmuls are held to, from its kernel summary."""
+    if "W8A8" in kernels:
+        return "int8"
+    return "bfloat16" if bf16 and ("oneDNN bfloat16" in kernels or "int4, qtk bf16" in kernels
+                                   or "int8, qtk bf16" in kernels) else "float32"
+
+
 def prefill(model: str, length: int, n: int, force_float32: bool) -> dict:
     from qtk import LLM, SamplingParams
     from qtk.bench.prompts import PromptSet, token_prompts
@@ -169,6 +196,7 @@ def main() -> None:
     p.add_argument("--prompts", default="256,1024", help="prompt lengths, comma-separated")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quantized", default="", help="checkpoints of the model to prefill too, comma-separated")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -178,8 +206,9 @@ def main() -> None:
 
     cfg = AutoConfig.from_pretrained(resolve(a.model))
     shapes, bf16 = layer_shapes(cfg), cpu_has_native_bf16()
-    peak = matmul_peak(shapes, [torch.float32] + ([torch.bfloat16] if bf16 else []))
-    print("matmul peak (oneDNN, model shapes, in cache): " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items()))
+    int8 = cpu_has_int8_dot() and cpu_kernels.variant() == "avx512"
+    peak = matmul_peak(shapes, [torch.float32] + ([torch.bfloat16] if bf16 else []), int8)
+    print("matmul peak (model shapes, in cache): " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items()))
     cross = crossover(shapes, cfg.num_hidden_layers, [1, 2, 4, 5, 8, 10, 12, 16, 20, 24, 32, 64, 80, 128, 256], bf16)
     print("\n| rows | " + " | ".join(k for k in cross[0] if k != "m") + " |  (ms per pass over the decoder layers)")
     for r in cross:
@@ -190,17 +219,21 @@ def main() -> None:
     for r in attention:
         print(f"| {r['prompt_len']} | " + " | ".join(f"{v:.1f}" for k, v in r.items() if k != "prompt_len") + " |")
     runs = []
+    checkpoints = [(a.model, force) for force in ([False, True] if bf16 else [False])]
+    checkpoints += [(q, False) for q in a.quantized.split(",") if q]
     for length in lengths:
-        for force in ([False, True] if bf16 else [False]):
-            r = prefill(a.model, length, a.num_prompts, force)
-            r["matmul_dtype"] = "bfloat16" if bf16 and not force else "float32"
+        for model, force in checkpoints:
+            r = prefill(model, length, a.num_prompts, force)
+            r["model"] = model
+            r["matmul_dtype"] = matmul_dtype(r["kernels"], bf16 and not force)
             r["gflops"] = r["tokens_per_s"] * r["flops_per_token"] / 1e9
-            r["of_peak"] = r["gflops"] / peak[r["matmul_dtype"]]
+            r["of_peak"] = r["gflops"] / peak[r["matmul_dtype"]] if r["matmul_dtype"] in peak else None
             runs.append(r)
-    print("\n| prompt tokens | many-row matmuls | prefill tok/s | GFLOP/s | of that dtype's peak |")
-    print("|---|---|---|---|---|")
+    print("\n| model | prompt tokens | many-row matmuls | prefill tok/s | GFLOP/s | of that dtype's peak |")
+    print("|---|---|---|---|---|---|")
     for r in runs:
-        print(f"| {r['prompt_len']} | {r['matmul_dtype']} | {r['tokens_per_s']:.0f} | {r['gflops']:.0f} | {r['of_peak']:.0%} |")
+        share = "" if r["of_peak"] is None else f"{r['of_peak']:.0%}"
+        print(f"| {r['model']} | {r['prompt_len']} | {r['matmul_dtype']} | {r['tokens_per_s']:.0f} | {r['gflops']:.0f} | {share} |")
     result = {"command": "python benchmarks/prefill_peak.py " + " ".join(sys.argv[1:]), "commit": git_commit(),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_name(),
               "capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": bf16, "threads": a.threads,

@@ -656,6 +656,71 @@ def test_bf16_linear_refuses_mismatched_operands():
         lib.bf16_linear(torch.randn(2, 32).half(), packed.codes, None, 16)
 
 
+@pytest.mark.parametrize("bits,group,asym", [(4, 32, True), (4, 8, False), (4, None, True), (8, 64, True),
+                                             (8, None, False), (8, 2, True)])
+@pytest.mark.parametrize("M", [1, 11, 12, 13, 40])  # row tiles of 12 and remainders
+def test_woq_bf16_linear_is_the_float32_sum_of_x_in_bf16_times_the_codes(bits, group, asym, M):
+    """woq_bf16_linear: x rounded to bf16 times the dequantized weight, float32 sums (the codes less their
+    zeros exact in bf16, the scale once per group), plus the bias; bf16 x alike; bf16_out rounds y to bf16;
+    N not a multiple of 16 nor of 8 (a last tile of one block, padded columns); rows of a wider matrix."""
+    lib = bf16_attention_lib()
+    k = 256
+    for n in (72, 53):
+        codes, scale, zero = random_layer(n, k, group, bits, asym, seed=M + n)
+        if bits == 4 and zero is not None:
+            zero = zero.clamp(-8, 7)
+        w = cpu.pack(codes, scale, zero, bits)
+        zeros = cpu.code_zeros(w)
+        bias = torch.randn(n)
+        x = torch.randn(M, k)
+        exact = x.bfloat16().double() @ dequant(codes, scale, zero).t() + bias.double()
+        got = lib.woq_bf16_linear(x, w.codes, w.scales, zeros, bias, bits, n)
+        assert got.shape == (M, n) and got.dtype == torch.float32
+        assert rel_err(got, exact) < 1e-5, (n, M)
+        assert rel_err(got, x.double() @ dequant(codes, scale, zero).t() + bias.double()) > 1e-5  # x was rounded
+        assert torch.equal(lib.woq_bf16_linear(x.bfloat16(), w.codes, w.scales, zeros, bias, bits, n), got)
+        rounded = lib.woq_bf16_linear(x, w.codes, w.scales, zeros, bias, bits, n, True)
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
+        wide = torch.randn(M, k + 6)[:, :k]
+        assert torch.equal(lib.woq_bf16_linear(wide, w.codes, w.scales, zeros, bias, bits, n),
+                           lib.woq_bf16_linear(wide.contiguous(), w.codes, w.scales, zeros, bias, bits, n))
+
+
+def test_woq_bf16_linear_refuses_what_it_does_not_read():
+    lib = bf16_attention_lib()
+    codes, scale, zero = random_layer(16, 64, 32, 4, True)
+    w = cpu.pack(codes, scale, zero.clamp(-8, 7), 4)
+    zeros, x = cpu.code_zeros(w), torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="int4 needs zeros"):
+        lib.woq_bf16_linear(x, w.codes, w.scales, None, None, 4, 16)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        lib.woq_bf16_linear(x, w.codes, w.scales, zeros, None, 16, 16)
+    with pytest.raises(RuntimeError, match="codes \\(kernels.cpu.pack\\) do not match K=128"):
+        lib.woq_bf16_linear(torch.randn(2, 128), w.codes, w.scales, zeros, None, 4, 16)
+    with pytest.raises(RuntimeError, match="zeros must be int32 shaped as scales"):
+        lib.woq_bf16_linear(x, w.codes, w.scales, zeros.float(), None, 4, 16)
+    odd = cpu.pack(*random_layer(16, 64, 1, 8, False)[:2], None, 8)  # groups of one k: no pairs
+    with pytest.raises(RuntimeError, match="64 groups do not divide K=64 into multiples of 2"):
+        lib.woq_bf16_linear(x, odd.codes, odd.scales, None, None, 8, 16)
+    generic = cpu.library("generic")
+    if generic is not None:
+        with pytest.raises(RuntimeError, match="needs AVX-512 with AVX512-BF16"):
+            generic.woq_bf16_linear(x, w.codes, w.scales, zeros, None, 4, 16)
+
+
+def test_code_zeros_are_the_stored_codes_zeros():
+    """int4: 8 + the zero (codes stored as q + 8), symmetric too; asymmetric int8: the zero; symmetric
+    int8: None; a zero that is not a whole code is refused."""
+    codes, scale, zero = random_layer(16, 64, 32, 4, True)
+    zero = zero.clamp(-8, 7)
+    z = cpu.code_zeros(cpu.pack(codes, scale, zero, 4))
+    assert z.dtype == torch.int32 and torch.equal(z.reshape(2, 2, 8).transpose(1, 2).reshape(16, 2), (zero + 8).int())
+    assert torch.equal(cpu.code_zeros(cpu.pack(codes, scale, None, 4)), torch.full((2, 2, 8), 8, dtype=torch.int32))
+    assert cpu.code_zeros(cpu.pack(codes, scale, None, 8)) is None
+    with pytest.raises(ValueError, match="not whole codes"):
+        cpu.code_zeros(cpu.pack(codes, scale, zero + 0.5, 8))
+
+
 @pytest.mark.parametrize("T,I", [(1, 8), (3, 37), (5, 1536)])
 def test_gelu_tanh_and_mul_matches_torch(lib, T, I):
     """Gemma's GeGLU: gelu(gate, approximate="tanh") * up, in and out of whole vectors."""

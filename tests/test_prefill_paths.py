@@ -176,3 +176,95 @@ def test_whole_prompt_and_chunked_prefill_attend_alike(budget):
         want = model(ids).logits[0, -1]
     first = next(iter(got.values()))[0]
     torch.testing.assert_close(first, want, atol=2e-4, rtol=1e-4)
+
+
+def quant_linear(scheme: str, n: int = 384, k: int = 256, seed: int = 0):
+    """A weight-only QuantLinear (round to nearest, groups of 32 for int4) with a bias, and its float layer."""
+    from qtk.quant import quantize_weight
+    from qtk.quant_linear import QuantLinear
+    from qtk.schemes import preset
+
+    g = torch.Generator().manual_seed(seed)
+    s = preset(scheme, group_size=32 if "w4" in scheme else None)
+    q, scale, zp = quantize_weight(torch.randn(n, k, generator=g) * 0.05, s.weights)
+    layer = QuantLinear.from_codes(q, scale, zp, s, bias=torch.randn(n, generator=g), dtype=torch.float32)
+    lin = torch.nn.Linear(k, n)
+    with torch.no_grad():
+        lin.weight.copy_(layer.dequantized_weight(torch.float32))
+        lin.bias.copy_(layer.bias)
+    return layer, lin
+
+
+@pytest.mark.parametrize("units", ["0", "1"])
+@pytest.mark.parametrize("scheme", ["w4a16_asym", "w4a16", "w8a16"])
+def test_a_bf16_checkpoints_weight_only_layer_multiplies_many_rows_in_bf16(monkeypatch, units, scheme):
+    """A weight-only QuantLinear of a bf16 checkpoint (pack_linears' bf16) becomes a WOQLinear whose many
+    rows, from QUANT_BF16_ROWS, run on qtk's bf16 kernel for its codes where the CPU has AVX512-BF16: x
+    rounded to bf16, the dequantized weight exact, float32 sums. Fewer rows, QTK_CPU_BF16=0, or a
+    checkpoint that is not bf16 (pack_linears' default): the float32 kernel, the float32 products."""
+    monkeypatch.setenv("QTK_CPU_BF16", units)
+    from qtk.runtime.packed_linear import QUANT_BF16_ROWS, QuantBF16Matmul, WOQLinear, pack_linears
+
+    layer, lin = quant_linear(scheme)
+    plain = torch.nn.Sequential(copy.deepcopy(layer))
+    assert pack_linears(plain) == 1 and isinstance(plain[0], WOQLinear) and plain[0].many is None
+    model = torch.nn.Sequential(copy.deepcopy(layer))
+    assert pack_linears(model, bf16=True) == 1 and isinstance(model[0], WOQLinear)
+    packed, direct, many = model[0], model[0].direct(), model[0].many
+    runs = units == "1" and cpu_kernels.ops().bf16_linear_runs()
+    assert isinstance(many, QuantBF16Matmul) == runs and (many is None) == (not runs)
+    bits = 4 if "w4" in scheme else 8
+    first = QUANT_BF16_ROWS[bits]
+    assert "qtk bf16 dot products" in packed.weights if runs else packed.weights == f"int{bits}"
+    for rows in (1, first - 1, first, first + 13, 300):
+        x = torch.randn(rows, 256)
+        with torch.no_grad():
+            got, want = packed(x), lin(x)
+            assert torch.equal(direct(x), got) and torch.equal(plain[0](x) if rows < first or not runs else got, got)
+            exact = x.bfloat16().float() @ lin.weight.T + lin.bias
+        if rows < first or not runs:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("units", ["0", "1"])
+def test_a_quantized_bf16_checkpoint_prefills_in_bf16_within_bf16_rounding(monkeypatch, units):
+    """A bf16 checkpoint quantized W4A16 (its embedding and lm_head bf16 numbers) through the engine's build:
+    with the units, its prefill chunks of 24 rows run every layer on qtk's bf16 kernel for the codes (the
+    step in bf16 between the norms, bf16_matmul) and its KV cache is bf16 ("auto", as a bf16 float
+    checkpoint's), decode steps of 2 rows the float32 kernel; the logits follow the float32 path's within
+    bf16 rounding. QTK_CPU_BF16=0: the float32 path, within float32 rounding of the module forward's."""
+    monkeypatch.setenv("QTK_CPU_BF16", units)
+    from qtk.calibrate import quantize_model
+    from qtk.recipe import from_flags
+    from qtk.runtime.models import build
+    from qtk.runtime.model_runner import kv_cache_spec
+    from qtk.runtime.packed_linear import QuantBF16Matmul, bf16_checkpoint
+
+    model = bf16_numbers(hf_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                  num_key_value_heads=2))
+    quantize_model(model, from_flags("rtn", scheme="w4a16", group_size=32), torch.randint(3, 256, (4, 16)), progress=False)
+    assert bf16_checkpoint(model)
+    runtime = build(copy.deepcopy(model))
+    runs = units == "1" and cpu_kernels.ops().bf16_linear_runs()
+    kernels = [m.many for m in runtime.modules() if isinstance(getattr(m, "many", None), QuantBF16Matmul)]
+    assert len(kernels) == (4 * len(runtime.layers) if runs else 0)  # qkv, o, gate_up, down
+    kv_dtype = kv_cache_spec(runtime, "auto", torch.float32, "cpu", None)[0]
+    assert kv_dtype == (torch.bfloat16 if runs else torch.float32)
+    rows = []
+    for m in runtime.modules():  # count the rows each call of the bf16 kernels multiplies
+        many = getattr(m, "many", None)
+        if isinstance(many, QuantBF16Matmul):
+            m.many = dataclasses.replace(many, op=lambda x, *a, op=many.op: rows.append(x.shape[0]) or op(x, *a))
+    prompts = [list(range(30, 54)), list(range(70, 94))]
+    _, want, _ = greedy_through_runtime(model, prompts, new_tokens=3, budget=64)
+    _, got, _ = greedy_through_runtime(None, prompts, new_tokens=3, budget=64, runtime=runtime, kv_dtype=kv_dtype)
+    assert (runtime._bf16_rows is not None) == runs
+    assert rows == ([48] * 4 * len(runtime.layers) if runs else [])  # the prefill step's layers, not the decodes'
+    tol = dict(atol=2e-4, rtol=1e-4) if not runs else dict(atol=0.05, rtol=0.05)
+    for a, b in zip(want.values(), got.values()):
+        torch.testing.assert_close(torch.stack(b), torch.stack(a), **tol)
+    if runs:
+        assert any(not torch.allclose(torch.stack(b), torch.stack(a), atol=1e-5) for a, b in zip(want.values(), got.values()))

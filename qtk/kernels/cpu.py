@@ -244,6 +244,20 @@ def pack_bf16(weight: torch.Tensor) -> PackedWOQ | None:
     return PackedWOQ(codes, torch.ones(nb, 1, LANES), None, 16, n)
 
 
+def code_zeros(w: PackedWOQ) -> torch.Tensor | None:
+    """The zeros of a weight-only layer's stored codes as int32 [N/8, G, 8] (zs / scales: 8 + the zero
+    for int4, whose codes are q + 8; 0 where a scale is 0), what woq_bf16_linear subtracts from the codes
+    before its bf16 products; None for symmetric int8 (no zs). ValueError where a zero is not a whole code
+    (the codes less it would not be exact in bf16)."""
+    if w.zs is None:
+        return None
+    nonzero = w.scales != 0
+    z = torch.where(nonzero, torch.round(w.zs / torch.where(nonzero, w.scales, 1)), 0)
+    if not torch.equal(z * w.scales, w.zs) or z.abs().max() > 128:  # |code - zero| <= 256: exact in bf16
+        raise ValueError("the layer's zeros are not whole codes")
+    return z.to(torch.int32).contiguous()
+
+
 def woq_linear(x: torch.Tensor, w: PackedWOQ, bias: torch.Tensor | None, lib) -> torch.Tensor:
     """y = x @ dequant(W)^T + bias for float32 x [..., K]; lib: a kernel library (ops(), library(name))."""
     op = lib.torch_ops.woq_linear if torch.compiler.is_compiling() else lib.woq_linear

@@ -14,7 +14,9 @@ A float32 Linear becomes
     else in float32 (OneDNNMatmul);
 - else a PackedLinear: the weight in oneDNN's float32 layout (kernels.dispatch.cpu_packed_weight:
   1.2-2.6x faster than F.linear for the few rows of a decode step).
-QuantLinears get their kernel's module (WOQLinear, W8A8Linear), or a packed Dense runtime."""
+QuantLinears get their kernel's module (WOQLinear, W8A8Linear), or a packed Dense runtime; a weight-only
+one of a bf16 checkpoint, on a CPU with AVX512-BF16, multiplies from QUANT_BF16_ROWS rows in bf16 on
+qtk's kernel for its codes (QuantBF16Matmul), as a bf16 checkpoint's float layers do on oneDNN."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -46,6 +48,12 @@ MANY_ROWS = {torch.bfloat16: 10, torch.float32: 18}
 # 256 rows 285 / 181 / 186; prefill-peak-...-1758ac4.json). Below it the float32 kernel keeps batch 1 and
 # small batches' float32 numbers.
 BF16_DOT_ROWS = (5, 128)
+# rows from which a weight-only int4 / int8 layer of a bf16 checkpoint multiplies in bf16 on qtk's AVX512-BF16
+# kernel (csrc/cpu_bf16_linear.cpp woq_bf16_linear), by bits; below, the float32 kernel (the same 120 layers,
+# int4 g128 / int8 g128, ms per pass, float32 kernel / bf16 kernel: int4 8 rows 10.6 / 10.5, 10 rows 13.5 /
+# 11.7, 16 rows 23.0 / 18.0, 128 rows 146 / 87, 512 rows 667 / 431 (560-600 / 280-330 in other runs); int8
+# 10 rows 14.0 / 13.7, 12 rows 15.7 / 14.8, 128 rows 137 / 74)
+QUANT_BF16_ROWS = {4: 10, 8: 12}
 
 
 class PackedLinear(nn.Module):
@@ -81,6 +89,10 @@ class OneDNNMatmul:
     packed: torch.Tensor  # oneDNN's layout, bf16 or float32
     bias: torch.Tensor | None  # float32
     rows: int
+
+    @property
+    def bf16(self) -> bool:
+        return self.packed.dtype == torch.bfloat16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed.dtype == torch.bfloat16:
@@ -128,6 +140,42 @@ class BF16Dot:
         return BF16Dot(w.codes, bias, w.n, lib.bf16_linear)
 
 
+@dataclass(frozen=True)
+class QuantBF16Matmul:
+    """y = x dequant(W)^T + b for a weight-only int4 / int8 layer on qtk's AVX512-BF16 kernel
+    (csrc/cpu_bf16_linear.cpp woq_bf16_linear), for T >= rows of float32 or bf16 x [T, K]: x rounded
+    to bf16, the codes less their zeros exact in bf16, float32 sums scaled once per group, y float32
+    (or rounded to bf16). The float32 kernel's sum with x rounded to bf16, from the same packed codes."""
+
+    w: cpu_kernels.PackedWOQ
+    zeros: torch.Tensor | None  # int32, shaped as w.scales: the stored codes' zero (w.zs / w.scales)
+    bias: torch.Tensor | None  # float32
+    op: object  # the kernel build's woq_bf16_linear
+    rows: int
+    bf16 = True
+
+    def __call__(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+        w = self.w
+        return self.op(x, w.codes, w.scales, self.zeros, self.bias, w.bits, w.n, bf16_out)
+
+    @staticmethod
+    def of(w: cpu_kernels.PackedWOQ, bias: torch.Tensor | None, lib) -> QuantBF16Matmul | None:
+        """The kernel for a weight-only layer of a bf16 checkpoint (bf16_checkpoint: a bf16 model's
+        activations are bf16, as vLLM runs it) where this CPU and build run it (AVX512-BF16;
+        QTK_CPU_BF16 not 0), else None: zeros that are not whole codes keep the float32 kernel."""
+        runs = getattr(lib, "bf16_linear_runs", None)
+        if w.bits not in QUANT_BF16_ROWS or runs is None or not runs() or not cpu_has_native_bf16():
+            return None
+        k, groups = w.codes.shape[1] * (8 if w.bits == 4 else 1), w.scales.shape[1]
+        if k % groups or (k // groups) % 2:
+            return None
+        try:
+            zeros = cpu_kernels.code_zeros(w)
+        except ValueError:
+            return None
+        return QuantBF16Matmul(w, zeros, bias, lib.woq_bf16_linear, QUANT_BF16_ROWS[w.bits])
+
+
 class KernelLinear(nn.Module):
     """A layer one of qtk's CPU kernels runs straight from the module (no dispatch on each call),
     from its runtime (kernels/dispatch.py)."""
@@ -151,9 +199,11 @@ class WOQLinear(KernelLinear):
       dot.lo <= rows < dot.hi (`dot`, where the CPU has AVX512-BF16), and from many.rows rows on
       oneDNN's matmul on its own copy (`many`). The lm_head gets no `many` and runs every row in
       float32 (a perplexity's many rows take the float32 kernel's tiles); its `dot` is for the
-      runtime, which takes it for the logits of a decode batch whose step ran in bf16 (NativeModel.logits)."""
+      runtime, which takes it for the logits of a decode batch whose step ran in bf16 (NativeModel.logits).
+    A weight-only layer of a bf16 checkpoint, on a CPU with AVX512-BF16, multiplies from many.rows rows on
+    qtk's bf16 kernel for its codes (`many`, a QuantBF16Matmul)."""
 
-    def __init__(self, runtime: CpuWOQ, in_features: int, many: OneDNNMatmul | None = None,
+    def __init__(self, runtime: CpuWOQ, in_features: int, many: OneDNNMatmul | QuantBF16Matmul | None = None,
                  dot: BF16Dot | None = None):
         super().__init__(runtime, in_features)
         self.many = many
@@ -177,9 +227,10 @@ class WOQLinear(KernelLinear):
 
     @property
     def weights(self) -> str:
-        if self.runtime.w.bits != 16:
-            return f"int{self.runtime.w.bits}"
         many, dot = self.many, self.dot
+        if self.runtime.w.bits != 16:
+            bf16 = "" if many is None else f", qtk bf16 dot products from {many.rows} rows"
+            return f"int{self.runtime.w.bits}{bf16}"
         parts = ["bf16"]
         if dot is not None:
             parts.append(f"qtk bf16 dot products from {dot.lo} rows")
@@ -211,12 +262,15 @@ class W8A8Linear(KernelLinear):
 
 
 def bf16_matmul(module: nn.Module | None):
-    """(rows, f) for a layer that multiplies many rows in bf16 (a WOQLinear with a bf16 OneDNNMatmul,
-    no bias): f(x) = x W^T for bf16 or float32 x [T, K], T >= rows, with x rounded to bf16 and float32
-    sums: y rounded to bf16 on oneDNN; y float32 on qtk's bf16 kernel, which takes below dot.hi rows
-    where the layer has it (rows = dot.lo; the rounding of y saves nothing there); else None."""
+    """(rows, f) for a layer that multiplies many rows in bf16 (a WOQLinear whose `many` is bf16: oneDNN's
+    bf16 matmul without bias, or qtk's bf16 kernel for its int4 / int8 codes): f(x) = x W^T (+ b) for
+    bf16 or float32 x [T, K], T >= rows, with x rounded to bf16 and float32 sums: y rounded to bf16 on
+    oneDNN; y float32 on qtk's bf16 kernels, and on its bf16 kernel for bf16 weights, which takes below
+    dot.hi rows where the layer has it (rows = dot.lo; the rounding of y saves nothing there); else None."""
     many = getattr(module, "many", None)
-    if many is None or many.packed.dtype != torch.bfloat16 or many.bias is not None:
+    if isinstance(many, QuantBF16Matmul):
+        return many.rows, many
+    if many is None or not many.bf16 or many.bias is not None:
         return None
     onednn = lambda x: packed_linear(x.to(torch.bfloat16), many.packed, None)  # noqa: E731
     dot = module.dot
@@ -260,9 +314,9 @@ def kept_in_bf16(weight: torch.Tensor, bias: torch.Tensor | None, many: bool = T
 
 def many_rows_in_bf16(model: nn.Module) -> bool:
     """Whether the model's many-row matmuls (prefill chunks) run in bf16: some layer kept in bf16 has
-    oneDNN's bf16 copy (a bf16 checkpoint on a CPU with bf16 units, QTK_CPU_BF16 not 0)."""
-    return any(isinstance(m, WOQLinear) and m.many is not None and m.many.packed.dtype == torch.bfloat16
-               for m in model.modules())
+    oneDNN's bf16 copy, or some weight-only layer qtk's bf16 kernel (a bf16 checkpoint on a CPU with
+    bf16 units, QTK_CPU_BF16 not 0)."""
+    return any(isinstance(m, WOQLinear) and m.many is not None and m.many.bf16 for m in model.modules())
 
 
 def bf16_lm_head(model: nn.Module) -> bool:
@@ -278,10 +332,21 @@ def bf16_lm_head(model: nn.Module) -> bool:
     return kept is not None
 
 
-def _fused_kernel(linears: list[nn.Module]) -> KernelLinear | None:
+def bf16_checkpoint(model: nn.Module) -> bool:
+    """Whether a float32 CPU model was a bf16 checkpoint: its input embedding holds only bf16 numbers
+    (a quantized checkpoint keeps it in the model's dtype). Its weight-only layers then multiply many
+    rows in bf16 where the CPU has the units (pack_linears' bf16), as its float layers do."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    w = getattr(embed, "weight", None)
+    if w is None or w.device.type != "cpu" or w.dtype != torch.float32:
+        return False
+    return bool(torch.equal(w.detach().bfloat16().float(), w.detach()))
+
+
+def _fused_kernel(linears: list[nn.Module], bf16: bool = False) -> KernelLinear | None:
     """One WOQLinear for sibling weight-only QuantLinears on CPU that qtk's kernel runs with
-    one layout, one W8A8Linear for sibling W8A8 ones on its VNNI kernel that quantize their input
-    alike, or None."""
+    one layout (bf16: with qtk's bf16 kernel for many rows where it runs, QuantBF16Matmul), one
+    W8A8Linear for sibling W8A8 ones on its VNNI kernel that quantize their input alike, or None."""
     if not linears or not all(isinstance(m, QuantLinear) and hasattr(m, "weight_scale") for m in linears):
         return None
     dtype = linears[0].weight_scale.dtype
@@ -303,7 +368,11 @@ def _fused_kernel(linears: list[nn.Module]) -> KernelLinear | None:
     biases = [r.bias for r in runtimes]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else torch.zeros(r.w.n) for r, b in zip(runtimes, biases)])
-    return module(replace(first, w=w, bias=bias), linears[0].in_features)
+    runtime = replace(first, w=w, bias=bias)
+    if module is WOQLinear:
+        bias32 = None if bias is None else bias.float().contiguous()
+        return WOQLinear(runtime, linears[0].in_features, QuantBF16Matmul.of(w, bias32, first.lib) if bf16 else None)
+    return module(runtime, linears[0].in_features)
 
 
 def _same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -331,14 +400,15 @@ def _packed(linears: list[nn.Module]) -> PackedLinear | WOQLinear | None:
     return PackedLinear(packed, bias, linears[0].in_features)
 
 
-def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = None) -> int:
+def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = None, bf16: bool = False) -> int:
     """Replace every float32 CPU nn.Linear under `model` by a PackedLinear (a tied lm_head gets a
     packed copy; the embedding keeps the plain weight), and mark every QuantLinear so that its
     Dense runtime packs its decoded weight. `fuse` {new name: (names, ...)}: sibling Linears that
     read the same input (q/k/v, gate/up) become one matmul under the new name, the old ones are
     dropped (the runtime's forward splits the output); so do sibling weight-only QuantLinears that
-    qtk's CPU kernel runs (WOQLinear), and W8A8 ones on its VNNI kernel (W8A8Linear). Returns how
-    many modules were packed or fused."""
+    qtk's CPU kernel runs (WOQLinear), and W8A8 ones on its VNNI kernel (W8A8Linear). bf16 (a bf16
+    checkpoint, bf16_checkpoint): weight-only QuantLinears multiply many rows in bf16 where the CPU
+    has AVX512-BF16 (QuantBF16Matmul). Returns how many modules were packed or fused."""
     count = 0
     for parent in list(model.modules()):
         if isinstance(parent, QuantLinear):
@@ -346,14 +416,14 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
         for new, names in (fuse or {}).items():
             if all(isinstance(getattr(parent, n, None), nn.Module) for n in names):
                 siblings = [getattr(parent, n) for n in names]
-                fused = _packed(siblings) or _fused_kernel(siblings)
+                fused = _packed(siblings) or _fused_kernel(siblings, bf16)
                 if fused is not None:
                     for n in names:
                         delattr(parent, n)
                     setattr(parent, new, fused)
                     count += 1
         for name, child in list(parent.named_children()):
-            packed = _packed([child]) if type(child) is nn.Linear else _fused_kernel([child]) if isinstance(
+            packed = _packed([child]) if type(child) is nn.Linear else _fused_kernel([child], bf16) if isinstance(
                 child, QuantLinear) else None
             if packed is not None:
                 setattr(parent, name, packed)

@@ -26,6 +26,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -123,35 +124,204 @@ static void columns(const Args& a, int64_t b) {
   for (int64_t m = 0; m < a.M; m += 16) rows(a, b, m, static_cast<int>(std::min<int64_t>(16, a.M - m)), one);
 }
 
+// row xr [K] float32 -> [K/2] words of bf16 pairs (to nearest even), K even
+static void row_pairs(const float* xr, int64_t K, uint32_t* row) {
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {  // 32 floats -> 16 pairs (cvtne2ps: its second operand gives the low half)
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k));
+    _mm512_storeu_si512(row + k / 2, (__m512i)v);
+  }
+  if (k < K) {
+    const int64_t left = K - k;
+    const __mmask16 m1 = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 m2 = left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1) : 0;
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m2, xr + k + 16), _mm512_maskz_loadu_ps(m1, xr + k));
+    _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(row) + k, m1, _mm512_castsi512_si256((__m512i)v));
+    if (m2) _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(row) + k + 16, m2,
+                                     _mm512_extracti64x4_epi64((__m512i)v, 1));
+  }
+}
+
+// row m of x (float32 or bf16) as [K/2] words of bf16 pairs: a pointer into x itself (bf16 at an even
+// stride), else converted into `buf`
+static const uint32_t* pairs_of_row(const at::Tensor& x, int64_t m, uint32_t* buf) {
+  if (x.scalar_type() == at::kBFloat16)
+    return reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>() + m * x.stride(0));
+  row_pairs(x.data_ptr<float>() + m * x.stride(0), x.size(1), buf);
+  return buf;
+}
+
 // x [M, K] float32 or bf16 -> [K/2, M] words of bf16 pairs
 static void transpose_pairs(const at::Tensor& x, uint32_t* xt) {
-  const int64_t M = x.size(0), K = x.size(1), P = K / 2;
-  if (x.scalar_type() == at::kBFloat16) {
-    for (int64_t m = 0; m < M; ++m) {
-      const uint32_t* row = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>() + m * x.stride(0));
-      for (int64_t p = 0; p < P; ++p) xt[p * M + m] = row[p];
-    }
-    return;
-  }
-  std::vector<uint32_t> row(P);
+  const int64_t M = x.size(0), P = x.size(1) / 2;
+  std::vector<uint32_t> buf(P);
   for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x.data_ptr<float>() + m * x.stride(0);
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {  // 32 floats -> 16 pairs (cvtne2ps: its second operand gives the low half)
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k));
-      _mm512_storeu_si512(row.data() + k / 2, (__m512i)v);
-    }
-    if (k < K) {
-      const int64_t left = K - k;
-      const __mmask16 m1 = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-      const __mmask16 m2 = left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1) : 0;
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m2, xr + k + 16), _mm512_maskz_loadu_ps(m1, xr + k));
-      _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(row.data()) + k, m1, _mm512_castsi512_si256((__m512i)v));
-      if (m2) _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(row.data()) + k + 16, m2,
-                                       _mm512_extracti64x4_epi64((__m512i)v, 1));
-    }
+    const uint32_t* row = pairs_of_row(x, m, buf.data());
     for (int64_t p = 0; p < P; ++p) xt[p * M + m] = row[p];
   }
+}
+
+// ---- Weight-only int4 / int8 layers in bf16 (woq_bf16_linear) ----
+//
+// A tile of 16 columns (blocks b, b + 1) is decoded once into w [K/2][16] words: column j's pair
+// (c[k][j], c[k+1][j]) with c = u - z, the stored code less its zero, as bf16: integers of at most 8
+// significant bits (int4 -15..15, int8 -255..255), so exact. Then every tile of MRQ rows multiplies it:
+// per group, vdpbf16ps sums x * c in float32 (gs registers), and acc += gs * s[g] once per group. So
+// y = sum_g s[g] sum_{k in g} c[k] x[k]: the float32 kernel's sum, with x rounded to bf16.
+// x is prepared once per call as xt [ceil(M/MRQ)][K/2][MRQ] words: a row tile's broadcasts for one pair
+// of k share a cache line.
+constexpr int MRQ = 12;
+constexpr int64_t XT_CHUNK_BYTES = 256 * 1024;  // x per pass over a thread's column tiles: half the L2 (2-core Zen 4, 128-512 rows: 1.2-1.5x faster than all of x per tile)
+
+struct QArgs {
+  const uint8_t* codes;   // int4 [nblocks, K/8, 8] words, int8 [nblocks, K, 8]
+  const float* scales;    // [nblocks, G, 8]
+  const int32_t* zeros;   // [nblocks, G, 8] zero of the stored codes, or null (symmetric int8)
+  const float* bias;
+  const uint32_t* xt;     // [ceil(M/MRQ), K/2, MRQ]
+  int64_t M, K, n, nblocks, G, gsize;
+  void* y;
+  bool bf16_out;
+};
+
+// 16 lanes: 8 words of block b and 8 of block b + 1 (zeros where `one`) at element offset `off` of each
+static QTK_INLINE __m512i two_blocks32(const uint32_t* lo, const uint32_t* hi, int64_t off, bool one) {
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + off));
+  const __m256i h = one ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + off));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
+}
+
+// (a[j], b[j]) small integers (exact in bf16) -> word j = bf16(a[j]) | bf16(b[j]) << 16
+static QTK_INLINE __m512i bf16_pairs(__m512i a, __m512i b) {
+  const __m512i fa = _mm512_castps_si512(_mm512_cvtepi32_ps(a)), fb = _mm512_castps_si512(_mm512_cvtepi32_ps(b));
+  return _mm512_or_si512(_mm512_srli_epi32(fa, 16), _mm512_and_si512(fb, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// Decode the tile of blocks b, b + 1 into w [K/2][16] words (see above) and s [G][16] scales.
+template <int BITS>
+static void decode_pairs(const QArgs& a, int64_t b, uint32_t* w, float* s) {
+  const bool one = b + 1 >= a.nblocks;
+  const int64_t G = a.G;
+  std::vector<__m512i> z(G);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* s0 = a.scales + (b * G + g) * LANES;
+    const __m256 sh = one ? _mm256_setzero_ps() : _mm256_loadu_ps(s0 + G * LANES);
+    _mm512_store_ps(s + g * 16, _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(s0)), sh, 1));
+    if (a.zeros) {
+      const int32_t* z0 = a.zeros + (b * G + g) * LANES;
+      z[g] = two_blocks32(reinterpret_cast<const uint32_t*>(z0), reinterpret_cast<const uint32_t*>(z0 + G * LANES), 0, one);
+    } else {
+      z[g] = _mm512_setzero_si512();
+    }
+  }
+  if constexpr (BITS == 4) {
+    const uint32_t* lo = reinterpret_cast<const uint32_t*>(a.codes) + b * a.K;  // a block: K/8 words x 8 lanes
+    const uint32_t* hi = lo + a.K;
+    const __m512i nib = _mm512_set1_epi32(0xF);
+    for (int64_t kb = 0; kb < a.K / 8; ++kb) {
+      const __m512i v = two_blocks32(lo, hi, kb * LANES, one), zg = z[kb * 8 / a.gsize];
+      uint32_t* o = w + kb * 4 * 16;
+#define QTK_PAIR(q)                                                                                       \
+  _mm512_store_si512(o + (q) * 16, bf16_pairs(                                                            \
+      _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * (q)), nib), zg),                          \
+      _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * (q) + 4), nib), zg)))
+      QTK_PAIR(0); QTK_PAIR(1); QTK_PAIR(2); QTK_PAIR(3);
+#undef QTK_PAIR
+    }
+  } else {
+    const int8_t* lo = reinterpret_cast<const int8_t*>(a.codes) + b * a.K * LANES;  // a block: K rows x 8 lanes
+    const int8_t* hi = lo + a.K * LANES;
+    auto row = [&](int64_t k) {  // row k of both blocks as 16 int32
+      const __m128i l = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo + k * LANES));
+      const __m128i h = one ? _mm_setzero_si128() : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi + k * LANES));
+      return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(l, h));
+    };
+    for (int64_t p = 0; p < a.K / 2; ++p) {
+      const __m512i zg = z[2 * p / a.gsize];
+      _mm512_store_si512(w + p * 16, bf16_pairs(_mm512_sub_epi32(row(2 * p), zg), _mm512_sub_epi32(row(2 * p + 1), zg)));
+    }
+  }
+}
+
+// rows mt * MRQ .. + MR against the decoded tile of blocks b, b + 1
+template <int MR>
+static void qtile(const QArgs& a, const uint32_t* w, const float* s, int64_t b, int64_t mt) {
+  const int64_t P = a.K / 2, gp = a.gsize / 2;
+  const uint32_t* x = a.xt + mt * P * MRQ;
+  __m512 acc[MR];
+#pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 gs[MR];
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) gs[r] = _mm512_setzero_ps();
+    for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
+      const __m512bh wv = (__m512bh)_mm512_load_si512(w + p * 16);
+      const uint32_t* xp = x + p * MRQ;
+#pragma GCC unroll 12
+      for (int r = 0; r < MR; ++r) gs[r] = _mm512_dpbf16_ps(gs[r], wv, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r])));
+    }
+    const __m512 sv = _mm512_load_ps(s + g * 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(gs[r], sv, acc[r]);
+  }
+  const int64_t m0 = mt * MRQ, c0 = b * LANES, cols = std::min<int64_t>(16, a.n - c0);
+  const __mmask16 mask = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + c0) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r) {
+    const __m512 o = _mm512_add_ps(acc[r], bias);
+    if (a.bf16_out)
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + (m0 + r) * a.n + c0, mask, (__m256i)_mm512_cvtneps_pbh(o));
+    else
+      _mm512_mask_storeu_ps(static_cast<float*>(a.y) + (m0 + r) * a.n + c0, mask, o);
+  }
+}
+
+template <int MR = MRQ>
+static QTK_INLINE void qrows(const QArgs& a, const uint32_t* w, const float* s, int64_t b, int64_t mt, int mr) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return qrows<MR - 1>(a, w, s, b, mt, mr);
+  }
+  qtile<MR>(a, w, s, b, mt);
+}
+
+template <int BITS>
+static void woq_bf16_tiles(const QArgs& a) {
+  at::parallel_for(0, (a.nblocks + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
+    uint32_t* w = static_cast<uint32_t*>(std::aligned_alloc(64, (a.K / 2 * 16 * 4 + 63) / 64 * 64));
+    float* s = static_cast<float*>(std::aligned_alloc(64, a.G * 16 * 4));
+    const int64_t tiles = (a.M + MRQ - 1) / MRQ;
+    const int64_t chunk = std::max<int64_t>(1, XT_CHUNK_BYTES / (a.K / 2 * MRQ * 4));  // row tiles of x per pass
+    for (int64_t c0 = 0; c0 < tiles; c0 += chunk)
+      for (int64_t t = t0; t < t1; ++t) {
+        decode_pairs<BITS>(a, 2 * t, w, s);
+        for (int64_t mt = c0; mt < std::min(tiles, c0 + chunk); ++mt)
+          qrows(a, w, s, 2 * t, mt, static_cast<int>(std::min<int64_t>(MRQ, a.M - mt * MRQ)));
+      }
+    std::free(w);
+    std::free(s);
+  });
+}
+
+// x [M, K] -> xt [ceil(M/MRQ), K/2, MRQ] words of bf16 pairs (rows past M: zero)
+static void tile_pairs(const at::Tensor& x, uint32_t* xt) {
+  const int64_t M = x.size(0), P = x.size(1) / 2, tiles = (M + MRQ - 1) / MRQ;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint32_t> buf(P);
+    for (int64_t t = t0; t < t1; ++t) {
+      uint32_t* out = xt + t * P * MRQ;
+      for (int64_t r = 0; r < MRQ; ++r) {
+        const int64_t m = t * MRQ + r;
+        if (m >= M) {
+          for (int64_t p = 0; p < P; ++p) out[p * MRQ + r] = 0;
+          continue;
+        }
+        const uint32_t* row = pairs_of_row(x, m, buf.data());
+        for (int64_t p = 0; p < P; ++p) out[p * MRQ + r] = row[p];
+      }
+    }
+  });
 }
 
 #pragma GCC pop_options
@@ -189,6 +359,48 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& codes, const std::
   return y;
 }
 
+
+at::Tensor woq_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
+                           int64_t n, bool bf16_out) {
+  TORCH_CHECK(runs(), "woq_bf16_linear: needs AVX-512 with AVX512-BF16 (this build or CPU has not; the float32 "
+              "kernel runs these layers there)");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.stride(0) % 2 == 0),
+              "woq_bf16_linear: x must be a float32 or bf16 CPU matrix with contiguous rows (bf16: at even strides)");
+  TORCH_CHECK(bits == 4 || bits == 8, "woq_bf16_linear: bits must be 4 or 8 (bf16 weights: bf16_linear)");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t nblocks = codes.size(0);
+  TORCH_CHECK(K % 8 == 0, "woq_bf16_linear: K must be a multiple of 8, got ", K);
+  TORCH_CHECK(codes.is_contiguous() && codes.numel() * codes.element_size() == nblocks * (bits == 4 ? K * 4 : K * LANES),
+              "woq_bf16_linear: codes (kernels.cpu.pack) do not match K=", K);
+  TORCH_CHECK(nblocks * LANES >= n && nblocks * LANES < n + LANES, "woq_bf16_linear: codes hold ", nblocks,
+              " column blocks for n=", n);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+              scales.size(0) == nblocks && scales.size(2) == LANES, "woq_bf16_linear: scales must be float32 [",
+              nblocks, ", G, 8], got ", scales.sizes());
+  const int64_t G = scales.size(1);
+  TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % (bits == 4 ? 8 : 2) == 0, "woq_bf16_linear: ", G,
+              " groups do not divide K=", K, " into multiples of ", bits == 4 ? 8 : 2);
+  TORCH_CHECK(bits == 8 || zeros, "woq_bf16_linear: int4 needs zeros");
+  TORCH_CHECK(!zeros || (zeros->scalar_type() == at::kInt && zeros->is_contiguous() && zeros->sizes() == scales.sizes()),
+              "woq_bf16_linear: zeros must be int32 shaped as scales");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->numel() == n && bias->is_contiguous()),
+              "woq_bf16_linear: bias must be float32 [", n, "]");
+  at::Tensor y = at::detail::empty_cpu({M, n}, bf16_out ? at::kBFloat16 : at::kFloat, std::nullopt, std::nullopt,
+                                       std::nullopt, std::nullopt);
+#ifdef QTK_BF16_AVX512
+  if (M == 0) return y;
+  std::vector<uint32_t> xt((M + MRQ - 1) / MRQ * MRQ * (K / 2));
+  tile_pairs(x, xt.data());
+  const QArgs a{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+                zeros ? zeros->data_ptr<int32_t>() : nullptr, bias ? bias->data_ptr<float>() : nullptr, xt.data(),
+                M, K, n, nblocks, G, K / G, y.data_ptr(), bf16_out};
+  bits == 4 ? woq_bf16_tiles<4>(a) : woq_bf16_tiles<8>(a);
+#endif
+  return y;
+}
+
 }  // namespace
 
 namespace QTK_LIB {
@@ -196,5 +408,8 @@ void bind_bf16_linear(pybind11::module_& m) {
   m.def("bf16_linear", &bf16_linear, pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("bf16_out") = false);
   m.def("bf16_linear_runs", &runs);
+  m.def("woq_bf16_linear", &woq_bf16_linear, pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"),
+        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("zeros"), pybind11::arg("bias"),
+        pybind11::arg("bits"), pybind11::arg("n"), pybind11::arg("bf16_out") = false);
 }
 }  // namespace QTK_LIB

@@ -8,7 +8,7 @@ from torch import nn
 
 from ...errors import InputError
 from ...moe import linearize_experts
-from ..packed_linear import bf16_lm_head, pack_linears
+from ..packed_linear import bf16_checkpoint, bf16_lm_head, pack_linears
 from .generic import GenericModel, unsupported
 from .native import FAMILIES, FUSED, NativeModel
 
@@ -30,10 +30,11 @@ def build(hf_model: nn.Module, model_impl: str = "auto") -> NativeModel | Generi
     why = unsupported(hf_model)
     if why:  # before any repacking
         raise InputError(why)
+    bf16 = bf16_checkpoint(hf_model)  # a quantized one's weight-only layers then multiply many rows in bf16
     bf16_lm_head(hf_model)
     if is_native(hf_model) and model_impl != "transformers":
         linearize_experts(hf_model)  # 3-D experts as per-expert Linears, each gate/up fused below
-        pack_linears(hf_model, fuse=FUSED)
+        pack_linears(hf_model, fuse=FUSED, bf16=bf16)
         return NativeModel(hf_model)
-    pack_linears(hf_model)
+    pack_linears(hf_model, bf16=bf16)
     return GenericModel(hf_model)
