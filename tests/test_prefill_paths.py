@@ -230,39 +230,51 @@ def test_a_bf16_checkpoints_weight_only_layer_multiplies_many_rows_in_bf16(monke
 
 
 @pytest.mark.parametrize("units", ["0", "1"])
-def test_a_quantized_bf16_checkpoint_prefills_in_bf16_within_bf16_rounding(monkeypatch, units):
-    """A bf16 checkpoint quantized W4A16 (its embedding and lm_head bf16 numbers) through the engine's build:
-    with the units, its prefill chunks of 24 rows run every layer on qtk's bf16 kernel for the codes (the
-    step in bf16 between the norms, bf16_matmul) and its KV cache is bf16 ("auto", as a bf16 float
-    checkpoint's), decode steps of 2 rows the float32 kernel; the logits follow the float32 path's within
-    bf16 rounding. QTK_CPU_BF16=0: the float32 path, within float32 rounding of the module forward's."""
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8"])
+def test_a_quantized_bf16_checkpoint_prefills_in_bf16_within_bf16_rounding(monkeypatch, units, scheme):
+    """A bf16 checkpoint quantized (its embedding and lm_head bf16 numbers) through the engine's build, with
+    the units: its KV cache is bf16 ("auto", as a bf16 float checkpoint's) and its prefill chunks of 24
+    rows attend in qtk's bf16 flash kernel; W4A16: every layer multiplies the chunk's 48 rows on qtk's bf16
+    kernel for the codes (the step in bf16 between the norms, bf16_matmul), decode steps of 2 rows in the
+    float32 kernel; W8A8: the int8 kernel as ever (W8A8Linear.bf16 marks the checkpoint). The logits follow
+    the module forward's within bf16 rounding. QTK_CPU_BF16=0: the float32 path, within float32 rounding."""
     monkeypatch.setenv("QTK_CPU_BF16", units)
     from qtk.calibrate import quantize_model
     from qtk.recipe import from_flags
     from qtk.runtime.models import build
     from qtk.runtime.model_runner import kv_cache_spec
-    from qtk.runtime.packed_linear import QuantBF16Matmul, bf16_checkpoint
+    from qtk.runtime.packed_linear import QuantBF16Matmul, W8A8Linear, bf16_checkpoint, steps_in_bf16
 
     model = bf16_numbers(hf_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                                   num_key_value_heads=2))
-    quantize_model(model, from_flags("rtn", scheme="w4a16", group_size=32), torch.randint(3, 256, (4, 16)), progress=False)
+    flags = dict(scheme="w4a16", group_size=32) if scheme == "w4a16" else dict(scheme="w8a8")
+    quantize_model(model, from_flags("rtn", **flags), torch.randint(3, 256, (4, 16)), progress=False)
     assert bf16_checkpoint(model)
     runtime = build(copy.deepcopy(model))
-    runs = units == "1" and cpu_kernels.ops().bf16_linear_runs()
-    kernels = [m.many for m in runtime.modules() if isinstance(getattr(m, "many", None), QuantBF16Matmul)]
-    assert len(kernels) == (4 * len(runtime.layers) if runs else 0)  # qkv, o, gate_up, down
+    ops = runtime.cpu_ops
+    runs = units == "1" and ops.bf16_linear_runs()
+    assert steps_in_bf16(runtime) == runs
     kv_dtype = kv_cache_spec(runtime, "auto", torch.float32, "cpu", None)[0]
     assert kv_dtype == (torch.bfloat16 if runs else torch.float32)
-    rows = []
-    for m in runtime.modules():  # count the rows each call of the bf16 kernels multiplies
+    layers = 4 * len(runtime.layers)  # qkv, o, gate_up, down
+    if scheme == "w4a16":
+        assert len([m for m in runtime.modules() if isinstance(getattr(m, "many", None), QuantBF16Matmul)]) == (layers if runs else 0)
+    else:
+        w8a8 = [m for m in runtime.modules() if isinstance(m, W8A8Linear)]
+        assert len(w8a8) == layers and all(m.bf16 == runs for m in w8a8)
+    rows, attended = [], []
+    for m in runtime.modules():  # the rows each call of the bf16 kernels multiplies
         many = getattr(m, "many", None)
         if isinstance(many, QuantBF16Matmul):
             m.many = dataclasses.replace(many, op=lambda x, *a, op=many.op: rows.append(x.shape[0]) or op(x, *a))
+    kernel = ops.prefill_attention
+    monkeypatch.setattr(ops, "prefill_attention", lambda *a, **k: attended.append(a[0].shape[0]) or kernel(*a, **k))
     prompts = [list(range(30, 54)), list(range(70, 94))]
     _, want, _ = greedy_through_runtime(model, prompts, new_tokens=3, budget=64)
     _, got, _ = greedy_through_runtime(None, prompts, new_tokens=3, budget=64, runtime=runtime, kv_dtype=kv_dtype)
-    assert (runtime._bf16_rows is not None) == runs
-    assert rows == ([48] * 4 * len(runtime.layers) if runs else [])  # the prefill step's layers, not the decodes'
+    assert (runtime._bf16_rows is not None) == (runs and scheme == "w4a16")
+    assert attended == ([24] * 2 * len(runtime.layers) if runs else [])  # two prompts, every layer
+    assert rows == ([48] * layers if runs and scheme == "w4a16" else [])  # the prefill step's, not the decodes'
     tol = dict(atol=2e-4, rtol=1e-4) if not runs else dict(atol=0.05, rtol=0.05)
     for a, b in zip(want.values(), got.values()):
         torch.testing.assert_close(torch.stack(b), torch.stack(a), **tol)

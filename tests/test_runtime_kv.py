@@ -88,7 +88,7 @@ def test_engine_takes_the_checkpoints_kv_scales(kv_checkpoint, caplog):
     its grid (absmax = scale * 127.5 = fp8 scale * 448); auto keeps the model dtype (vLLM's meaning of auto)."""
     from qtk import LLM
     from qtk.loading import load_model
-    from qtk.runtime.packed_linear import many_rows_in_bf16
+    from qtk.runtime.packed_linear import steps_in_bf16
 
     hf, _ = load_model(str(kv_checkpoint))
     want = [layer.self_attn.k_scale.float() for layer in hf.model.layers]
@@ -102,7 +102,7 @@ def test_engine_takes_the_checkpoints_kv_scales(kv_checkpoint, caplog):
     torch.testing.assert_close(fp8.runner.kv_caches[0].k_scale, want[0] * 127.5 / 448, atol=0, rtol=1e-6)
     auto = LLM(str(kv_checkpoint), dtype="float32", kv_cache_memory=2**20, max_model_len=128)
     # a bf16 checkpoint (qtk quantize writes one) whose prefill runs in bf16 (a CPU with bf16 units) keeps bf16
-    bf16 = many_rows_in_bf16(auto.model)
+    bf16 = steps_in_bf16(auto.model)
     assert auto.runner.kv_caches[0].k.dtype == (torch.bfloat16 if bf16 else torch.float32)
     assert auto.runner.kv_caches[0].k_scale is None
 

@@ -18,7 +18,7 @@ from ..kv_scales import cache_scheme, grid_absmax, kv_scale
 from .attention import KV_DTYPES, SCALED_KV, AttentionMetadata, KVCache, PrefillChunk
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, Record, capture_sizes, cuda_record
-from .packed_linear import many_rows_in_bf16
+from .packed_linear import steps_in_bf16
 from .sampler import logprob_entry
 from .scheduler import Batch
 from .sequence import Sequence
@@ -54,14 +54,14 @@ def measure_kv_scales(model, ids: list[int], dtype: torch.dtype, device) -> list
 def kv_cache_spec(model, kv_cache_dtype: str, dtype: torch.dtype, device, tokenizer) -> tuple[torch.dtype, list | None]:
     """(cache dtype, per layer (k_scale, v_scale) float32 [kv_heads | 1, 1, 1] for FP8 / INT8).
     As vLLM: "auto" is the model dtype, and a bf16 checkpoint's is bf16: so where qtk's float32
-    runtime multiplies its prefill chunks in bf16 (packed_linear.many_rows_in_bf16: a CPU with bf16
-    units), its cache is bf16 too, half the bytes a decode step reads (decode steps of 16 sequences
+    runtime runs its steps in bf16 (packed_linear.steps_in_bf16: a bf16 checkpoint, float or quantized,
+    on a CPU with bf16 units), its cache is bf16 too, half the bytes a decode step reads (decode steps of 16 sequences
     over 1024-token contexts: 69.5 -> 54.7 ms on a 2-core Zen 4); QTK_CPU_BF16=0 keeps float32
     throughout. fp8 / int8 take the checkpoint's calibrated scales (rescaled to the asked grid when
     the checkpoint calibrated the other one), or scales measured at load on built-in text, with a
     warning."""
     if kv_cache_dtype == "auto":
-        if dtype == torch.float32 and torch.device(device).type == "cpu" and many_rows_in_bf16(model):
+        if dtype == torch.float32 and torch.device(device).type == "cpu" and steps_in_bf16(model):
             return torch.bfloat16, None
         return dtype, None
     kv_dtype = KV_DTYPES[kv_cache_dtype]

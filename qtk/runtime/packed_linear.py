@@ -245,7 +245,13 @@ class WOQLinear(KernelLinear):
 class W8A8Linear(KernelLinear):
     """W8A8 int8 QuantLinears on qtk's VNNI kernel (kernels/cpu.py, csrc/cpu_w8a8.cpp) straight from
     the module, several that read the same input (q/k/v, gate/up) joined into one where their
-    activations are quantized alike (per token, or one static scale): the input is quantized once."""
+    activations are quantized alike (per token, or one static scale): the input is quantized once.
+    bf16: a bf16 checkpoint's layer on a CPU with bf16 units, whose steps keep the KV cache and attend
+    in bf16 as vLLM runs a bf16 W8A8 model (steps_in_bf16; the int8 products are the same either way)."""
+
+    def __init__(self, runtime: CpuW8A8Vnni, in_features: int, bf16: bool = False):
+        super().__init__(runtime, in_features)
+        self.bf16 = bf16
 
     def direct(self):
         """The kernel call itself, for float32 [T, K] contiguous x (the runtime's fused forward)."""
@@ -312,11 +318,13 @@ def kept_in_bf16(weight: torch.Tensor, bias: torch.Tensor | None, many: bool = T
     return WOQLinear(CpuWOQ(packed, None, bias, lib), weight.shape[1], onednn, dot)
 
 
-def many_rows_in_bf16(model: nn.Module) -> bool:
-    """Whether the model's many-row matmuls (prefill chunks) run in bf16: some layer kept in bf16 has
-    oneDNN's bf16 copy, or some weight-only layer qtk's bf16 kernel (a bf16 checkpoint on a CPU with
-    bf16 units, QTK_CPU_BF16 not 0)."""
-    return any(isinstance(m, WOQLinear) and m.many is not None and m.many.bf16 for m in model.modules())
+def steps_in_bf16(model: nn.Module) -> bool:
+    """Whether the model's steps run in bf16 where they can (a bf16 checkpoint on a CPU with bf16 units,
+    QTK_CPU_BF16 not 0): some layer multiplies many rows in bf16 (a float layer's oneDNN bf16 copy, a
+    weight-only layer's qtk bf16 kernel), or a W8A8 layer is a bf16 checkpoint's. Its KV cache is then
+    bf16 ("auto", model_runner.kv_cache_spec) and its attention bf16 (NativeModel)."""
+    return any((isinstance(m, WOQLinear) and m.many is not None and m.many.bf16) or (isinstance(m, W8A8Linear) and m.bf16)
+               for m in model.modules())
 
 
 def bf16_lm_head(model: nn.Module) -> bool:
@@ -372,7 +380,7 @@ def _fused_kernel(linears: list[nn.Module], bf16: bool = False) -> KernelLinear 
     if module is WOQLinear:
         bias32 = None if bias is None else bias.float().contiguous()
         return WOQLinear(runtime, linears[0].in_features, QuantBF16Matmul.of(w, bias32, first.lib) if bf16 else None)
-    return module(runtime, linears[0].in_features)
+    return W8A8Linear(runtime, linears[0].in_features, bf16 and cpu_has_native_bf16())
 
 
 def _same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -124,7 +124,7 @@ static QTK_INLINE void dp_step(__m512i (&acc)[MR == 1 ? 2 : MR][TB], const int8_
 
 // Rows m0..m0+MR against the 4 blocks from nb0 (all whole blocks of the padded N16).
 template <int MR>
-static void tile(const W8A8Args& a, int64_t m0, int64_t nb0) {
+static void tile(const W8A8Args& a, int64_t m0, int64_t nb0, bool ahead) {
   constexpr int NC = MR == 1 ? 2 : MR;
   const int64_t bb = a.K4 * COLS;  // bytes per block
   const int8_t* blk = a.codes + nb0 * bb;
@@ -138,25 +138,32 @@ static void tile(const W8A8Args& a, int64_t m0, int64_t nb0) {
   const int64_t n4 = a.K4 / 4;
   int64_t k4 = 0;
   for (; k4 + 2 <= n4; k4 += 2) {
-    const char* next = reinterpret_cast<const char*>(blk + TB * bb + k4 * 64);  // the next tile, a line per stream
+    if (ahead) {  // the next tile, a line per stream (on a tile's first pass over rows only)
+      const char* next = reinterpret_cast<const char*>(blk + TB * bb + k4 * 64);
 #pragma GCC unroll 4
-    for (int t = 0; t < TB; ++t) {
-      _mm_prefetch(next + t * bb, _MM_HINT_T0);
-      _mm_prefetch(next + t * bb + 64, _MM_HINT_T0);
+      for (int t = 0; t < TB; ++t) {
+        _mm_prefetch(next + t * bb, _MM_HINT_T0);
+        _mm_prefetch(next + t * bb + 64, _MM_HINT_T0);
+      }
     }
     dp_step<MR, false>(acc, blk, bb, x, k4);
     dp_step<MR, true>(acc, blk, bb, x, k4 + 1);
   }
   if (k4 < n4) dp_step<MR, false>(acc, blk, bb, x, k4);
-  alignas(64) int32_t sums[COLS];
-  for (int r = 0; r < MR; ++r)
-    for (int t = 0; t < TB; ++t) {
+  for (int r = 0; r < MR; ++r) {
+    const __m512 sx = _mm512_set1_ps(a.sx[m0 + r]);
+    for (int t = 0; t < TB; ++t) {  // (acc - colsum) * s_x * s_w + b, 16 columns at a time
       const int64_t c0 = (nb0 + t) * COLS;
       if (c0 >= a.N) break;
-      __m512i s = MR == 1 ? _mm512_add_epi32(acc[0][t], acc[1][t]) : acc[r][t];
-      _mm512_store_si512(sums, s);
-      epilogue(a, m0 + r, c0, sums);
+      const __m512i s = MR == 1 ? _mm512_add_epi32(acc[0][t], acc[1][t]) : acc[r][t];
+      const int64_t cols = std::min<int64_t>(COLS, a.N - c0);
+      const __mmask16 mask = cols >= COLS ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(s, _mm512_loadu_si512(a.colsum + c0)));
+      __m512 y = _mm512_mul_ps(_mm512_mul_ps(v, sx), _mm512_loadu_ps(a.scales + c0));
+      if (a.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, a.bias + c0));
+      _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + c0, mask, y);
     }
+  }
 }
 #endif
 
@@ -213,9 +220,9 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
 #ifdef QTK_VNNI
       if (nblk == TB) {
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) tile<4>(a, m, nb0);
-        for (; m + 2 <= M; m += 2) tile<2>(a, m, nb0);
-        if (m < M) tile<1>(a, m, nb0);
+        for (; m + 4 <= M; m += 4) tile<4>(a, m, nb0, m == 0);
+        for (; m + 2 <= M; m += 2) tile<2>(a, m, nb0, m == 0);
+        if (m < M) tile<1>(a, m, nb0, m == 0);
         continue;
       }
 #endif

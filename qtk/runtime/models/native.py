@@ -127,6 +127,7 @@ class NativeModel(nn.Module):
             self.why_no_graphs = moe.WHY_NO_GRAPHS
         self._plan = None  # per layer, the projections' callables (built at the first fused forward)
         self._bf16_rows = None  # rows from which a step runs all in bf16 between norms (with the plan)
+        self._bf16_attention_rows = None  # rows from which a step's attention is bf16 without it (W8A8, bf16 checkpoint)
         self._step_bf16 = False  # whether the last step did (its logits follow: logits())
 
     def _frozen_ropes(self, cfg) -> None:
@@ -222,12 +223,14 @@ class NativeModel(nn.Module):
         matmuls in bf16: the norms write bf16, the residual adds the o and down projections' outputs
         as they are (bf16 from oneDNN, float32 from qtk's bf16 kernel for a decode batch), so only
         the qkv output (for RoPE, the cache and attention) and the attention output convert; the
-        same numbers as converting around each matmul."""
+        same numbers as converting around each matmul. A bf16 checkpoint whose layers are W8A8 attends in
+        bf16 from as many rows (_w8a8_bf16_rows)."""
         ops = self.cpu_ops
         if self._plan is None:
             self._plan = [self._layer_plan(layer, getattr(ops, self.glu_op)) for layer in self.layers]
             bf16_rows = [p[-1][0] for p in self._plan if p[-1] is not None]
             self._bf16_rows = max(bf16_rows) if len(bf16_rows) == len(self._plan) and not self.family.sandwich else None
+            self._bf16_attention_rows = self._w8a8_bf16_rows()
             norm, layers = self._norm_weights, self.layers
             self._norms = [norm(layer.input_layernorm) for layer in layers] + [norm(self.norm)]
             self._post_norms = [norm(layer.post_attention_layernorm) for layer in layers]
@@ -238,6 +241,7 @@ class NativeModel(nn.Module):
         qk_norm, sandwich, norms, heads = self.family.qk_norm, self.family.sandwich, self._norms, [H, KV, KV]
         full_rope, glu = self.rotary_dim == D, getattr(ops, self.glu_op)
         bf16 = self._bf16_rows is not None and T >= self._bf16_rows  # the whole step in bf16 between norms
+        attention_bf16 = self._bf16_attention_rows is not None and T >= self._bf16_attention_rows
         self._step_bf16 = bf16
         last = len(self.layers) - 1
         x = ops.rms_norm(h, *norms[0], bf16)
@@ -264,7 +268,8 @@ class NativeModel(nn.Module):
                 ops.rope_(q.view(T, H * D), cos, sin, H)
                 ops.rope_(k.view(T, KV * D), cos, sin, KV)
             many = many_mlp is not None and T >= many_mlp[0]  # a step whose matmuls run in bf16 (bf16 implies it)
-            o = paged_attention(q, k, v, cache, meta, self.scales[i], ops, self.windows[i], self.terms[i], bf16=many)
+            o = paged_attention(q, k, v, cache, meta, self.scales[i], ops, self.windows[i], self.terms[i],
+                                bf16=many or attention_bf16)
             if bf16:  # o and the MLP in bf16; the residual adds their bf16 outputs
                 x = ops.add_rms_norm_(h, bf16_plan[2](o.view(T, H * D)), *self._post_norms[i], True)
                 x = ops.add_rms_norm_(h, bf16_plan[3](x), *norms[i + 1], i < last)
@@ -282,6 +287,16 @@ class NativeModel(nn.Module):
                 m = ops.rms_norm(m, *self._post_ff_norms[i])
             x = ops.add_rms_norm_(h, m, *norms[i + 1])
         return x
+
+    def _w8a8_bf16_rows(self) -> int | None:
+        """Rows from which a step of a bf16 checkpoint whose layers are W8A8 (packed_linear.W8A8Linear.bf16)
+        attends in bf16, as a decode batch of a float bf16 checkpoint does (packed_linear.BF16_DOT_ROWS[0]):
+        prefill chunks in qtk's bf16 flash kernel, decodes over the bf16 cache in its bf16 decode kernel;
+        else None."""
+        from ..packed_linear import BF16_DOT_ROWS, W8A8Linear
+
+        w8a8 = [m for m in self.layers.modules() if isinstance(m, W8A8Linear)]
+        return BF16_DOT_ROWS[0] if w8a8 and all(m.bf16 for m in w8a8) else None
 
     @staticmethod
     def _layer_plan(layer, glu) -> tuple:
