@@ -1,9 +1,9 @@
 """A/B of the bundled model through qtk's engine, for a change's before and after: run it from each
 checkout (the qtk of the current directory is imported), one after the other on an idle machine.
 
-    cd CHECKOUT && python benchmarks/engine_ab.py
+    cd CHECKOUT && python benchmarks/engine_ab.py [MODEL]
 
-float32 runtime, greedy, EOS ignored. Prints JSON: perplexity (4 x 1024-token windows of the
+MODEL: the bundled model (default) or a checkpoint of it (`qtk quantize` output). float32 runtime, greedy, EOS ignored. Prints JSON: perplexity (4 x 1024-token windows of the
 built-in evaluation text), batch-64 throughput (64 short chat prompts x 128 tokens), batch-1
 decode (one chat prompt, 256 tokens)."""
 import json
@@ -19,7 +19,8 @@ from qtk.evals.perplexity import engine_perplexity, eval_windows  # noqa: E402
 
 
 def main() -> None:
-    llm = LLM("smollm2-135m", dtype="float32")
+    model = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m"
+    llm = LLM(model, dtype="float32")
     tok = llm.tokenizer
     ppl = engine_perplexity(llm, eval_windows(tok, "builtin", 1024, 4), batch_size=4, progress=False).ppl
     prompts = [prompt_ids(tok, [{"role": "user", "content": f"Write a short story about a robot number {i}."}])
@@ -31,7 +32,8 @@ def main() -> None:
     t = time.perf_counter()
     llm.generate([prompts[0]], SamplingParams(max_tokens=256, temperature=0, ignore_eos=True))
     batch1 = 256 / (time.perf_counter() - t)
-    print(json.dumps({"tree": os.getcwd(), "ppl": ppl, "batch64_tok_s": round(batch64, 1),
+    print(json.dumps({"tree": os.getcwd(), "model": model,
+                      "ppl": ppl, "batch64_tok_s": round(batch64, 1),
                       "batch1_tok_s": round(batch1, 1)}))
 
 
