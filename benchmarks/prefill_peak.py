@@ -242,7 +242,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = result["capability"].lower() + ("-bf16" if bf16 else "")
-    path = out / f"prefill-peak-{a.model}-{tag}-{datetime.date.today()}.json"
+    path = out / f"prefill-peak-{a.model}-{tag}-{datetime.date.today()}-{result['commit'][:7]}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {path}")
 
