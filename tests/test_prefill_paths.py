@@ -280,3 +280,31 @@ def test_a_quantized_bf16_checkpoint_prefills_in_bf16_within_bf16_rounding(monke
         torch.testing.assert_close(torch.stack(b), torch.stack(a), **tol)
     if runs:
         assert any(not torch.allclose(torch.stack(b), torch.stack(a), atol=1e-5) for a, b in zip(want.values(), got.values()))
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "phi"])
+def test_the_generic_path_runs_a_quantized_bf16_checkpoint_within_bf16_rounding(model_type, tmp_path, monkeypatch):
+    """A family without a native forward (transformers' modeling code, GenericModel) on a W4A16 checkpoint
+    qtk wrote (bf16): with the units, its weight-only layers take qtk's bf16 kernel for many rows and its
+    cache is bf16; the same greedy tokens, and prompt logprobs within bf16 rounding of QTK_CPU_BF16=0's."""
+    from qtk import LLM, SamplingParams
+    from qtk.runtime.models.generic import GenericModel
+    from qtk.runtime.packed_linear import QuantBF16Matmul
+    from test_any_decoder import prompts, quantize
+    from zoo import saved, tiny
+
+    ckpt = quantize(saved(tiny(model_type), tmp_path / "src"), "rtn", tmp_path / "q")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    outs = {}
+    for units in ("0", "1"):
+        monkeypatch.setenv("QTK_CPU_BF16", units)
+        llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=2**22, block_size=4, max_num_batched_tokens=64)
+        runs = units == "1" and cpu_kernels.ops().bf16_linear_runs()
+        assert isinstance(llm.model, GenericModel)
+        assert any(isinstance(getattr(m, "many", None), QuantBF16Matmul) for m in llm.model.modules()) == runs
+        assert llm.runner.kv_caches[0].k.dtype == (torch.bfloat16 if runs else torch.float32)
+        outs[units] = llm.generate(prompts(), params)
+    for a, b in zip(outs["0"], outs["1"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 0.01 for t in x)
