@@ -334,6 +334,16 @@ static void tile_pairs(const at::Tensor& x, uint32_t* xt) {
 #pragma GCC pop_options
 #endif
 
+// The calling thread's buffer for x's bf16 pairs, at least `words` long, kept between calls: every word
+// is written before it is read, so it is neither zeroed nor freshly mapped per call (a zeroed vector of a
+// 512-row chunk's pairs cost 5% of a layer, its page faults as much again). It grows to the largest call's x
+// (a 512-token step of K = 14336: 15 MB) and stays.
+static uint32_t* x_buffer(int64_t words) {
+  thread_local std::vector<uint32_t> buf;
+  if (static_cast<int64_t>(buf.size()) < words) buf.resize(words);
+  return buf.data();
+}
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& codes, const std::optional<at::Tensor>& bias, int64_t n,
                        bool bf16_out) {
   TORCH_CHECK(runs(), "bf16_linear: needs AVX-512 with AVX512-BF16 (this build or CPU has not; the float32 kernel "
@@ -355,9 +365,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& codes, const std::
                                        std::nullopt, std::nullopt);
 #ifdef QTK_BF16_AVX512
   if (M == 0) return y;
-  std::vector<uint32_t> xt(K / 2 * M);
-  transpose_pairs(x, xt.data());
-  const Args a{reinterpret_cast<const uint16_t*>(codes.data_ptr()), xt.data(), bias ? bias->data_ptr<float>() : nullptr,
+  uint32_t* xt = x_buffer(K / 2 * M);
+  transpose_pairs(x, xt);
+  const Args a{reinterpret_cast<const uint16_t*>(codes.data_ptr()), xt, bias ? bias->data_ptr<float>() : nullptr,
                M, K, n, nblocks, y.data_ptr(), bf16_out};
   at::parallel_for(0, (nblocks + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) columns(a, 2 * t);
@@ -398,10 +408,10 @@ at::Tensor woq_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const a
                                        std::nullopt, std::nullopt);
 #ifdef QTK_BF16_AVX512
   if (M == 0) return y;
-  std::vector<uint32_t> xt((M + MRQ - 1) / MRQ * MRQ * (K / 2));
-  tile_pairs(x, xt.data());
+  uint32_t* xt = x_buffer((M + MRQ - 1) / MRQ * MRQ * (K / 2));
+  tile_pairs(x, xt);
   const QArgs a{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
-                zeros ? zeros->data_ptr<int32_t>() : nullptr, bias ? bias->data_ptr<float>() : nullptr, xt.data(),
+                zeros ? zeros->data_ptr<int32_t>() : nullptr, bias ? bias->data_ptr<float>() : nullptr, xt,
                 M, K, n, nblocks, G, K / G, y.data_ptr(), bf16_out};
   bits == 4 ? woq_bf16_tiles<4>(a) : woq_bf16_tiles<8>(a);
 #endif
