@@ -158,12 +158,14 @@ def flops_per_token(cfg, length: int) -> float:
     return linear + attention + 2 * h * cfg.vocab_size / length
 
 
-def matmul_dtype(kernels: str, bf16: bool) -> str:
-    """The dtype of the peak a run's many-row matmuls are held to, from its kernel summary."""
-    if "W8A8" in kernels:
+def matmul_dtype(model) -> str:
+    """The dtype of the peak a runtime model's many-row matmuls are held to: int8 for W8A8 layers, bf16
+    where its steps run in bf16 (packed_linear.steps_in_bf16), else float32."""
+    from qtk.runtime.packed_linear import W8A8Linear, steps_in_bf16
+
+    if any(isinstance(m, W8A8Linear) for m in model.modules()):
         return "int8"
-    return "bfloat16" if bf16 and ("oneDNN bfloat16" in kernels or "int4, qtk bf16" in kernels
-                                   or "int8, qtk bf16" in kernels) else "float32"
+    return "bfloat16" if steps_in_bf16(model) else "float32"
 
 
 def prefill(model: str, length: int, n: int, force_float32: bool) -> dict:
@@ -181,13 +183,13 @@ def prefill(model: str, length: int, n: int, force_float32: bool) -> dict:
         t = time.perf_counter()
         llm.generate(prompts[2:], params)
         seconds = time.perf_counter() - t
-        kernels = kernel_summary(llm.model)
+        kernels, dtype = kernel_summary(llm.model), matmul_dtype(llm.model)
     finally:
         os.environ.pop("QTK_CPU_BF16", None)
     cfg = llm.model.config
     del llm
     return {"prompt_len": length, "prompts": n, "seconds": seconds, "tokens_per_s": n * length / seconds,
-            "flops_per_token": flops_per_token(cfg, length), "kernels": kernels}
+            "flops_per_token": flops_per_token(cfg, length), "kernels": kernels, "matmul_dtype": dtype}
 
 
 def main() -> None:
@@ -225,7 +227,6 @@ def main() -> None:
         for model, force in checkpoints:
             r = prefill(model, length, a.num_prompts, force)
             r["model"] = model
-            r["matmul_dtype"] = matmul_dtype(r["kernels"], bf16 and not force)
             r["gflops"] = r["tokens_per_s"] * r["flops_per_token"] / 1e9
             r["of_peak"] = r["gflops"] / peak[r["matmul_dtype"]] if r["matmul_dtype"] in peak else None
             runs.append(r)

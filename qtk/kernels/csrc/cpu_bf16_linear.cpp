@@ -69,6 +69,23 @@ bool runs() {
 alignas(64) const uint16_t PAIRS[32] = {0, 8,  1, 9,  2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
                                         16, 24, 17, 25, 18, 26, 19, 27, 20, 28, 21, 29, 22, 30, 23, 31};
 
+// y[m0 + r, c0 .. c0 + 16) = acc[r] + bias for the MR rows (columns past n masked), float32 or rounded to bf16
+template <int MR>
+static QTK_INLINE void store_rows(const __m512 (&acc)[MR], const float* bias, void* y, int64_t n, int64_t m0,
+                                  int64_t c0, bool bf16_out) {
+  const int64_t cols = std::min<int64_t>(16, n - c0);
+  const __mmask16 mask = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    const __m512 o = _mm512_add_ps(acc[r], b);
+    if (bf16_out)
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + (m0 + r) * n + c0, mask, (__m256i)_mm512_cvtneps_pbh(o));
+    else
+      _mm512_mask_storeu_ps(static_cast<float*>(y) + (m0 + r) * n + c0, mask, o);
+  }
+}
+
 struct Args {
   const uint16_t* codes;  // [nblocks, K, 8] bf16
   const uint32_t* xt;     // [K/2, M]: (x[m, 2p], x[m, 2p + 1]) as bf16 in one word
@@ -104,17 +121,7 @@ static void tile(const Args& a, int64_t b, int64_t m0, bool one) {
     for (int r = 0; r < MR; ++r)
       acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r])));
   }
-  const int64_t c0 = b * LANES, cols = std::min<int64_t>(16, a.n - c0);
-  const __mmask16 mask = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + c0) : _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) {
-    const __m512 o = _mm512_add_ps(acc[r], bias);
-    if (a.bf16_out)
-      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + (m0 + r) * a.n + c0, mask, (__m256i)_mm512_cvtneps_pbh(o));
-    else
-      _mm512_mask_storeu_ps(static_cast<float*>(a.y) + (m0 + r) * a.n + c0, mask, o);
-  }
+  store_rows<MR>(acc, a.bias, a.y, a.n, m0, b * LANES, a.bf16_out);
 }
 
 // rows m0..m0+MR, MR = 1..16 at run time (the first pass over a tile fetches the next one)
@@ -272,17 +279,7 @@ static void qtile(const QArgs& a, const uint32_t* w, const float* s, int64_t b, 
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(gs[r], sv, acc[r]);
   }
-  const int64_t m0 = mt * MRQ, c0 = b * LANES, cols = std::min<int64_t>(16, a.n - c0);
-  const __mmask16 mask = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + c0) : _mm512_setzero_ps();
-#pragma GCC unroll 12
-  for (int r = 0; r < MR; ++r) {
-    const __m512 o = _mm512_add_ps(acc[r], bias);
-    if (a.bf16_out)
-      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + (m0 + r) * a.n + c0, mask, (__m256i)_mm512_cvtneps_pbh(o));
-    else
-      _mm512_mask_storeu_ps(static_cast<float*>(a.y) + (m0 + r) * a.n + c0, mask, o);
-  }
+  store_rows<MR>(acc, a.bias, a.y, a.n, mt * MRQ, b * LANES, a.bf16_out);
 }
 
 template <int MR = MRQ>
