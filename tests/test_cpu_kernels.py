@@ -686,6 +686,25 @@ def test_woq_bf16_linear_is_the_float32_sum_of_x_in_bf16_times_the_codes(bits, g
                            lib.woq_bf16_linear(wide.contiguous(), w.codes, w.scales, zeros, bias, bits, n))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_woq_bf16_linear_blocks_long_rows_the_same(threads):
+    """K = 4096: a thread decodes its column tiles in groups (64 KB a tile: 4 at once, an odd one left over)
+    and multiplies each group by x in chunks of 2 row tiles; the sums are those of one unblocked pass."""
+    lib = bf16_attention_lib()
+    n, k, M = 200, 4096, 100
+    codes, scale, zero = random_layer(n, k, 128, 4, True, seed=5)
+    w = cpu.pack(codes, scale, zero.clamp(-8, 7), 4)
+    x = torch.randn(M, k)
+    exact = x.bfloat16().double() @ dequant(codes, scale, zero.clamp(-8, 7)).t()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = lib.woq_bf16_linear(x, w.codes, w.scales, cpu.code_zeros(w), None, 4, n)
+    finally:
+        torch.set_num_threads(before)
+    assert rel_err(got, exact) < 1e-5
+
+
 def test_woq_bf16_linear_refuses_what_it_does_not_read():
     lib = bf16_attention_lib()
     codes, scale, zero = random_layer(16, 64, 32, 4, True)

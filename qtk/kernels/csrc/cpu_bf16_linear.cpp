@@ -12,9 +12,9 @@
 //     the same for a weight-only int4 / int8 layer in cpu_woq.cpp's layout (kernels.cpu.pack), zeros int32
 //     shaped as scales (kernels.cpu.code_zeros) or None (symmetric int8): y = x dequant(W)^T + bias with x
 //     rounded to bf16, the codes less their zeros exact in bf16, float32 sums scaled once per group. For a
-//     bf16 checkpoint's prefill chunks and decode batches (runtime/packed_linear.py QuantBF16Matmul): 1.6-2x
-//     the float32 kernel's decoded tiles + sgemm at 128-512 rows, as fast as oneDNN's bf16 matmul on bf16
-//     weights; from 10-12 rows faster than the float32 kernel's gemv (see packed_linear.QUANT_BF16_ROWS).
+//     bf16 checkpoint's prefill chunks and decode batches (runtime/packed_linear.py QuantBF16Matmul): about
+//     2x the float32 kernel's decoded tiles + sgemm at 128-512 rows, 0.91-0.97 of oneDNN's bf16 matmul on
+//     bf16 weights; from 10-12 rows faster than the float32 kernel's gemv (see packed_linear.QUANT_BF16_ROWS).
 //
 // Why: a decode step of 16 sequences multiplies 16 rows by every weight. The float32 kernel is bound by
 // the float32 FMA's arithmetic there, and oneDNN's bf16 matmul is slow at so few rows (see packed_linear.py
@@ -32,6 +32,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -180,20 +181,27 @@ static void transpose_pairs(const at::Tensor& x, uint32_t* xt) {
 // A tile of 16 columns (blocks b, b + 1) is decoded once into w [K/2][16] words: column j's pair
 // (c[k][j], c[k+1][j]) with c = u - z, the stored code less its zero, as bf16: integers of at most 8
 // significant bits (int4 -15..15, int8 -255..255), so exact. Then every tile of MRQ rows multiplies it:
-// per group, vdpbf16ps sums x * c in float32 (gs registers), and acc += gs * s[g] once per group. So
+// per group, vdpbf16ps sums x * c in float32, and acc += sum * s[g] once per group. So
 // y = sum_g s[g] sum_{k in g} c[k] x[k]: the float32 kernel's sum, with x rounded to bf16.
-// x is prepared once per call as xt [ceil(M/MRQ)][K/2][MRQ] words: a row tile's broadcasts for one pair
-// of k share a cache line.
+// The rows of x are read in place as bf16 pairs (a bf16 x as it is, a float32 x rounded once per call into
+// a row-major copy), each pair broadcast from its row as oneDNN's brgemm reads A; an earlier [K/2][MRQ]
+// transposed copy cost 9% of a layer in scattered stores.
+// Blocking, per thread: its column tiles are decoded in groups of up to DECODED_BYTES (each tile once per
+// call), and each group is multiplied by x in chunks of XT_CHUNK_BYTES, so both stay in L2. Tiles go in
+// pairs (qtile2: 12 rows x 32 columns), each broadcast of x feeding two vdpbf16ps: 1.07x the
+// one-tile micro-kernel, 0.91-0.97 of oneDNN's bf16 matmul on bf16 weights in cache (2-core Zen 4,
+// 256-1024 rows, SmolLM2's shapes).
 constexpr int MRQ = 12;
-constexpr int64_t XT_CHUNK_BYTES = 256 * 1024;  // x per pass over a thread's column tiles: half the L2 (2-core Zen 4, 128-512 rows: 1.2-1.5x faster than all of x per tile)
+constexpr int64_t DECODED_BYTES = 256 * 1024;   // a thread's decoded tiles at once: a quarter of the L2
+constexpr int64_t XT_CHUNK_BYTES = 256 * 1024;  // x per pass over them: a quarter of the L2 (2-core Zen 4, 128-512 rows: 1.2-1.5x faster than all of x per tile)
 
 struct QArgs {
   const uint8_t* codes;   // int4 [nblocks, K/8, 8] words, int8 [nblocks, K, 8]
   const float* scales;    // [nblocks, G, 8]
   const int32_t* zeros;   // [nblocks, G, 8] zero of the stored codes, or null (symmetric int8)
   const float* bias;
-  const uint32_t* xt;     // [ceil(M/MRQ), K/2, MRQ]
-  int64_t M, K, n, nblocks, G, gsize;
+  const uint32_t* x;      // [M] rows of K/2 words of bf16 pairs, `ld` words apart
+  int64_t ld, M, K, n, nblocks, G, gsize;
   void* y;
   bool bf16_out;
 };
@@ -261,7 +269,8 @@ static void decode_pairs(const QArgs& a, int64_t b, uint32_t* w, float* s) {
 template <int MR>
 static void qtile(const QArgs& a, const uint32_t* w, const float* s, int64_t b, int64_t mt) {
   const int64_t P = a.K / 2, gp = a.gsize / 2;
-  const uint32_t* x = a.xt + mt * P * MRQ;
+  const uint32_t* x = a.x + mt * MRQ * a.ld;
+  const int64_t ld = a.ld;
   __m512 acc[MR];
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
@@ -271,15 +280,66 @@ static void qtile(const QArgs& a, const uint32_t* w, const float* s, int64_t b, 
     for (int r = 0; r < MR; ++r) gs[r] = _mm512_setzero_ps();
     for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
       const __m512bh wv = (__m512bh)_mm512_load_si512(w + p * 16);
-      const uint32_t* xp = x + p * MRQ;
 #pragma GCC unroll 12
-      for (int r = 0; r < MR; ++r) gs[r] = _mm512_dpbf16_ps(gs[r], wv, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r])));
+      for (int r = 0; r < MR; ++r)
+        gs[r] = _mm512_dpbf16_ps(gs[r], wv, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ld + p])));
     }
     const __m512 sv = _mm512_load_ps(s + g * 16);
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(gs[r], sv, acc[r]);
   }
   store_rows<MR>(acc, a.bias, a.y, a.n, mt * MRQ, b * LANES, a.bf16_out);
+}
+
+// rows mt * MRQ .. + MR against two decoded tiles, blocks b .. b + 3 (32 columns): each broadcast of x feeds
+// two products. The group sums take 2 MR registers; the totals live in `acc` (L1), updated once per group.
+template <int MR>
+static void qtile2(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const float* s0, const float* s1,
+                   int64_t b, int64_t mt) {
+  const int64_t gp = a.gsize / 2, ld = a.ld;
+  const uint32_t* x = a.x + mt * MRQ * a.ld;
+  alignas(64) float acc[MR][32];
+  for (int r = 0; r < MR; ++r) {
+    _mm512_store_ps(acc[r], _mm512_setzero_ps());
+    _mm512_store_ps(acc[r] + 16, _mm512_setzero_ps());
+  }
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 g0[MR], g1[MR];
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) g0[r] = g1[r] = _mm512_setzero_ps();
+    for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
+      const __m512bh v0 = (__m512bh)_mm512_load_si512(w0 + p * 16), v1 = (__m512bh)_mm512_load_si512(w1 + p * 16);
+#pragma GCC unroll 12
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ld + p]));
+        g0[r] = _mm512_dpbf16_ps(g0[r], v0, xv);
+        g1[r] = _mm512_dpbf16_ps(g1[r], v1, xv);
+      }
+    }
+    const __m512 t0 = _mm512_load_ps(s0 + g * 16), t1 = _mm512_load_ps(s1 + g * 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      _mm512_store_ps(acc[r], _mm512_fmadd_ps(g0[r], t0, _mm512_load_ps(acc[r])));
+      _mm512_store_ps(acc[r] + 16, _mm512_fmadd_ps(g1[r], t1, _mm512_load_ps(acc[r] + 16)));
+    }
+  }
+  __m512 lo[MR], hi[MR];
+#pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r) {
+    lo[r] = _mm512_load_ps(acc[r]);
+    hi[r] = _mm512_load_ps(acc[r] + 16);
+  }
+  store_rows<MR>(lo, a.bias, a.y, a.n, mt * MRQ, b * LANES, a.bf16_out);
+  if ((b + 2) * LANES < a.n) store_rows<MR>(hi, a.bias, a.y, a.n, mt * MRQ, (b + 2) * LANES, a.bf16_out);
+}
+
+template <int MR = MRQ>
+static QTK_INLINE void qrows2(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const float* s0,
+                              const float* s1, int64_t b, int64_t mt, int mr) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return qrows2<MR - 1>(a, w0, w1, s0, s1, b, mt, mr);
+  }
+  qtile2<MR>(a, w0, w1, s0, s1, b, mt);
 }
 
 template <int MR = MRQ>
@@ -293,38 +353,38 @@ static QTK_INLINE void qrows(const QArgs& a, const uint32_t* w, const float* s, 
 template <int BITS>
 static void woq_bf16_tiles(const QArgs& a) {
   at::parallel_for(0, (a.nblocks + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
-    uint32_t* w = static_cast<uint32_t*>(std::aligned_alloc(64, (a.K / 2 * 16 * 4 + 63) / 64 * 64));
-    float* s = static_cast<float*>(std::aligned_alloc(64, a.G * 16 * 4));
-    const int64_t tiles = (a.M + MRQ - 1) / MRQ;
+    const int64_t tile_words = a.K / 2 * 16, tiles = (a.M + MRQ - 1) / MRQ;
+    // tiles decoded at once: an even number (qtile2 takes them in pairs), at least 2
+    const int64_t group = std::min<int64_t>(std::max<int64_t>(DECODED_BYTES / (tile_words * 4) / 2 * 2, 2), t1 - t0);
     const int64_t chunk = std::max<int64_t>(1, XT_CHUNK_BYTES / (a.K / 2 * MRQ * 4));  // row tiles of x per pass
-    for (int64_t c0 = 0; c0 < tiles; c0 += chunk)
-      for (int64_t t = t0; t < t1; ++t) {
-        decode_pairs<BITS>(a, 2 * t, w, s);
-        for (int64_t mt = c0; mt < std::min(tiles, c0 + chunk); ++mt)
-          qrows(a, w, s, 2 * t, mt, static_cast<int>(std::min<int64_t>(MRQ, a.M - mt * MRQ)));
-      }
+    uint32_t* w = static_cast<uint32_t*>(std::aligned_alloc(64, group * tile_words * 4));
+    float* s = static_cast<float*>(std::aligned_alloc(64, group * a.G * 16 * 4));
+    for (int64_t g0 = t0; g0 < t1; g0 += group) {
+      const int64_t g1 = std::min(t1, g0 + group);
+      for (int64_t t = g0; t < g1; ++t) decode_pairs<BITS>(a, 2 * t, w + (t - g0) * tile_words, s + (t - g0) * a.G * 16);
+      for (int64_t c0 = 0; c0 < tiles; c0 += chunk)
+        for (int64_t t = g0; t < g1; t += 2) {
+          const uint32_t* wt = w + (t - g0) * tile_words;
+          const float* st = s + (t - g0) * a.G * 16;
+          for (int64_t mt = c0; mt < std::min(tiles, c0 + chunk); ++mt) {
+            const int mr = static_cast<int>(std::min<int64_t>(MRQ, a.M - mt * MRQ));
+            if (t + 1 < g1)
+              qrows2(a, wt, wt + tile_words, st, st + a.G * 16, 2 * t, mt, mr);
+            else
+              qrows(a, wt, st, 2 * t, mt, mr);
+          }
+        }
+    }
     std::free(w);
     std::free(s);
   });
 }
 
-// x [M, K] -> xt [ceil(M/MRQ), K/2, MRQ] words of bf16 pairs (rows past M: zero)
-static void tile_pairs(const at::Tensor& x, uint32_t* xt) {
-  const int64_t M = x.size(0), P = x.size(1) / 2, tiles = (M + MRQ - 1) / MRQ;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<uint32_t> buf(P);
-    for (int64_t t = t0; t < t1; ++t) {
-      uint32_t* out = xt + t * P * MRQ;
-      for (int64_t r = 0; r < MRQ; ++r) {
-        const int64_t m = t * MRQ + r;
-        if (m >= M) {
-          for (int64_t p = 0; p < P; ++p) out[p * MRQ + r] = 0;
-          continue;
-        }
-        const uint32_t* row = pairs_of_row(x, m, buf.data());
-        for (int64_t p = 0; p < P; ++p) out[p * MRQ + r] = row[p];
-      }
-    }
+// x [M, K] float32 -> out [M, K/2] words of bf16 pairs
+static void rows_to_pairs(const at::Tensor& x, uint32_t* out) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) row_pairs(x.data_ptr<float>() + m * x.stride(0), K, out + m * (K / 2));
   });
 }
 
@@ -405,10 +465,19 @@ at::Tensor woq_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const a
                                        std::nullopt, std::nullopt);
 #ifdef QTK_BF16_AVX512
   if (M == 0) return y;
-  uint32_t* xt = x_buffer((M + MRQ - 1) / MRQ * MRQ * (K / 2));
-  tile_pairs(x, xt);
+  const uint32_t* xp;  // x's rows as bf16 pairs: x itself when bf16
+  int64_t ld;
+  if (x.scalar_type() == at::kBFloat16) {
+    xp = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
+    ld = x.stride(0) / 2;
+  } else {
+    uint32_t* buf = x_buffer(M * (K / 2));
+    rows_to_pairs(x, buf);
+    xp = buf;
+    ld = K / 2;
+  }
   const QArgs a{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
-                zeros ? zeros->data_ptr<int32_t>() : nullptr, bias ? bias->data_ptr<float>() : nullptr, xt,
+                zeros ? zeros->data_ptr<int32_t>() : nullptr, bias ? bias->data_ptr<float>() : nullptr, xp, ld,
                 M, K, n, nblocks, G, K / G, y.data_ptr(), bf16_out};
   bits == 4 ? woq_bf16_tiles<4>(a) : woq_bf16_tiles<8>(a);
 #endif
