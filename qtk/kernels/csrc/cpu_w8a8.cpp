@@ -15,7 +15,7 @@
 //   colsum  int32  [N16]                  128 * sum_k q_w[n, k]
 //   scales  float  [N16]                  s_w per output channel (a per-tensor scale repeated)
 // Tiles of 4 column blocks (64 columns, one register each) x up to 4 rows of x (16 of the 32 registers
-// as accumulators) run in parallel over column tiles (at::parallel_for). The portable build (no VNNI)
+// as accumulators) run in parallel over (column tile, band of 64 rows) items (at::parallel_for). The portable build (no VNNI)
 // has the same operator as plain integer loops, for the tests; the dispatch only routes W8A8 layers to
 // it where the build has VNNI (compiled_vnni()).
 #include <ATen/ATen.h>
@@ -44,6 +44,7 @@ namespace {
 
 constexpr int64_t COLS = 16;  // columns per block (one register of int32 sums)
 constexpr int TB = 4;         // blocks per tile: 64 columns
+constexpr int64_t ROW_BAND = 64;  // rows of x per work item (a multiple of the 4-row micro-tile)
 
 struct W8A8Args {
   const uint8_t* xq;  // [M, K4] u = q + 128
@@ -180,6 +181,14 @@ static void tile_portable(const W8A8Args& a, int64_t m, int64_t nb0, int64_t nbl
   }
 }
 
+// The calling thread's buffer for the quantized x, at least `bytes` long, kept between calls (a zeroed
+// vector per call cost 4.5% of a 1024-row layer in memset).
+static uint8_t* x_buffer(int64_t bytes) {
+  thread_local std::vector<uint8_t> buf;
+  if (static_cast<int64_t>(buf.size()) < bytes) buf.resize(bytes);
+  return buf.data();
+}
+
 at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& colsum,
                        const at::Tensor& scales, const std::optional<at::Tensor>& static_scale,
                        const std::optional<at::Tensor>& bias, int64_t n) {
@@ -205,28 +214,33 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   if (M == 0) return y;
   const at::Tensor b = !bias ? at::Tensor() : bias->to(at::kFloat).contiguous();
   const float st = static_scale ? static_scale->to(at::kFloat).item<float>() : 0.f;
-  std::vector<uint8_t> xq(M * K4);
+  uint8_t* xq = x_buffer(M * K4);  // every byte written below before it is read
   std::vector<float> sx(M);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) sx[m] = quantize_row(xp + m * K, K, K4, static_scale ? &st : nullptr, &xq[m * K4]);
+    for (int64_t m = m0; m < m1; ++m) sx[m] = quantize_row(xp + m * K, K, K4, static_scale ? &st : nullptr, xq + m * K4);
   });
-  const W8A8Args a{xq.data(), sx.data(), M, K4, n, codes.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(),
+  const W8A8Args a{xq, sx.data(), M, K4, n, codes.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(),
                    scales.data_ptr<float>(), bias ? b.data_ptr<float>() : nullptr, y.data_ptr<float>()};
   const int64_t nblocks = N16 / COLS, ntiles = (nblocks + TB - 1) / TB;
-  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
+  // Work items: a column tile against a band of ROW_BAND rows, tile-major, so that threads split the rows of
+  // a tile where the tiles do not divide evenly among them (SmolLM2's 9 tiles of 64 columns on 2 threads:
+  // 11% of a 1024-row layer was one thread waiting for the other).
+  const int64_t bands = (M + ROW_BAND - 1) / ROW_BAND;
+  at::parallel_for(0, ntiles * bands, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / bands, m0 = i % bands * ROW_BAND, m1 = std::min(M, m0 + ROW_BAND);
       const int64_t nb0 = t * TB, nblk = std::min<int64_t>(TB, nblocks - nb0);
 #ifdef QTK_VNNI
       if (nblk == TB) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) tile<4>(a, m, nb0, m == 0);
-        for (; m + 2 <= M; m += 2) tile<2>(a, m, nb0, m == 0);
-        if (m < M) tile<1>(a, m, nb0, m == 0);
+        int64_t m = m0;
+        for (; m + 4 <= m1; m += 4) tile<4>(a, m, nb0, m == m0);
+        for (; m + 2 <= m1; m += 2) tile<2>(a, m, nb0, m == m0);
+        if (m < m1) tile<1>(a, m, nb0, m == m0);
         continue;
       }
 #endif
-      for (int64_t m = 0; m < M; ++m) tile_portable(a, m, nb0, nblk);
+      for (int64_t m = m0; m < m1; ++m) tile_portable(a, m, nb0, nblk);
     }
   });
   return y;
