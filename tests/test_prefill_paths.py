@@ -229,6 +229,28 @@ def test_a_bf16_checkpoints_weight_only_layer_multiplies_many_rows_in_bf16(monke
             assert not torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_bf16_step_rounds_a_weight_only_layers_many_rows_to_bf16_as_onednn_does():
+    """bf16_matmul of a weight-only layer on qtk's bf16 kernel (a step in bf16 between the norms): y float32
+    below BF16_DOT_ROWS[1] rows, from there y rounded to bf16, as oneDNN gives a bf16 weight's; the sums
+    are the same."""
+    from qtk.runtime.packed_linear import BF16_DOT_ROWS, QuantBF16Matmul, bf16_matmul, pack_linears
+
+    if not cpu_kernels.ops().bf16_linear_runs():
+        pytest.skip("needs AVX512-BF16")
+    model = torch.nn.Sequential(copy.deepcopy(quant_linear("w4a16_asym")[0]))
+    pack_linears(model, bf16=True)
+    assert isinstance(model[0].many, QuantBF16Matmul)
+    rows, f = bf16_matmul(model[0])
+    for T in (rows, BF16_DOT_ROWS[1] - 1, BF16_DOT_ROWS[1], 300):
+        x = torch.randn(T, 256)
+        y, full = f(x), model[0].many(x)
+        assert full.dtype == torch.float32
+        if T < BF16_DOT_ROWS[1]:
+            assert torch.equal(y, full)
+        else:
+            assert y.dtype == torch.bfloat16 and torch.equal(y, full.bfloat16())
+
+
 @pytest.mark.parametrize("units", ["0", "1"])
 @pytest.mark.parametrize("scheme", ["w4a16", "w8a8"])
 def test_a_quantized_bf16_checkpoint_prefills_in_bf16_within_bf16_rounding(monkeypatch, units, scheme):

@@ -271,11 +271,13 @@ def bf16_matmul(module: nn.Module | None):
     """(rows, f) for a layer that multiplies many rows in bf16 (a WOQLinear whose `many` is bf16: oneDNN's
     bf16 matmul without bias, or qtk's bf16 kernel for its int4 / int8 codes): f(x) = x W^T (+ b) for
     bf16 or float32 x [T, K], T >= rows, with x rounded to bf16 and float32 sums: y rounded to bf16 on
-    oneDNN; y float32 on qtk's bf16 kernels, and on its bf16 kernel for bf16 weights, which takes below
-    dot.hi rows where the layer has it (rows = dot.lo; the rounding of y saves nothing there); else None."""
+    oneDNN; y float32 on qtk's bf16 kernel for bf16 weights, which takes below dot.hi rows where the layer
+    has it (rows = dot.lo; the rounding of y saves nothing there); on its bf16 kernel for int4 / int8
+    codes, y float32 below BF16_DOT_ROWS[1] rows and from there rounded to bf16, as a bf16 weight's y
+    (a prefill chunk's [T, 2I] MLP activations in half the bytes: 5-10% of a W4A16 prefill); else None."""
     many = getattr(module, "many", None)
-    if isinstance(many, QuantBF16Matmul):
-        return many.rows, many
+    if isinstance(many, QuantBF16Matmul):  # y rounded to bf16 where oneDNN would take a bf16 weight's rows
+        return many.rows, lambda x: many(x, x.shape[0] >= BF16_DOT_ROWS[1])
     if many is None or not many.bf16 or many.bias is not None:
         return None
     onednn = lambda x: packed_linear(x.to(torch.bfloat16), many.packed, None)  # noqa: E731

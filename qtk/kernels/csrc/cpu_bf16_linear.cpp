@@ -13,7 +13,7 @@
 //     shaped as scales (kernels.cpu.code_zeros) or None (symmetric int8): y = x dequant(W)^T + bias with x
 //     rounded to bf16, the codes less their zeros exact in bf16, float32 sums scaled once per group. For a
 //     bf16 checkpoint's prefill chunks and decode batches (runtime/packed_linear.py QuantBF16Matmul): about
-//     2x the float32 kernel's decoded tiles + sgemm at 128-512 rows, 0.91-0.97 of oneDNN's bf16 matmul on
+//     2x the float32 kernel's decoded tiles + sgemm at 128-512 rows, 0.95-1.0 of oneDNN's bf16 matmul on
 //     bf16 weights; from 10-12 rows faster than the float32 kernel's gemv (see packed_linear.QUANT_BF16_ROWS).
 //
 // Why: a decode step of 16 sequences multiplies 16 rows by every weight. The float32 kernel is bound by
@@ -188,10 +188,12 @@ static void transpose_pairs(const at::Tensor& x, uint32_t* xt) {
 // transposed copy cost 9% of a layer in scattered stores.
 // Blocking, per thread: its column tiles are decoded in groups of up to DECODED_BYTES (each tile once per
 // call), and each group is multiplied by x in chunks of XT_CHUNK_BYTES, so both stay in L2. Tiles go in
-// pairs (qtile2: 12 rows x 32 columns), each broadcast of x feeding two vdpbf16ps: 1.07x the
-// one-tile micro-kernel, 0.91-0.97 of oneDNN's bf16 matmul on bf16 weights in cache (2-core Zen 4,
-// 256-1024 rows, SmolLM2's shapes).
-constexpr int MRQ = 12;
+// pairs (qtile2: 6 rows x 32 columns), each broadcast of x feeding two vdpbf16ps, the group sums and totals
+// all in registers: 0.95-1.0 of oneDNN's bf16 matmul on bf16 weights in cache (2-core Zen 4, 256-1024
+// rows, SmolLM2's shapes), against 0.87 for 12 rows x 16 columns (qtile, now only a thread's odd last
+// tile) and 0.93 for 12 x 32 with the totals in L1.
+constexpr int MRQ = 12;  // rows of a row tile, and of the one-tile micro-kernel (qtile)
+constexpr int MR2 = 6;   // rows of the two-tile micro-kernel (qtile2): 6 x 32 columns, its totals in registers
 constexpr int64_t DECODED_BYTES = 256 * 1024;   // a thread's decoded tiles at once: a quarter of the L2
 constexpr int64_t XT_CHUNK_BYTES = 256 * 1024;  // x per pass over them: a quarter of the L2 (2-core Zen 4, 128-512 rows: 1.2-1.5x faster than all of x per tile)
 
@@ -291,25 +293,23 @@ static void qtile(const QArgs& a, const uint32_t* w, const float* s, int64_t b, 
   store_rows<MR>(acc, a.bias, a.y, a.n, mt * MRQ, b * LANES, a.bf16_out);
 }
 
-// rows mt * MRQ .. + MR against two decoded tiles, blocks b .. b + 3 (32 columns): each broadcast of x feeds
-// two products. The group sums take 2 MR registers; the totals live in `acc` (L1), updated once per group.
+// rows m0 .. m0 + MR (MR <= MR2) against two decoded tiles, blocks b .. b + 3 (32 columns): each broadcast
+// of x feeds two products; 2 MR group sums and 2 MR totals in registers.
 template <int MR>
 static void qtile2(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const float* s0, const float* s1,
-                   int64_t b, int64_t mt) {
+                    int64_t b, int64_t m0) {
   const int64_t gp = a.gsize / 2, ld = a.ld;
-  const uint32_t* x = a.x + mt * MRQ * a.ld;
-  alignas(64) float acc[MR][32];
-  for (int r = 0; r < MR; ++r) {
-    _mm512_store_ps(acc[r], _mm512_setzero_ps());
-    _mm512_store_ps(acc[r] + 16, _mm512_setzero_ps());
-  }
+  const uint32_t* x = a.x + m0 * a.ld;
+  __m512 c0[MR], c1[MR];
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
     __m512 g0[MR], g1[MR];
-#pragma GCC unroll 12
+#pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) g0[r] = g1[r] = _mm512_setzero_ps();
     for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
       const __m512bh v0 = (__m512bh)_mm512_load_si512(w0 + p * 16), v1 = (__m512bh)_mm512_load_si512(w1 + p * 16);
-#pragma GCC unroll 12
+#pragma GCC unroll 6
       for (int r = 0; r < MR; ++r) {
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ld + p]));
         g0[r] = _mm512_dpbf16_ps(g0[r], v0, xv);
@@ -317,29 +317,23 @@ static void qtile2(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const
       }
     }
     const __m512 t0 = _mm512_load_ps(s0 + g * 16), t1 = _mm512_load_ps(s1 + g * 16);
-#pragma GCC unroll 12
+#pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
-      _mm512_store_ps(acc[r], _mm512_fmadd_ps(g0[r], t0, _mm512_load_ps(acc[r])));
-      _mm512_store_ps(acc[r] + 16, _mm512_fmadd_ps(g1[r], t1, _mm512_load_ps(acc[r] + 16)));
+      c0[r] = _mm512_fmadd_ps(g0[r], t0, c0[r]);
+      c1[r] = _mm512_fmadd_ps(g1[r], t1, c1[r]);
     }
   }
-  __m512 lo[MR], hi[MR];
-#pragma GCC unroll 12
-  for (int r = 0; r < MR; ++r) {
-    lo[r] = _mm512_load_ps(acc[r]);
-    hi[r] = _mm512_load_ps(acc[r] + 16);
-  }
-  store_rows<MR>(lo, a.bias, a.y, a.n, mt * MRQ, b * LANES, a.bf16_out);
-  if ((b + 2) * LANES < a.n) store_rows<MR>(hi, a.bias, a.y, a.n, mt * MRQ, (b + 2) * LANES, a.bf16_out);
+  store_rows<MR>(c0, a.bias, a.y, a.n, m0, b * LANES, a.bf16_out);
+  if ((b + 2) * LANES < a.n) store_rows<MR>(c1, a.bias, a.y, a.n, m0, (b + 2) * LANES, a.bf16_out);
 }
 
-template <int MR = MRQ>
+template <int MR = MR2>
 static QTK_INLINE void qrows2(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const float* s0,
-                              const float* s1, int64_t b, int64_t mt, int mr) {
+                              const float* s1, int64_t b, int64_t m0, int mr) {
   if constexpr (MR > 1) {
-    if (mr < MR) return qrows2<MR - 1>(a, w0, w1, s0, s1, b, mt, mr);
+    if (mr < MR) return qrows2<MR - 1>(a, w0, w1, s0, s1, b, m0, mr);
   }
-  qtile2<MR>(a, w0, w1, s0, s1, b, mt);
+  qtile2<MR>(a, w0, w1, s0, s1, b, m0);
 }
 
 template <int MR = MRQ>
@@ -367,11 +361,13 @@ static void woq_bf16_tiles(const QArgs& a) {
           const uint32_t* wt = w + (t - g0) * tile_words;
           const float* st = s + (t - g0) * a.G * 16;
           for (int64_t mt = c0; mt < std::min(tiles, c0 + chunk); ++mt) {
-            const int mr = static_cast<int>(std::min<int64_t>(MRQ, a.M - mt * MRQ));
-            if (t + 1 < g1)
-              qrows2(a, wt, wt + tile_words, st, st + a.G * 16, 2 * t, mt, mr);
-            else
-              qrows(a, wt, st, 2 * t, mt, mr);
+            const int64_t m1 = std::min<int64_t>(a.M, (mt + 1) * MRQ);
+            if (t + 1 < g1) {
+              for (int64_t m = mt * MRQ; m < m1; m += MR2)
+                qrows2(a, wt, wt + tile_words, st, st + a.G * 16, 2 * t, m, static_cast<int>(std::min<int64_t>(MR2, m1 - m)));
+            } else {
+              qrows(a, wt, st, 2 * t, mt, static_cast<int>(m1 - mt * MRQ));
+            }
           }
         }
     }
