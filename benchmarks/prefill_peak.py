@@ -243,7 +243,10 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = result["capability"].lower() + ("-bf16" if bf16 else "")
-    path = out / f"prefill-peak-{a.model}-{tag}-{datetime.date.today()}-{result['commit'][:7]}.json"
+    stem = f"prefill-peak-{a.model}-{tag}-{datetime.date.today()}-{result['commit'][:7]}"
+    path, n = out / f"{stem}.json", 2
+    while path.exists():  # a repeat run of the same commit keeps the earlier ones
+        path, n = out / f"{stem}-run{n}.json", n + 1
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {path}")
 

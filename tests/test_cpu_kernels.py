@@ -233,7 +233,7 @@ def w8a8_twin(x, codes, w_scale, static, bias):
 @pytest.mark.parametrize("static", [None, 0.02])
 def test_w8a8_kernel_matches_twin(lib, static):
     """x quantized inside the call (per token, or with a static scale) and exact int8 products: the
-    twin's act_quant + scaled_mm, for M across 6/4/2/1-row passes and bands of 60 rows (a tile's bands
+    twin's act_quant + scaled_mm, for M across 6/4/2/1-row passes and, from 256 rows, bands of 60 rows (a tile's bands
     split between threads), N not a multiple of 16 or of the 64-column tile, K not a multiple of 4, bias
     or none, per-channel and per-tensor weight scales."""
     g = torch.Generator().manual_seed(0)
@@ -242,7 +242,7 @@ def test_w8a8_kernel_matches_twin(lib, static):
         codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
         for w_scale in (torch.rand(n, 1, generator=g) * 1e-3 + 1e-4, torch.tensor([3e-4])):
             w = cpu.pack_w8a8(codes, w_scale)
-            for m in (1, 2, 3, 4, 5, 6, 7, 9, 11, 33, 130):
+            for m in (1, 2, 3, 4, 5, 6, 7, 9, 11, 33, 130, 300):
                 x = torch.randn(m, k, generator=g) * 3
                 b = torch.randn(n, generator=g) if m % 2 else None
                 y = cpu.w8a8_linear(x, w, st, b, lib)

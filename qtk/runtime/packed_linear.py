@@ -50,9 +50,9 @@ MANY_ROWS = {torch.bfloat16: 10, torch.float32: 18}
 BF16_DOT_ROWS = (5, 128)
 # rows from which a weight-only int4 / int8 layer of a bf16 checkpoint multiplies in bf16 on qtk's AVX512-BF16
 # kernel (csrc/cpu_bf16_linear.cpp woq_bf16_linear), by bits; below, the float32 kernel (the same 120 layers,
-# int4 g128 / int8 g128, ms per pass, float32 kernel / bf16 kernel: int4 8 rows 10.6 / 10.5, 10 rows 13.5 /
-# 11.7, 16 rows 23.0 / 18.0, 128 rows 146 / 87, 512 rows 667 / 431 (560-600 / 280-330 in other runs); int8
-# 10 rows 14.0 / 13.7, 12 rows 15.7 / 14.8, 128 rows 137 / 74)
+# int4 g128 / int8 g128, ms per pass, float32 kernel / bf16 kernel, 2-core Zen 4, commit 3cfe046: int4 8 rows
+# 10.7 / 11.3, 10 rows 13.6 / 11.9, 12 rows 15.4 / 12.8, 16 rows 20.0 / 15.1, 128 rows 143 / 73; int8 8 rows
+# 11.1 / 12.7, 10 rows 14.0 / 13.9, 12 rows 15.6 / 14.6, 16 rows 20.4 / 17.0)
 QUANT_BF16_ROWS = {4: 10, 8: 12}
 
 

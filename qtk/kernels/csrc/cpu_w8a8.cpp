@@ -15,8 +15,8 @@
 //   colsum  int32  [N16]                  128 * sum_k q_w[n, k]
 //   scales  float  [N16]                  s_w per output channel (a per-tensor scale repeated)
 // Tiles of 4 column blocks (64 columns, one register each) x 6 rows of x (24 of the 32 registers as
-// accumulators; 4, 2 and 1 for the rows left over) run in parallel over (column tile, band of 60 rows)
-// items (at::parallel_for). The portable build (no VNNI) has the same operator as plain integer loops,
+// accumulators; 4, 2 and 1 for the rows left over) run in parallel over column tiles, from 256 rows over
+// (column tile, band of 60 rows) items (at::parallel_for). The portable build (no VNNI) has the same operator as plain integer loops,
 // for the tests; the dispatch only routes W8A8 layers to it where the build has VNNI (compiled_vnni()).
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
@@ -45,6 +45,7 @@ namespace {
 constexpr int64_t COLS = 16;  // columns per block (one register of int32 sums)
 constexpr int TB = 4;         // blocks per tile: 64 columns
 constexpr int64_t ROW_BAND = 60;  // rows of x per work item (a multiple of the 6-row micro-tile)
+constexpr int64_t BANDED_ROWS = 256;  // rows from which a tile's rows are split into bands
 
 struct W8A8Args {
   const uint8_t* xq;  // [M, K4] u = q + 128
@@ -278,11 +279,13 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   const int64_t nblocks = N16 / COLS, ntiles = (nblocks + TB - 1) / TB;
   // Work items: a column tile against a band of ROW_BAND rows, tile-major, so that threads split the rows of
   // a tile where the tiles do not divide evenly among them (SmolLM2's 9 tiles of 64 columns on 2 threads:
-  // 11% of a 1024-row layer was one thread waiting for the other).
-  const int64_t bands = (M + ROW_BAND - 1) / ROW_BAND;
+  // 11% of a 1024-row layer was one thread waiting for the other). Each band reads its tile's weights
+  // again, so only steps of at least BANDED_ROWS rows, whose products outweigh that, are split: a decode
+  // batch reads every weight once.
+  const int64_t band = M >= BANDED_ROWS ? ROW_BAND : M, bands = (M + band - 1) / band;
   at::parallel_for(0, ntiles * bands, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / bands, m0 = i % bands * ROW_BAND, m1 = std::min(M, m0 + ROW_BAND);
+      const int64_t t = i / bands, m0 = i % bands * band, m1 = std::min(M, m0 + band);
       const int64_t nb0 = t * TB, nblk = std::min<int64_t>(TB, nblocks - nb0);
 #ifdef QTK_VNNI
       if (nblk == TB) {
