@@ -180,20 +180,19 @@ static void transpose_pairs(const at::Tensor& x, uint32_t* xt) {
 //
 // A tile of 16 columns (blocks b, b + 1) is decoded once into w [K/2][16] words: column j's pair
 // (c[k][j], c[k+1][j]) with c = u - z, the stored code less its zero, as bf16: integers of at most 8
-// significant bits (int4 -15..15, int8 -255..255), so exact. Then every tile of MRQ rows multiplies it:
+// significant bits (int4 -15..15, int8 -255..255), so exact. Then every QR rows of x multiply it:
 // per group, vdpbf16ps sums x * c in float32, and acc += sum * s[g] once per group. So
 // y = sum_g s[g] sum_{k in g} c[k] x[k]: the float32 kernel's sum, with x rounded to bf16.
 // The rows of x are read in place as bf16 pairs (a bf16 x as it is, a float32 x rounded once per call into
-// a row-major copy), each pair broadcast from its row as oneDNN's brgemm reads A; an earlier [K/2][MRQ]
+// a row-major copy), each pair broadcast from its row as oneDNN's brgemm reads A; an earlier [K/2][12]
 // transposed copy cost 9% of a layer in scattered stores.
 // Blocking, per thread: its column tiles are decoded in groups of up to DECODED_BYTES (each tile once per
 // call), and each group is multiplied by x in chunks of XT_CHUNK_BYTES, so both stay in L2. Tiles go in
-// pairs (qtile2: 6 rows x 32 columns), each broadcast of x feeding two vdpbf16ps, the group sums and totals
+// pairs (qtile: 6 rows x 32 columns), each broadcast of x feeding two vdpbf16ps, the group sums and totals
 // all in registers: 0.95-1.0 of oneDNN's bf16 matmul on bf16 weights in cache (2-core Zen 4, 256-1024
-// rows, SmolLM2's shapes), against 0.87 for 12 rows x 16 columns (qtile, now only a thread's odd last
-// tile) and 0.93 for 12 x 32 with the totals in L1.
-constexpr int MRQ = 12;  // rows of a row tile, and of the one-tile micro-kernel (qtile)
-constexpr int MR2 = 6;   // rows of the two-tile micro-kernel (qtile2): 6 x 32 columns, its totals in registers
+// rows, SmolLM2's shapes), against 0.87 for 12 rows x 16 columns and 0.93 for 12 x 32 with the totals
+// in L1.
+constexpr int QR = 6;  // rows of the micro-kernel (qtile): 6 x 32 columns, its sums in registers
 constexpr int64_t DECODED_BYTES = 256 * 1024;   // a thread's decoded tiles at once: a quarter of the L2
 constexpr int64_t XT_CHUNK_BYTES = 256 * 1024;  // x per pass over them: a quarter of the L2 (2-core Zen 4, 128-512 rows: 1.2-1.5x faster than all of x per tile)
 
@@ -267,37 +266,12 @@ static void decode_pairs(const QArgs& a, int64_t b, uint32_t* w, float* s) {
   }
 }
 
-// rows mt * MRQ .. + MR against the decoded tile of blocks b, b + 1
+// rows m0 .. m0 + MR (MR <= QR) against two decoded tiles, blocks b .. b + 3 (32 columns): each broadcast
+// of x feeds two products; 2 MR group sums and 2 MR totals in registers. A thread's odd last tile goes
+// alone (`pair` false: w1, s1 are w0, s0 again and the second half is not stored).
 template <int MR>
-static void qtile(const QArgs& a, const uint32_t* w, const float* s, int64_t b, int64_t mt) {
-  const int64_t P = a.K / 2, gp = a.gsize / 2;
-  const uint32_t* x = a.x + mt * MRQ * a.ld;
-  const int64_t ld = a.ld;
-  __m512 acc[MR];
-#pragma GCC unroll 12
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < a.G; ++g) {
-    __m512 gs[MR];
-#pragma GCC unroll 12
-    for (int r = 0; r < MR; ++r) gs[r] = _mm512_setzero_ps();
-    for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
-      const __m512bh wv = (__m512bh)_mm512_load_si512(w + p * 16);
-#pragma GCC unroll 12
-      for (int r = 0; r < MR; ++r)
-        gs[r] = _mm512_dpbf16_ps(gs[r], wv, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ld + p])));
-    }
-    const __m512 sv = _mm512_load_ps(s + g * 16);
-#pragma GCC unroll 12
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(gs[r], sv, acc[r]);
-  }
-  store_rows<MR>(acc, a.bias, a.y, a.n, mt * MRQ, b * LANES, a.bf16_out);
-}
-
-// rows m0 .. m0 + MR (MR <= MR2) against two decoded tiles, blocks b .. b + 3 (32 columns): each broadcast
-// of x feeds two products; 2 MR group sums and 2 MR totals in registers.
-template <int MR>
-static void qtile2(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const float* s0, const float* s1,
-                    int64_t b, int64_t m0) {
+static void qtile(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const float* s0, const float* s1,
+                  int64_t b, bool pair, int64_t m0) {
   const int64_t gp = a.gsize / 2, ld = a.ld;
   const uint32_t* x = a.x + m0 * a.ld;
   __m512 c0[MR], c1[MR];
@@ -324,52 +298,42 @@ static void qtile2(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const
     }
   }
   store_rows<MR>(c0, a.bias, a.y, a.n, m0, b * LANES, a.bf16_out);
-  if ((b + 2) * LANES < a.n) store_rows<MR>(c1, a.bias, a.y, a.n, m0, (b + 2) * LANES, a.bf16_out);
+  if (pair && (b + 2) * LANES < a.n) store_rows<MR>(c1, a.bias, a.y, a.n, m0, (b + 2) * LANES, a.bf16_out);
 }
 
-template <int MR = MR2>
-static QTK_INLINE void qrows2(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const float* s0,
-                              const float* s1, int64_t b, int64_t m0, int mr) {
+template <int MR = QR>
+static QTK_INLINE void qrows(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const float* s0,
+                             const float* s1, int64_t b, bool pair, int64_t m0, int mr) {
   if constexpr (MR > 1) {
-    if (mr < MR) return qrows2<MR - 1>(a, w0, w1, s0, s1, b, m0, mr);
+    if (mr < MR) return qrows<MR - 1>(a, w0, w1, s0, s1, b, pair, m0, mr);
   }
-  qtile2<MR>(a, w0, w1, s0, s1, b, m0);
-}
-
-template <int MR = MRQ>
-static QTK_INLINE void qrows(const QArgs& a, const uint32_t* w, const float* s, int64_t b, int64_t mt, int mr) {
-  if constexpr (MR > 1) {
-    if (mr < MR) return qrows<MR - 1>(a, w, s, b, mt, mr);
-  }
-  qtile<MR>(a, w, s, b, mt);
+  qtile<MR>(a, w0, w1, s0, s1, b, pair, m0);
 }
 
 template <int BITS>
 static void woq_bf16_tiles(const QArgs& a) {
   at::parallel_for(0, (a.nblocks + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t tile_words = a.K / 2 * 16, tiles = (a.M + MRQ - 1) / MRQ;
-    // tiles decoded at once: an even number (qtile2 takes them in pairs), at least 2
+    const int64_t tile_words = a.K / 2 * 16;
+    // tiles decoded at once: an even number (qtile takes them in pairs), at least 2
     const int64_t group = std::min<int64_t>(std::max<int64_t>(DECODED_BYTES / (tile_words * 4) / 2 * 2, 2), t1 - t0);
-    const int64_t chunk = std::max<int64_t>(1, XT_CHUNK_BYTES / (a.K / 2 * MRQ * 4));  // row tiles of x per pass
+    const int64_t chunk = std::max<int64_t>(QR, XT_CHUNK_BYTES / (a.K / 2 * 4) / QR * QR);  // rows of x per pass
     uint32_t* w = static_cast<uint32_t*>(std::aligned_alloc(64, group * tile_words * 4));
     float* s = static_cast<float*>(std::aligned_alloc(64, group * a.G * 16 * 4));
     for (int64_t g0 = t0; g0 < t1; g0 += group) {
       const int64_t g1 = std::min(t1, g0 + group);
       for (int64_t t = g0; t < g1; ++t) decode_pairs<BITS>(a, 2 * t, w + (t - g0) * tile_words, s + (t - g0) * a.G * 16);
-      for (int64_t c0 = 0; c0 < tiles; c0 += chunk)
+      for (int64_t c0 = 0; c0 < a.M; c0 += chunk) {
+        const int64_t c1 = std::min(a.M, c0 + chunk);
         for (int64_t t = g0; t < g1; t += 2) {
-          const uint32_t* wt = w + (t - g0) * tile_words;
-          const float* st = s + (t - g0) * a.G * 16;
-          for (int64_t mt = c0; mt < std::min(tiles, c0 + chunk); ++mt) {
-            const int64_t m1 = std::min<int64_t>(a.M, (mt + 1) * MRQ);
-            if (t + 1 < g1) {
-              for (int64_t m = mt * MRQ; m < m1; m += MR2)
-                qrows2(a, wt, wt + tile_words, st, st + a.G * 16, 2 * t, m, static_cast<int>(std::min<int64_t>(MR2, m1 - m)));
-            } else {
-              qrows(a, wt, st, 2 * t, mt, static_cast<int>(m1 - mt * MRQ));
-            }
-          }
+          const bool pair = t + 1 < g1;
+          const uint32_t* w0 = w + (t - g0) * tile_words;
+          const float* s0 = s + (t - g0) * a.G * 16;
+          const uint32_t* w1 = pair ? w0 + tile_words : w0;
+          const float* s1 = pair ? s0 + a.G * 16 : s0;
+          for (int64_t m = c0; m < c1; m += QR)
+            qrows(a, w0, w1, s0, s1, 2 * t, pair, m, static_cast<int>(std::min<int64_t>(QR, c1 - m)));
         }
+      }
     }
     std::free(w);
     std::free(s);

@@ -124,6 +124,33 @@ static QTK_INLINE void dp_step(__m512i (&acc)[MR == 1 ? 2 : MR][TB], const int8_
   }
 }
 
+// y[m, nb0 * 16 ..) from row m's int32 sums of the tile's 4 blocks: (acc - colsum) * s_x * s_w + b, 16
+// columns at a time, the columns past N left alone
+static QTK_INLINE void store_row(const W8A8Args& a, int64_t m, int64_t nb0, const __m512i (&acc)[TB]) {
+  const __m512 sx = _mm512_set1_ps(a.sx[m]);
+#pragma GCC unroll 4
+  for (int t = 0; t < TB; ++t) {
+    const int64_t c0 = (nb0 + t) * COLS;
+    if (c0 >= a.N) break;
+    const int64_t cols = std::min<int64_t>(COLS, a.N - c0);
+    const __mmask16 mask = cols >= COLS ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t], _mm512_loadu_si512(a.colsum + c0)));
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(v, sx), _mm512_loadu_ps(a.scales + c0));
+    if (a.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, a.bias + c0));
+    _mm512_mask_storeu_ps(a.y + m * a.N + c0, mask, y);
+  }
+}
+
+// the next tile's lines at k4, k4 + 1 into L1 (on a tile's first pass over rows only)
+static QTK_INLINE void fetch_next(const int8_t* blk, int64_t bb, int64_t k4) {
+  const char* next = reinterpret_cast<const char*>(blk + TB * bb + k4 * 64);
+#pragma GCC unroll 4
+  for (int t = 0; t < TB; ++t) {
+    _mm_prefetch(next + t * bb, _MM_HINT_T0);
+    _mm_prefetch(next + t * bb + 64, _MM_HINT_T0);
+  }
+}
+
 // Rows m0..m0+6 against the 4 blocks from nb0: 24 accumulators, 4 weight registers, one broadcast per row
 // and k4 (6 broadcasts and 4 loads per 24 products, against 4 and 4 per 16 for tile<4>), the rows read from
 // one base `ld` apart. Written plainly: the 4-row tile's two-step unrolled form at 6 rows spilled (0.44x of
@@ -141,14 +168,7 @@ static void tile6(const W8A8Args& a, int64_t m0, int64_t nb0, bool ahead) {
     for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_si512();
   const int64_t n4 = a.K4 / 4;
   for (int64_t k4 = 0; k4 < n4; ++k4) {
-    if (ahead && (k4 & 1) == 0) {
-      const char* next = reinterpret_cast<const char*>(blk + TB * bb + k4 * 64);
-#pragma GCC unroll 4
-      for (int t = 0; t < TB; ++t) {
-        _mm_prefetch(next + t * bb, _MM_HINT_T0);
-        _mm_prefetch(next + t * bb + 64, _MM_HINT_T0);
-      }
-    }
+    if (ahead && (k4 & 1) == 0) fetch_next(blk, bb, k4);
     const __m512i w0 = _mm512_loadu_si512(blk + k4 * 64), w1 = _mm512_loadu_si512(blk + bb + k4 * 64),
                   w2 = _mm512_loadu_si512(blk + 2 * bb + k4 * 64), w3 = _mm512_loadu_si512(blk + 3 * bb + k4 * 64);
 #pragma GCC unroll 6
@@ -161,20 +181,7 @@ static void tile6(const W8A8Args& a, int64_t m0, int64_t nb0, bool ahead) {
     }
   }
 #pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r) {
-    const __m512 sx = _mm512_set1_ps(a.sx[m0 + r]);
-#pragma GCC unroll 4
-    for (int t = 0; t < TB; ++t) {
-      const int64_t c0 = (nb0 + t) * COLS;
-      if (c0 >= a.N) break;
-      const int64_t cols = std::min<int64_t>(COLS, a.N - c0);
-      const __mmask16 mask = cols >= COLS ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][t], _mm512_loadu_si512(a.colsum + c0)));
-      __m512 y = _mm512_mul_ps(_mm512_mul_ps(v, sx), _mm512_loadu_ps(a.scales + c0));
-      if (a.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, a.bias + c0));
-      _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + c0, mask, y);
-    }
-  }
+  for (int r = 0; r < MR; ++r) store_row(a, m0 + r, nb0, acc[r]);
 }
 
 // Rows m0..m0+MR against the 4 blocks from nb0 (all whole blocks of the padded N16).
@@ -193,32 +200,16 @@ static void tile(const W8A8Args& a, int64_t m0, int64_t nb0, bool ahead) {
   const int64_t n4 = a.K4 / 4;
   int64_t k4 = 0;
   for (; k4 + 2 <= n4; k4 += 2) {
-    if (ahead) {  // the next tile, a line per stream (on a tile's first pass over rows only)
-      const char* next = reinterpret_cast<const char*>(blk + TB * bb + k4 * 64);
-#pragma GCC unroll 4
-      for (int t = 0; t < TB; ++t) {
-        _mm_prefetch(next + t * bb, _MM_HINT_T0);
-        _mm_prefetch(next + t * bb + 64, _MM_HINT_T0);
-      }
-    }
+    if (ahead) fetch_next(blk, bb, k4);
     dp_step<MR, false>(acc, blk, bb, x, k4);
     dp_step<MR, true>(acc, blk, bb, x, k4 + 1);
   }
   if (k4 < n4) dp_step<MR, false>(acc, blk, bb, x, k4);
-  for (int r = 0; r < MR; ++r) {
-    const __m512 sx = _mm512_set1_ps(a.sx[m0 + r]);
-    for (int t = 0; t < TB; ++t) {  // (acc - colsum) * s_x * s_w + b, 16 columns at a time
-      const int64_t c0 = (nb0 + t) * COLS;
-      if (c0 >= a.N) break;
-      const __m512i s = MR == 1 ? _mm512_add_epi32(acc[0][t], acc[1][t]) : acc[r][t];
-      const int64_t cols = std::min<int64_t>(COLS, a.N - c0);
-      const __mmask16 mask = cols >= COLS ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(s, _mm512_loadu_si512(a.colsum + c0)));
-      __m512 y = _mm512_mul_ps(_mm512_mul_ps(v, sx), _mm512_loadu_ps(a.scales + c0));
-      if (a.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, a.bias + c0));
-      _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + c0, mask, y);
-    }
+  if constexpr (MR == 1) {  // the row's two sets of sums
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t) acc[0][t] = _mm512_add_epi32(acc[0][t], acc[1][t]);
   }
+  for (int r = 0; r < MR; ++r) store_row(a, m0 + r, nb0, acc[r]);
 }
 #endif
 
