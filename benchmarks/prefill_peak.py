@@ -15,7 +15,8 @@ Four measurements, in one process, 2 threads unless --threads:
    (bf16 weights, float32 activations), qtk's bf16 kernel (AVX512-BF16, packed_linear.BF16_DOT_ROWS),
    oneDNN float32, oneDNN bf16 (packed_linear.MANY_ROWS).
 3. attention: one layer's causal attention over a whole prompt (the prompt lengths and 4096) in
-   qtk's bf16 flash kernel (where the CPU has AVX512-BF16) and torch's float32 flash kernel.
+   qtk's flash kernel, bf16 math (where the CPU has AVX512-BF16) and float32 math (AVX-512), and in
+   torch's float32 flash kernel (sdpa: the path of CPUs without AVX-512).
 4. prefill: `num-prompts` prompts of exactly L tokens of the built-in evaluation text, 1 output
    token, prefix caching off (every token is computed), after a warm-up; tokens/s, and the FLOPs
    done per second (the decoder's linear layers, 2 per weight per token; attention, 4 * heads *
@@ -126,15 +127,17 @@ def crossover(shapes, layers: int, ms: list[int], bf16: bool) -> list[dict]:
 
 def attention_rates(cfg, lengths: list[int]) -> list[dict]:
     """Per prompt length L: one layer's prefill attention over a whole prompt (n = L, causal) in the
-    two kernels the engine chooses between: qtk's bf16 flash kernel (csrc/cpu_attention.cpp, where
-    the CPU has AVX512-BF16) and torch's float32 flash kernel (sdpa, the path without it), in ms
-    and GFLOP/s (4 * heads * head_dim per (query, key) pair, causal: L (L + 1) / 2 pairs)."""
+    kernels the engine chooses among: qtk's flash kernel (csrc/cpu_attention.cpp) in bf16 math (where
+    the CPU has AVX512-BF16) and in float32 math (AVX-512), and torch's float32 flash kernel (sdpa, the
+    path without AVX-512), in ms and GFLOP/s (4 * heads * head_dim per (query, key) pair, causal:
+    L (L + 1) / 2 pairs)."""
     import torch.nn.functional as F
 
     lib = cpu_kernels.ops()
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kernel = lib is not None and hasattr(lib, "prefill_attention_runs") and lib.prefill_attention_runs()
+    runs = lib is not None and hasattr(lib, "prefill_attention_runs")
+    maths = [name for name, bf16 in (("bf16", True), ("float32", False)) if runs and lib.prefill_attention_runs(bf16=bf16)]
     rows = []
     for length in lengths:
         q, k, v = torch.randn(length, heads, d), torch.randn(kv, length, d), torch.randn(kv, length, d)
@@ -143,9 +146,9 @@ def attention_rates(cfg, lengths: list[int]) -> list[dict]:
         torch_s = best_seconds(lambda: F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=d ** -0.5, enable_gqa=kv != heads))
         r["torch_float32_ms"], r["torch_float32_gflops"] = 1e3 * torch_s, flops / torch_s / 1e9
-        if kernel:
-            qtk_s = best_seconds(lambda: lib.prefill_attention(q, k, v, slots, 0, d ** -0.5))
-            r["qtk_bf16_ms"], r["qtk_bf16_gflops"] = 1e3 * qtk_s, flops / qtk_s / 1e9
+        for math in maths:
+            qtk_s = best_seconds(lambda: lib.prefill_attention(q, k, v, slots, 0, d ** -0.5, bf16=math == "bf16"))
+            r[f"qtk_{math}_ms"], r[f"qtk_{math}_gflops"] = 1e3 * qtk_s, flops / qtk_s / 1e9
         rows.append(r)
     return rows
 

@@ -480,24 +480,29 @@ def test_store_and_decode_refuse_mismatched_operands(lib):
         lib.paged_decode_attention(q, cache(), cache(), tables, lens, 8, 0.3, None, None, 0, 0.0, torch.ones(3))
 
 
-def bf16_attention_lib():
-    """The avx512 build where the CPU has AVX512-BF16 (the prefill attention kernel's), else skip."""
+def bf16_attention_lib(bf16: bool = True):
+    """The avx512 build where the CPU has what the attention kernels' math needs (AVX512-BF16 for bf16,
+    AVX-512 for the float32 prefill), else skip."""
     lib = cpu.library("avx512") if HAS_AVX512 else None
-    if lib is None or not lib.prefill_attention_runs():
-        pytest.skip("CPU without AVX-512 + AVX512-BF16 (or no compiler): prefill chunks attend in torch")
+    if lib is None or not lib.prefill_attention_runs(bf16=bf16):
+        pytest.skip(f"CPU without AVX-512{' + AVX512-BF16' if bf16 else ''} (or no compiler): prefill chunks attend in torch")
     return lib
 
 
-def test_prefill_attention_runs_only_with_the_bf16_dot_product():
-    """Builds without AVX-512 have the kernel's name but not the kernel: they say so, and refuse."""
+def test_prefill_attention_runs_only_with_avx512():
+    """Builds without AVX-512 have the kernel's name but not the kernel, in either math: they say so, and refuse."""
     lib = cpu.library("generic")
     if lib is None:
         pytest.skip("no C++ compiler")
-    assert not lib.prefill_attention_runs()
+    assert not lib.prefill_attention_runs() and not lib.prefill_attention_runs(bf16=False)
+    args = torch.randn(2, 2, 16), torch.zeros(1, 4, 16), torch.zeros(1, 4, 16), torch.arange(2), 0, 0.25
     with pytest.raises(RuntimeError, match="needs AVX-512 with AVX512-BF16"):
-        lib.prefill_attention(torch.randn(2, 2, 16), torch.zeros(1, 4, 16), torch.zeros(1, 4, 16), torch.arange(2), 0, 0.25)
+        lib.prefill_attention(*args)
+    with pytest.raises(RuntimeError, match="needs AVX-512 \\(this build"):
+        lib.prefill_attention(*args, bf16=False)
 
 
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "float32"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("n,L,H,KV,D,window", [
     (70, 70, 4, 2, 64, None),     # a whole prompt, two key blocks, a partial one
@@ -505,15 +510,16 @@ def test_prefill_attention_runs_only_with_the_bf16_dot_product():
     (100, 100, 4, 1, 64, 30),     # a sliding window inside one prompt
     (20, 300, 4, 4, 128, 50),     # a window that hides the first 230 keys; D past 64 (two passes of P V)
     (1, 33, 2, 1, 16, None),      # one query, the smallest D
+    (200, 260, 9, 3, 64, None),   # SmolLM2's heads: 3 rows a position, tiles across positions, blocks off the diagonal
 ])
-def test_prefill_attention_matches_the_torch_path(kv_dtype, n, L, H, KV, D, window):
-    """prefill_attention over a chunk's slots gives attention._prefill's result (float32 math) within
-    bf16 rounding (q * scale, K, V and the softmax weights rounded to bf16), for every cache dtype
-    (per-head scales), GQA, windows, chunks after a prefix, and q as a strided view (the qkv
-    projection's output)."""
+def test_prefill_attention_matches_the_torch_path(bf16, kv_dtype, n, L, H, KV, D, window):
+    """prefill_attention over a chunk's slots gives attention._prefill's result (float32 math): in bf16
+    within bf16 rounding (q * scale, K, V and the softmax weights rounded to bf16), in float32 within
+    float32 rounding, for every cache dtype (per-head scales), GQA, windows, chunks after a prefix,
+    and q as a strided view (the qkv projection's output)."""
     from qtk.runtime.attention import KVCache, PrefillChunk, _bytes, _first_key, _prefill, write_kv
 
-    lib = bf16_attention_lib()
+    lib = bf16_attention_lib(bf16)
     g = torch.Generator().manual_seed(L)
     quant = kv_dtype not in (torch.float32, torch.bfloat16)
     scales = (torch.rand(KV, 1, 1, generator=g) * 0.02 + 0.01, torch.rand(KV, 1, 1, generator=g) * 0.02 + 0.01) \
@@ -528,10 +534,12 @@ def test_prefill_attention_matches_the_torch_path(kv_dtype, n, L, H, KV, D, wind
     want = _prefill(q, cache, PrefillChunk(0, n, slots), scale, window)
     flat = (None, None) if not quant else (scales[0].reshape(-1), scales[1].reshape(-1))
     first = _first_key(n, L, window)
-    got = lib.prefill_attention(q, _bytes(cache.k), _bytes(cache.v), slots[first:], window or 0, scale, *flat)
+    got = lib.prefill_attention(q, _bytes(cache.k), _bytes(cache.v), slots[first:], window or 0, scale, *flat, bf16=bf16)
     assert got.shape == (n, H, D) and got.is_contiguous()
     err = ((got - want).norm() / want.norm()).item()
-    assert err < 8e-3, err  # bf16: 2^-9 relative per rounding; a wrong mask or block is off by O(1)
+    # bf16: 2^-9 relative per rounding; float32: the exp2 polynomial's 2e-7 and the sums' order; a wrong mask
+    # or block is off by O(1)
+    assert err < (8e-3 if bf16 else 2e-6), err
     if window:  # the window is applied: without it the result is another one
         unwindowed = _prefill(q, cache, PrefillChunk(0, n, slots), scale, None)
         assert ((got - unwindowed).norm() / unwindowed.norm()).item() > 0.1

@@ -94,9 +94,9 @@ def test_the_lm_head_multiplies_every_row_in_float32_and_offers_the_bf16_kernel(
 def test_prefill_in_bf16_keeps_the_logits_within_bf16_rounding(monkeypatch, units):
     """A bf16 checkpoint through the engine's build (q/k/v and gate/up fused, the MLP in bf16 from
     gate_up to down for many rows, the prefill attention in qtk's bf16 flash kernel where the CPU has
-    AVX512-BF16): prompts of 24 tokens prefilled in one chunk (oneDNN), then decode
-    steps of 2 rows (qtk's kernel). The logits follow the float32 model's: within float32 rounding
-    with QTK_CPU_BF16=0, within bf16 rounding of the activations with the units."""
+    AVX512-BF16, in its float32 math with QTK_CPU_BF16=0 on AVX-512): prompts of 24 tokens prefilled in
+    one chunk (oneDNN), then decode steps of 2 rows (qtk's kernel). The logits follow the float32 model's:
+    within float32 rounding with QTK_CPU_BF16=0, within bf16 rounding of the activations with the units."""
     monkeypatch.setenv("QTK_CPU_BF16", units)
     from qtk.runtime.models import build
 
@@ -105,18 +105,19 @@ def test_prefill_in_bf16_keeps_the_logits_within_bf16_rounding(monkeypatch, unit
     runtime = build(copy.deepcopy(model))
     ops = runtime.cpu_ops
     assert ops is not None
-    calls = []
-    if ops.prefill_attention_runs():  # the bf16 flash kernel attends for the bf16 prefill chunks only
-        kernel = ops.prefill_attention
-        monkeypatch.setattr(ops, "prefill_attention", lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
     prompts = [list(range(30, 54)), list(range(70, 94))]
     _, want, _ = greedy_through_runtime(model, prompts, new_tokens=3, budget=64)
+    calls = []
+    kernel_runs = ops.prefill_attention_runs(bf16=units == "1")  # the flash kernel in the step's math
+    if kernel_runs:
+        kernel = ops.prefill_attention
+        monkeypatch.setattr(ops, "prefill_attention", lambda *a, **k: calls.append(k["bf16"]) or kernel(*a, **k))
     _, got, _ = greedy_through_runtime(None, prompts, new_tokens=3, budget=64, runtime=runtime)
     many_mlp, bf16 = runtime._plan[0][-2:]
     assert (many_mlp is not None) == (bf16 is not None) == (units == "1")
     assert (runtime._bf16_rows is not None) == (units == "1")  # prefill steps in bf16 between the norms
-    if ops.prefill_attention_runs():
-        assert len(calls) == (2 * len(runtime.layers) if units == "1" else 0)  # two prompts, every layer
+    if kernel_runs:
+        assert calls == [units == "1"] * 2 * len(runtime.layers)  # two prompts, every layer
     tol = dict(atol=2e-4, rtol=1e-4) if units == "0" else dict(atol=0.05, rtol=0.05)
     for a, b in zip(want.values(), got.values()):
         torch.testing.assert_close(torch.stack(b), torch.stack(a), **tol)
@@ -289,13 +290,15 @@ def test_a_quantized_bf16_checkpoint_prefills_in_bf16_within_bf16_rounding(monke
         many = getattr(m, "many", None)
         if isinstance(many, QuantBF16Matmul):
             m.many = dataclasses.replace(many, op=lambda x, *a, op=many.op: rows.append(x.shape[0]) or op(x, *a))
-    kernel = ops.prefill_attention
-    monkeypatch.setattr(ops, "prefill_attention", lambda *a, **k: attended.append(a[0].shape[0]) or kernel(*a, **k))
     prompts = [list(range(30, 54)), list(range(70, 94))]
     _, want, _ = greedy_through_runtime(model, prompts, new_tokens=3, budget=64)
+    kernel = ops.prefill_attention
+    monkeypatch.setattr(ops, "prefill_attention", lambda *a, **k: attended.append((a[0].shape[0], k["bf16"])) or kernel(*a, **k))
     _, got, _ = greedy_through_runtime(None, prompts, new_tokens=3, budget=64, runtime=runtime, kv_dtype=kv_dtype)
     assert (runtime._bf16_rows is not None) == (runs and scheme == "w4a16")
-    assert attended == ([24] * 2 * len(runtime.layers) if runs else [])  # two prompts, every layer
+    # two prompts, every layer: in the flash kernel's bf16 math with the units, its float32 math on AVX-512 without
+    kernel_runs = runs or ops.prefill_attention_runs(bf16=False)
+    assert attended == ([(24, runs)] * 2 * len(runtime.layers) if kernel_runs else [])
     assert rows == ([48] * layers if runs and scheme == "w4a16" else [])  # the prefill step's, not the decodes'
     tol = dict(atol=2e-4, rtol=1e-4) if not runs else dict(atol=0.05, rtol=0.05)
     for a, b in zip(want.values(), got.values()):

@@ -205,8 +205,8 @@ def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: floa
                    window: int | None = None, terms: ScoreTerms = NO_TERMS, bf16: bool = False) -> torch.Tensor:
     """qtk's CPU kernels store the step's keys and values and attend for the decodes (window, softcap
     and sinks included), in bf16 where `bf16` and the bf16 decode kernel runs (_bf16_decode_kernel);
-    prefill chunks attend in qtk's bf16 flash kernel where `bf16` and it runs (_bf16_prefill_kernel),
-    else in torch (_prefill)."""
+    prefill chunks attend in qtk's flash kernel where it runs (_prefill_kernel: in bf16 where `bf16`,
+    else in float32), else in torch (_prefill)."""
     if ops is None:
         from ..kernels import cpu as cpu_kernels
 
@@ -229,25 +229,25 @@ def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: floa
     out = torch.empty_like(q)
     if meta.decode_index.numel():
         out[meta.decode_index] = decode(q[meta.decode_index])
-    kernel = bf16 and _bf16_prefill_kernel(ops, q, terms)
+    kernel = _prefill_kernel(ops, q, terms, bf16)
     for p in meta.prefills:
         qp = q[p.start:p.start + p.length]
         if kernel:
             first = _first_key(p.length, p.slots.numel(), window)
             out[p.start:p.start + p.length] = ops.prefill_attention(qp, kc, vc, p.slots[first:], window or 0, scale,
-                                                                    *scales)
+                                                                    *scales, bf16=bf16)
         else:
             out[p.start:p.start + p.length] = _prefill(qp, cache, p, scale, window, terms)
     return out
 
 
-def _bf16_prefill_kernel(ops, q: torch.Tensor, terms: ScoreTerms) -> bool:
-    """Whether qtk's bf16 flash kernel (csrc/cpu_attention.cpp: q, K, V and the softmax weights in bf16,
-    the sums float32; 2.2-3x torch's float32 flash kernel at 256-4096 tokens on Zen 4) takes a
-    layer's prefill chunks: the CPU has the bf16 dot product (AVX512-BF16), D % 16 == 0, and the
-    layer has no softcap or sinks."""
+def _prefill_kernel(ops, q: torch.Tensor, terms: ScoreTerms, bf16: bool) -> bool:
+    """Whether qtk's flash kernel (csrc/cpu_attention.cpp) takes a layer's prefill chunks: D % 16 == 0, the
+    layer has no softcap or sinks, and the CPU has what the kernel's math needs: AVX512-BF16 in a bf16 step
+    (q, K, V and the softmax weights in bf16, the sums float32; 2.2-3x torch's float32 flash kernel at
+    256-4096 tokens on Zen 4), AVX-512 in a float32 one (all float32; 1.5-2.2x torch's at 256-2048 tokens)."""
     return (not terms and q.dtype == torch.float32 and q.shape[-1] % 16 == 0 and
-            hasattr(ops, "prefill_attention_runs") and ops.prefill_attention_runs())
+            hasattr(ops, "prefill_attention_runs") and ops.prefill_attention_runs(bf16=bf16))
 
 
 def _bf16_decode_kernel(ops, q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -1,31 +1,36 @@
-// Prefill attention on CPUs with AVX512-BF16: FlashAttention's loop (Dao et al. 2022; FlashAttention-2's
-// order: queries outside, keys inside, one running max and sum per query row) over a prefill chunk.
+// Prefill attention on AVX-512 CPUs: FlashAttention's loop (Dao et al. 2022; FlashAttention-2's order:
+// queries outside, keys inside, one running max and sum per query row) over a prefill chunk, in bf16 math
+// (AVX512-BF16) or float32 math (AVX-512 alone: what a CPU without bf16 units runs).
 //
-//   prefill_attention(q, k_cache, v_cache, slots, window, scale, k_scale, v_scale) -> o
+//   prefill_attention(q, k_cache, v_cache, slots, window, scale, k_scale, v_scale, bf16=True) -> o
 //     q [n, H, D] float32 (heads contiguous, rows at any stride): the chunk's queries; k_cache, v_cache [KV, S, D]: float32, bf16, INT8 or
 //     FP8 e4m3 (as uint8), read at slots [L], the keys in order, the chunk's own n last (query i
 //     sits where key L - n + i does); k_scale, v_scale [1 or KV] for INT8 / FP8;
 //     the query at p sees the keys at p - window < j <= p (window 0: every j <= p);
 //     GQA: query head h reads KV head h / (H / KV), as transformers' repeat_kv.
 //     o [n, H, D] float32.
-//   prefill_attention_runs()   whether this build and CPU run it (AVX-512 with the BF16 dot product)
+//   prefill_attention_runs(bf16=True)   whether this build and CPU run it in that math
 //
-// Numerics of a bf16 FlashAttention (vLLM's CPU attention in bf16 rounds the same tensors): q * scale,
+// Numerics. bf16 math is a bf16 FlashAttention's (vLLM's CPU attention in bf16 rounds the same tensors): q * scale,
 // K, V and the softmax weights P rounded to bf16 (to nearest even), every sum in float32 (Q K^T, the
-// softmax's denominator, P V). INT8 and e4m3 codes are bf16 numbers, so a quantized cache loses
-// nothing more: k_scale joins the query's scale and v_scale the output's.
+// softmax's denominator, P V). float32 math rounds nothing: it differs from torch's float32 attention by the
+// exp2 polynomial (2e-7) and the order of the sums. INT8 and e4m3 codes are bf16 numbers, so a quantized cache
+// loses nothing more: k_scale joins the query's scale and v_scale the output's.
 //
-// The work, for D % 16 == 0:
-//   1. pack   each KV head's keys and values once, in blocks of BK = 64 keys, in the operand layout of
-//             vdpbf16ps (which multiplies pairs of bf16 and adds both products to a float32 lane):
-//             K as [D/2][BK] pairs (k[j][2i], k[j][2i+1]): one 16-lane load is 16 keys' pair i;
-//             V as [BK/2][D] pairs (v[2j][d], v[2j+1][d]): one load is 16 dims of a pair of keys.
+// The work, for D % 16 == 0, in words of PER elements (Math<BF>: bf16 pairs for vdpbf16ps, which multiplies
+// pairs and adds both products to a float32 lane; single float32 for vfmadd):
+//   1. pack   each KV head's keys and values once, in blocks of BK = 64 keys, in the operands' layout:
+//             K as [D/PER][BK] words (bf16: (k[j][2i], k[j][2i+1])): one 16-lane load is 16 keys' word i;
+//             V as [BK/PER][D] words (bf16: (v[2j][d], v[2j+1][d])): one load is 16 dims of a word of keys.
 //   2. attend for each (KV head, BQ = 32 query positions): rows are (position, head of the group), so
-//             one K/V block serves the whole group. Per key block: S = Q K^T in 4 x 64 register tiles;
-//             the causal / window mask (only on blocks the diagonal or the window's edge crosses);
-//             the online softmax in base 2 (log2 e joins the query's scale): m = max(m, rowmax S),
-//             alpha = 2^(m_old - m), l = alpha l + sum 2^(S - m), P = bf16(2^(S - m)); O = alpha O + P V in
-//             4 x 64 register tiles. Finally O / l.
+//             one K/V block serves the whole group. Per key block, per register tile of 4 rows (tile_pass),
+//             over the block's first 16, 32, 48 or 64 keys (the last any of the 4 rows sees):
+//             S = Q K^T (4 x 64 in registers); the causal / window mask (only where the diagonal or the
+//             window's edge crosses); the online softmax in base 2 (log2 e joins the query's scale) on S
+//             in registers: m = max(m, rowmax S) (the 4 rows' maxima in one transposing reduction),
+//             alpha = 2^(m_old - m), l = alpha l + sum 2^(S - m) (16 lanes a row, summed at the end),
+//             P = 2^(S - m) as words; O = alpha O + P V (alpha skipped where the 4 rows' are all 1).
+//             Finally O / l.
 // Work items are handed out largest first from one counter (causal items differ up to n / BQ times in
 // size), on torch's threads.
 #include <ATen/ATen.h>
@@ -54,9 +59,10 @@ namespace {
 
 #include "cpu_kv.h"
 
-bool runs() {
+// Whether this build and CPU run the kernels: the bf16 ones need AVX512-BF16, the float32 prefill AVX-512 alone
+bool runs(bool bf16 = true) {
 #ifdef QTK_ATTN_AVX512
-  return __builtin_cpu_supports("avx512bf16");
+  return bf16 ? __builtin_cpu_supports("avx512bf16") : __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 #else
   return false;
 #endif
@@ -67,9 +73,9 @@ bool runs() {
 #pragma GCC target("avx512bf16")  // these functions only: the build's other code runs on CPUs without it
 #define QTK_INLINE inline __attribute__((always_inline))
 
-constexpr int64_t BK = 64;  // keys per block: 4 vectors of 16 scores, 32 pairs for P V
+constexpr int64_t BK = 64;  // keys per block: 4 vectors of 16 scores
 constexpr int64_t BQ = 32;  // query positions per work item
-constexpr int64_t MR = 4;   // query rows per register tile
+constexpr int64_t MR = 4;   // query rows per register tile (row_max4 reduces exactly 4)
 constexpr float kLog2e = 1.4426950408889634f;
 
 // 16 keys' or values' elements as float32 from any cache dtype (codes, unscaled)
@@ -97,98 +103,163 @@ inline __m512i interleave16(__m512 a, __m512 b) {
   return _mm512_or_si512(_mm512_cvtepu16_epi32(ab), _mm512_slli_epi32(_mm512_cvtepu16_epi32(bb), 16));
 }
 
-// 2^x for x <= 0 (-inf included: 0): x = n + f, |f| <= 1/2, 2^f by its Taylor polynomial to f^6
-// (relative error below 2e-7), times 2^n by vscalefps (underflows to 0 below 2^-149)
+// 2^x for x <= 0 (-inf included: 0): x = n + f, |f| <= 1/2, 2^f by a polynomial of degree DEG with p(0) = 1
+// (so a row whose maximum stays rescales by exactly 1), fitted for relative error: below 2e-7 in float32 for
+// degree 5, 3e-6 for 4 (bf16 weights round by up to 2e-3 anyway); times 2^n by vscalefps (0 below 2^-149)
+template <int DEG = 5>
 inline __m512 exp2_16(__m512 x) {
+  static_assert(DEG == 4 || DEG == 5);
   x = _mm512_max_ps(x, _mm512_set1_ps(-160.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);  // ln2^6 / 6!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  __m512 p;
+  if constexpr (DEG == 5) {
+    p = _mm512_set1_ps(1.3264725e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6715130e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507336e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022242e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314700e-1f));
+  } else {
+    p = _mm512_set1_ps(9.5828455e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5906430e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024099e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312418e-1f));
+  }
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
 
-// Step 1: keys j0 .. j0 + BK of one head (rows past `keys` zero) into kp [D/2][BK] and vp [BK/2][D] words.
-template <Kv KIND>
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// The two ways a product is taken. Operands are words of PER elements: bf16 pairs (BF: vdpbf16ps multiplies
+// the pairs of two words and adds both products to a float32 lane) or single float32 (vfmadd).
+template <bool BF>
+struct Math {
+  static constexpr int64_t PER = BF ? 2 : 1;
+  static constexpr int EXP_DEGREE = BF ? 4 : 5;  // the weights' precision: bf16's 2^-9, float32's 2^-24
+  static QTK_INLINE __m512 word(const uint32_t* p) { return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(*p))); }
+  static QTK_INLINE __m512 dot(__m512 acc, __m512 a, __m512 b) {
+    if constexpr (BF) return _mm512_dpbf16_ps(acc, as_bh(_mm512_castps_si512(a)), as_bh(_mm512_castps_si512(b)));
+    else return _mm512_fmadd_ps(a, b, acc);
+  }
+  // 32 elements of a row (hi: the next 16, zero past the row's end) as words at dst
+  static QTK_INLINE void put32(uint32_t* dst, __m512 lo, __m512 hi) {
+    if constexpr (BF) {
+      _mm512_storeu_si512(dst, pairs32(lo, hi));
+    } else {
+      _mm512_storeu_ps(dst, lo);
+      _mm512_storeu_ps(dst + 16, hi);
+    }
+  }
+};
+
+// Step 1: keys j0 .. j0 + BK of one head (rows past `keys` zero) into kp [D/PER][BK] and vp [BK/PER][D] words.
+template <bool BF, Kv KIND>
 void pack_block(const kv_t<KIND>* kh, const kv_t<KIND>* vh, const int64_t* slots, int64_t j0, int64_t keys,
                 int64_t D, uint32_t* kp, uint32_t* vp) {
-  const int64_t half = D / 2;
-  std::memset(kp, 0, sizeof(uint32_t) * half * BK);
-  std::memset(vp, 0, sizeof(uint32_t) * BK / 2 * D);
-  alignas(64) uint32_t w[16];
+  constexpr int64_t PER = Math<BF>::PER;
+  std::memset(kp, 0, sizeof(uint32_t) * D / PER * BK);
+  std::memset(vp, 0, sizeof(uint32_t) * BK / PER * D);
+  alignas(64) uint32_t w[32];
   for (int64_t jj = 0; jj < BK && j0 + jj < keys; ++jj) {
     const kv_t<KIND>* row = kh + slots[j0 + jj] * D;
     for (int64_t d = 0; d < D; d += 32) {  // D % 16 == 0: the last 16 pair with zeros if D % 32 != 0
       const __m512 lo = load16<KIND>(row + d), hi = d + 16 < D ? load16<KIND>(row + d + 16) : _mm512_setzero_ps();
-      _mm512_store_si512(w, pairs32(lo, hi));
-      for (int64_t i = 0; i < 16 && d / 2 + i < half; ++i) kp[(d / 2 + i) * BK + jj] = w[i];
+      Math<BF>::put32(w, lo, hi);
+      const int64_t words = std::min<int64_t>(32, D - d) / PER;
+      for (int64_t i = 0; i < words; ++i) kp[(d / PER + i) * BK + jj] = w[i];
     }
   }
-  for (int64_t jj = 0; jj < BK && j0 + jj < keys; jj += 2) {
+  for (int64_t jj = 0; jj < BK && j0 + jj < keys; jj += PER) {
     const kv_t<KIND>* a = vh + slots[j0 + jj] * D;
-    const kv_t<KIND>* b = j0 + jj + 1 < keys ? vh + slots[j0 + jj + 1] * D : nullptr;
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_si512(vp + jj / 2 * D + d, interleave16(load16<KIND>(a + d), b ? load16<KIND>(b + d) : _mm512_setzero_ps()));
-  }
-}
-
-inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
-
-// S rows r .. r + MR of one key block: s[r][j] = q[r] . k[j], q [rows][D/2] words, kp [D/2][BK] words
-inline void qk_tile(const uint32_t* q, const uint32_t* kp, int64_t half, float* s) {
-  __m512 acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < half; ++i) {
-    const uint32_t* k = kp + i * BK;
-    const __m512bh k0 = as_bh(_mm512_loadu_si512(k)), k1 = as_bh(_mm512_loadu_si512(k + 16)),
-                   k2 = as_bh(_mm512_loadu_si512(k + 32)), k3 = as_bh(_mm512_loadu_si512(k + 48));
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(q[r * half + i])));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, k0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, k1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, k2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, k3);
+    if constexpr (BF) {
+      const kv_t<KIND>* b = j0 + jj + 1 < keys ? vh + slots[j0 + jj + 1] * D : nullptr;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_si512(vp + jj / 2 * D + d, interleave16(load16<KIND>(a + d), b ? load16<KIND>(b + d) : _mm512_setzero_ps()));
+    } else {
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vp + jj * D + d, load16<KIND>(a + d));
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * BK + 16 * c, acc[r][c]);
 }
 
-// O rows r .. r + MR, dims d0 .. d0 + 16 NV: o = alpha o + P V, p [rows][BK/2] words, vp [BK/2][D] words
-template <int NV>
-inline void pv_tile(const uint32_t* p, const uint32_t* vp, int64_t D, int64_t d0, const float* alpha, float* o) {
+// S = Q K^T for MR rows and the block's first NC vectors of 16 keys (the rest -inf): q [MR][W] words,
+// kp [W][BK] words
+template <bool BF, int NC>
+QTK_INLINE void scores(const uint32_t* q, const uint32_t* kp, int64_t W, __m512 (&s)[MR][4]) {
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) s[r][c] = c < NC ? _mm512_setzero_ps() : _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < W; ++i) {
+    __m512 k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = _mm512_loadu_ps(kp + i * BK + 16 * c);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = Math<BF>::word(q + r * W + i);
+      for (int c = 0; c < NC; ++c) s[r][c] = Math<BF>::dot(s[r][c], a, k[c]);
+    }
+  }
+}
+
+// lanes 0 .. 3: the maxima of rows 0 .. 3 (each over its 4 vectors): a 4 x 16 transpose-and-reduce
+QTK_INLINE __m128 row_max4(const __m512 (&s)[MR][4]) {
+  __m512 v[MR];
+  for (int r = 0; r < MR; ++r) v[r] = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]), _mm512_max_ps(s[r][2], s[r][3]));
+  const __m512 t01 = _mm512_max_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));  // (r0, r1, r0, r1)
+  const __m512 t23 = _mm512_max_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+  __m512 u = _mm512_max_ps(_mm512_shuffle_ps(t01, t23, 0x44), _mm512_shuffle_ps(t01, t23, 0xEE));  // (r0 .. r3) per 128 bits
+  u = _mm512_max_ps(u, _mm512_shuffle_f32x4(u, u, 0x4E));
+  u = _mm512_max_ps(u, _mm512_shuffle_f32x4(u, u, 0xB1));
+  return _mm512_castps512_ps128(u);
+}
+
+// The online softmax of a register tile's scores (the first NC vectors of each row; the rest are -inf), in base 2: m = max(m, rowmax S), alpha = 2^(m_old - m),
+// l = alpha l + sum 2^(S - m) (kept as 16 lanes a row: summed once, at the end), P = 2^(S - m) as words
+// [MR][BK/PER]. Returns whether some row's alpha is not 1 (its O must be rescaled).
+template <bool BF, int NC>
+QTK_INLINE bool softmax_tile(const __m512 (&s)[MR][4], float* m, float* alpha, float* lsum, uint32_t* p) {
+  const __m128 old = _mm_loadu_ps(m), top = _mm_max_ps(old, row_max4(s));
+  // a row that has seen nothing yet (all -inf, a window's first keys) shifts by 0: its weights are 0
+  const __m128 shift = _mm_mask_mov_ps(top, _mm_cmp_ps_mask(top, _mm_set1_ps(-INFINITY), _CMP_EQ_OQ), _mm_setzero_ps());
+  const __m128 al = _mm512_castps512_ps128(exp2_16<Math<BF>::EXP_DEGREE>(_mm512_zextps128_ps512(_mm_sub_ps(old, shift))));
+  _mm_storeu_ps(m, top);
+  _mm_storeu_ps(alpha, al);
+  alignas(16) float sh[4];
+  _mm_store_ps(sh, shift);
+  constexpr int64_t PW = BK / Math<BF>::PER;
+  for (int r = 0; r < MR; ++r) {
+    const __m512 b = _mm512_set1_ps(sh[r]);
+    __m512 e[4];
+    for (int c = 0; c < 4; ++c) e[c] = c < NC ? exp2_16<Math<BF>::EXP_DEGREE>(_mm512_sub_ps(s[r][c], b)) : _mm512_setzero_ps();
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
+    _mm512_storeu_ps(lsum + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(lsum + 16 * r), _mm512_set1_ps(alpha[r]), sum));
+    Math<BF>::put32(p + r * PW, e[0], e[1]);
+    Math<BF>::put32(p + r * PW + 32 / Math<BF>::PER, e[2], e[3]);
+  }
+  return _mm_cmp_ps_mask(al, _mm_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
+}
+
+// O rows r .. r + MR, dims d0 .. d0 + 16 NV: o = alpha o + P V over the block's first `words` words of P's
+// rows, p [MR][BK/PER] words, vp [BK/PER][D] words
+template <bool BF, int NV>
+QTK_INLINE void pv_tile(const uint32_t* p, const uint32_t* vp, int64_t words, int64_t D, int64_t d0, const float* alpha,
+                        bool rescale, float* o) {
+  constexpr int64_t PW = BK / Math<BF>::PER;
   __m512 acc[MR][NV];
   for (int r = 0; r < MR; ++r) {
     const __m512 al = _mm512_set1_ps(alpha[r]);
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(al, _mm512_loadu_ps(o + r * D + d0 + 16 * c));
+    for (int c = 0; c < NV; ++c) {
+      acc[r][c] = _mm512_loadu_ps(o + r * D + d0 + 16 * c);
+      if (rescale) acc[r][c] = _mm512_mul_ps(al, acc[r][c]);
+    }
   }
-  for (int64_t jp = 0; jp < BK / 2; ++jp) {
-    __m512bh v[NV];
-    for (int c = 0; c < NV; ++c) v[c] = as_bh(_mm512_loadu_si512(vp + jp * D + d0 + 16 * c));
+  for (int64_t jp = 0; jp < words; ++jp) {
+    __m512 v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(vp + jp * D + d0 + 16 * c);
     for (int r = 0; r < MR; ++r) {
-      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (BK / 2) + jp])));
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, v[c]);
+      const __m512 a = Math<BF>::word(p + r * PW + jp);
+      for (int c = 0; c < NV; ++c) acc[r][c] = Math<BF>::dot(acc[r][c], a, v[c]);
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + d0 + 16 * c, acc[r][c]);
-}
-
-void pv_rows(const uint32_t* p, const uint32_t* vp, int64_t D, const float* alpha, float* o) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    switch (std::min<int64_t>(4, (D - d0) / 16)) {
-      case 4: pv_tile<4>(p, vp, D, d0, alpha, o); break;
-      case 3: pv_tile<3>(p, vp, D, d0, alpha, o); break;
-      case 2: pv_tile<2>(p, vp, D, d0, alpha, o); break;
-      default: pv_tile<1>(p, vp, D, d0, alpha, o); break;
-    }
-  }
 }
 
 struct Problem {
@@ -198,101 +269,123 @@ struct Problem {
   const float *q, *ks, *vs;  // ks / vs: per-head scales (nks / nvs of them: 1 or KV), or null
   int64_t nks, nvs;
   float* out;
-  const uint32_t *kp, *vp;  // packed: head h, block b at ((h * blocks + b) * BK * D / 2)
+  const uint32_t *kp, *vp;  // packed: head h, block b at ((h * blocks + b) * BK * D / PER)
   int64_t blocks;
 };
 
-// Step 2 for KV head h and query positions i0 .. i1 (buffers sized for BQ positions of the group)
-void attend(const Problem& P, int64_t h, int64_t i0, int64_t i1, std::vector<uint32_t>& qw, std::vector<float>& s,
-            std::vector<uint32_t>& pw, std::vector<float>& o, std::vector<float>& stats) {
-  const int64_t G = P.H / P.KV, D = P.D, half = D / 2;
-  const int64_t rows = (i1 - i0) * G, padded = (rows + MR - 1) / MR * MR;
-  float* m = stats.data();
-  float* l = m + padded;
-  float* alpha = l + padded;
-  // the queries, scaled (log2 e: the softmax in base 2) and rounded to bf16; padding rows zero
-  const float qs = P.scale * kLog2e * (P.ks ? P.ks[P.nks == 1 ? 0 : h] : 1.f);
-  std::fill(qw.begin(), qw.begin() + padded * half, 0u);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = P.q + (i0 + r / G) * P.q_row + (h * G + r % G) * D;
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_set1_ps(qs));
-      const __m512 hi = d + 16 < D ? _mm512_mul_ps(_mm512_loadu_ps(src + d + 16), _mm512_set1_ps(qs)) : _mm512_setzero_ps();
-      const __m512i w = pairs32(lo, hi);
-      if (d + 32 <= D) _mm512_storeu_si512(qw.data() + r * half + d / 2, w);
-      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(qw.data() + r * half + d / 2), _mm512_castsi512_si256(w));
+// A thread's buffers, sized for BQ positions of the group
+struct Scratch {
+  std::vector<uint32_t> q, p;     // q [rows][D / PER] words, p [MR][BK / PER] words
+  std::vector<float> o, lsum, m, alpha;  // o [rows][D], lsum [rows][16], m and alpha [rows]
+};
+
+// A tile's pass over one key block, its first NC vectors of 16 keys: S = Q K^T, the mask (seen: a bit per key
+// a row sees, or null: all), the softmax, O = alpha O + P V
+template <bool BF, int NC>
+void tile_pass(const uint32_t* q, const uint32_t* kp, const uint32_t* vp, int64_t D, const uint64_t* seen, float* m,
+               float* alpha, float* lsum, uint32_t* p, float* o) {
+  constexpr int64_t PER = Math<BF>::PER;
+  __m512 s[MR][4];
+  scores<BF, NC>(q, kp, D / PER, s);
+  if (seen)
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NC; ++c)
+        s[r][c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(seen[r] >> (16 * c)), s[r][c]);
+  const bool rescale = softmax_tile<BF, NC>(s, m, alpha, lsum, p);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    switch (std::min<int64_t>(4, (D - d0) / 16)) {
+      case 4: pv_tile<BF, 4>(p, vp, 16 * NC / PER, D, d0, alpha, rescale, o); break;
+      case 3: pv_tile<BF, 3>(p, vp, 16 * NC / PER, D, d0, alpha, rescale, o); break;
+      case 2: pv_tile<BF, 2>(p, vp, 16 * NC / PER, D, d0, alpha, rescale, o); break;
+      default: pv_tile<BF, 1>(p, vp, 16 * NC / PER, D, d0, alpha, rescale, o); break;
     }
-  }
-  std::fill(o.begin(), o.begin() + padded * D, 0.f);
-  std::fill(pw.begin(), pw.begin() + padded * BK / 2, 0u);
-  for (int64_t r = 0; r < padded; ++r) m[r] = -INFINITY, l[r] = 0.f, alpha[r] = 1.f;
-  // keys j seen by the row at position p: lo(p) <= j < hi(p)
-  const int64_t p0 = P.keys - P.n + i0, p1 = P.keys - P.n + i1 - 1;
-  auto hi_of = [&](int64_t p) { return p + 1; };
-  auto lo_of = [&](int64_t p) { return P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : int64_t(0); };
-  const int64_t b0 = lo_of(p0) / BK, b1 = (hi_of(p1) + BK - 1) / BK;
-  const uint32_t* kph = P.kp + h * P.blocks * BK * half;
-  const uint32_t* vph = P.vp + h * P.blocks * BK * half;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t j0 = b * BK;
-    const uint32_t* kp = kph + b * BK * half;
-    for (int64_t r = 0; r < padded; r += MR) qk_tile(qw.data() + r * half, kp, half, s.data() + r * BK);
-    const bool whole = j0 + BK <= hi_of(p0) && j0 >= lo_of(p1);  // every row sees every key of the block
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = s.data() + r * BK;
-      __m512 sv[4];
-      for (int c = 0; c < 4; ++c) sv[c] = _mm512_loadu_ps(sr + 16 * c);
-      if (!whole) {
-        const int64_t p = p0 + r / G;
-        const int64_t lo = std::clamp<int64_t>(lo_of(p) - j0, 0, BK), hi = std::clamp<int64_t>(hi_of(p) - j0, 0, BK);
-        const uint64_t below = hi >= 64 ? ~uint64_t(0) : (uint64_t(1) << hi) - 1;
-        const uint64_t seen = lo >= 64 ? 0 : below & ~((uint64_t(1) << lo) - 1);
-        for (int c = 0; c < 4; ++c)
-          sv[c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(seen >> (16 * c)), sv[c]);
-      }
-      const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(sv[0], sv[1]), _mm512_max_ps(sv[2], sv[3])));
-      const float mn = std::max(m[r], mx);
-      uint32_t* pr = pw.data() + r * BK / 2;
-      if (mn == -INFINITY) {  // nothing seen yet (a window's first block): no weights, nothing to rescale
-        std::fill(pr, pr + BK / 2, 0u);
-        alpha[r] = 1.f;
-        continue;
-      }
-      alpha[r] = m[r] == -INFINITY ? 0.f : std::exp2(m[r] - mn);
-      const __m512 shift = _mm512_set1_ps(mn);
-      __m512 e[4];
-      for (int c = 0; c < 4; ++c) e[c] = exp2_16(_mm512_sub_ps(sv[c], shift));
-      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])));
-      m[r] = mn;
-      _mm512_storeu_si512(pr, pairs32(e[0], e[1]));
-      _mm512_storeu_si512(pr + 16, pairs32(e[2], e[3]));
-    }
-    const uint32_t* vp = vph + b * BK * half;
-    for (int64_t r = 0; r < padded; r += MR) pv_rows(pw.data() + r * BK / 2, vp, D, alpha + r, o.data() + r * D);
-  }
-  const float vscale = P.vs ? P.vs[P.nvs == 1 ? 0 : h] : 1.f;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = P.out + ((i0 + r / G) * P.H + h * G + r % G) * D;
-    const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? vscale / l[r] : 0.f);
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o.data() + r * D + d)));
   }
 }
 
-template <Kv KIND>
+// Rows r .. r + MR of a work item (positions from i0, rows real ones) against key block b: the keys some row sees
+template <bool BF>
+void tile_block(const Problem& P, int64_t h, int64_t i0, int64_t rows, int64_t r, int64_t b, Scratch& T) {
+  const int64_t G = P.H / P.KV, D = P.D, W = D / Math<BF>::PER, j0 = b * BK;
+  // keys j seen by the row at position p: lo(p) <= j < hi(p); the tile's rows span positions pa .. pz
+  auto hi_of = [&](int64_t p) { return p + 1; };
+  auto lo_of = [&](int64_t p) { return P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : int64_t(0); };
+  auto pos = [&](int64_t row) { return P.keys - P.n + i0 + std::min(row, rows - 1) / G; };  // padding: the last row's
+  const int64_t pa = pos(r), pz = pos(r + MR - 1);
+  const int64_t keys = std::min(BK, hi_of(pz) - j0);  // the block's keys any row of the tile sees start there
+  if (keys <= 0 || lo_of(pa) >= j0 + BK) return;      // none of them: the tile's state stays as it is
+  const int64_t nc = (keys + 15) / 16;
+  uint64_t seen[MR];
+  const bool all = j0 + 16 * nc <= hi_of(pa) && j0 >= lo_of(pz);  // every row sees every computed key
+  for (int rr = 0; rr < MR && !all; ++rr) {
+    const int64_t p = pos(r + rr);
+    const int64_t lo = std::clamp<int64_t>(lo_of(p) - j0, 0, BK), hi = std::clamp<int64_t>(hi_of(p) - j0, 0, BK);
+    const uint64_t below = hi >= 64 ? ~uint64_t(0) : (uint64_t(1) << hi) - 1;
+    seen[rr] = lo >= 64 ? 0 : below & ~((uint64_t(1) << lo) - 1);
+  }
+  const uint32_t* q = T.q.data() + r * W;
+  const uint32_t* kp = P.kp + (h * P.blocks + b) * BK * W;
+  const uint32_t* vp = P.vp + (h * P.blocks + b) * BK * W;
+  float *m = T.m.data() + r, *alpha = T.alpha.data() + r, *lsum = T.lsum.data() + 16 * r, *o = T.o.data() + r * D;
+  const uint64_t* mask = all ? nullptr : seen;
+  switch (nc) {
+    case 4: tile_pass<BF, 4>(q, kp, vp, D, mask, m, alpha, lsum, T.p.data(), o); break;
+    case 3: tile_pass<BF, 3>(q, kp, vp, D, mask, m, alpha, lsum, T.p.data(), o); break;
+    case 2: tile_pass<BF, 2>(q, kp, vp, D, mask, m, alpha, lsum, T.p.data(), o); break;
+    default: tile_pass<BF, 1>(q, kp, vp, D, mask, m, alpha, lsum, T.p.data(), o); break;
+  }
+}
+
+// Step 2 for KV head h and query positions i0 .. i1
+template <bool BF>
+void attend(const Problem& P, int64_t h, int64_t i0, int64_t i1, Scratch& T) {
+  constexpr int64_t PER = Math<BF>::PER;
+  const int64_t G = P.H / P.KV, D = P.D, W = D / PER;
+  const int64_t rows = (i1 - i0) * G, padded = (rows + MR - 1) / MR * MR;
+  // the queries, scaled (log2 e: the softmax in base 2), as words; padding rows zero
+  const __m512 qs = _mm512_set1_ps(P.scale * kLog2e * (P.ks ? P.ks[P.nks == 1 ? 0 : h] : 1.f));
+  std::fill(T.q.begin(), T.q.begin() + padded * W, 0u);
+  alignas(64) uint32_t w[32];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = P.q + (i0 + r / G) * P.q_row + (h * G + r % G) * D;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(src + d), qs);
+      const __m512 hi = d + 16 < D ? _mm512_mul_ps(_mm512_loadu_ps(src + d + 16), qs) : _mm512_setzero_ps();
+      Math<BF>::put32(w, lo, hi);
+      std::memcpy(T.q.data() + r * W + d / PER, w, sizeof(uint32_t) * std::min<int64_t>(32, D - d) / PER);
+    }
+  }
+  std::fill(T.o.begin(), T.o.begin() + padded * D, 0.f);
+  std::fill(T.lsum.begin(), T.lsum.begin() + padded * 16, 0.f);
+  std::fill(T.m.begin(), T.m.begin() + padded, -INFINITY);
+  const int64_t p0 = P.keys - P.n + i0, p1 = P.keys - P.n + i1 - 1;
+  const int64_t b0 = (P.window > 0 ? std::max<int64_t>(0, p0 - P.window + 1) : 0) / BK, b1 = (p1 + 1 + BK - 1) / BK;
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t r = 0; r < padded; r += MR) tile_block<BF>(P, h, i0, rows, r, b, T);
+  const float vscale = P.vs ? P.vs[P.nvs == 1 ? 0 : h] : 1.f;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = P.out + ((i0 + r / G) * P.H + h * G + r % G) * D;
+    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(T.lsum.data() + 16 * r));
+    const __m512 inv = _mm512_set1_ps(l > 0.f ? vscale / l : 0.f);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(T.o.data() + r * D + d)));
+  }
+}
+
+template <bool BF, Kv KIND>
 void run(Problem& P, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* slots) {
-  const int64_t D = P.D, half = D / 2, S = k_cache.size(1);
+  constexpr int64_t PER = Math<BF>::PER;
+  const int64_t D = P.D, W = D / PER, S = k_cache.size(1);
   P.blocks = (P.keys + BK - 1) / BK;
   // only the blocks some query reads: with a window the keys before the first query's go unread
   const int64_t lo_block = (P.window > 0 ? std::max<int64_t>(0, P.keys - P.n - P.window + 1) : 0) / BK;
-  std::vector<uint32_t> kp(P.KV * P.blocks * BK * half), vp(P.KV * P.blocks * BK * half);
+  std::vector<uint32_t> kp(P.KV * P.blocks * BK * W), vp(P.KV * P.blocks * BK * W);
   const kv_t<KIND>* kc = reinterpret_cast<const kv_t<KIND>*>(k_cache.data_ptr());
   const kv_t<KIND>* vc = reinterpret_cast<const kv_t<KIND>*>(v_cache.data_ptr());
   const int64_t nb = P.blocks - lo_block;
   at::parallel_for(0, P.KV * nb, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t h = t / nb, b = lo_block + t % nb;
-      pack_block<KIND>(kc + h * S * D, vc + h * S * D, slots, b * BK, P.keys, D, kp.data() + (h * P.blocks + b) * BK * half,
-                       vp.data() + (h * P.blocks + b) * BK * half);
+      pack_block<BF, KIND>(kc + h * S * D, vc + h * S * D, slots, b * BK, P.keys, D, kp.data() + (h * P.blocks + b) * BK * W,
+                           vp.data() + (h * P.blocks + b) * BK * W);
     }
   });
   P.kp = kp.data();
@@ -302,15 +395,22 @@ void run(Problem& P, const at::Tensor& k_cache, const at::Tensor& v_cache, const
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     const int64_t padded = (BQ * G + MR - 1) / MR * MR;
-    std::vector<uint32_t> qw(padded * half), pw(padded * BK / 2);
-    std::vector<float> s(padded * BK), o(padded * D), stats(3 * padded);
+    Scratch T{std::vector<uint32_t>(padded * W), std::vector<uint32_t>(MR * BK / PER), std::vector<float>(padded * D),
+              std::vector<float>(padded * 16), std::vector<float>(padded), std::vector<float>(padded)};
     for (int64_t t; (t = next.fetch_add(1)) < items;) {
       const int64_t qb = qblocks - 1 - t / P.KV, h = t % P.KV;  // the last queries (the most keys) first
-      attend(P, h, qb * BQ, std::min(P.n, (qb + 1) * BQ), qw, s, pw, o, stats);
+      attend<BF>(P, h, qb * BQ, std::min(P.n, (qb + 1) * BQ), T);
     }
   });
 }
 
+template <bool BF>
+void dispatch(Kv kind, Problem& P, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* slots) {
+  if (kind == Kv::F32) run<BF, Kv::F32>(P, k_cache, v_cache, slots);
+  else if (kind == Kv::BF16) run<BF, Kv::BF16>(P, k_cache, v_cache, slots);
+  else if (kind == Kv::I8) run<BF, Kv::I8>(P, k_cache, v_cache, slots);
+  else run<BF, Kv::F8>(P, k_cache, v_cache, slots);
+}
 
 // ---- decode: each sequence's one query against its paged context, in a bf16 cache --------------------------
 // For the decode rows of a step whose matmuls run in bf16 (a batched decode of a bf16 checkpoint), with the
@@ -505,9 +605,9 @@ void decode_run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& slots, int64_t window, double scale,
-                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  TORCH_CHECK(runs(), "prefill_attention: needs AVX-512 with AVX512-BF16 (this build or CPU has not; the torch path "
-              "attends here)");
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, bool bf16) {
+  TORCH_CHECK(runs(bf16), bf16 ? "prefill_attention: needs AVX-512 with AVX512-BF16 (this build or CPU has not; the torch "
+              "path attends here)" : "prefill_attention: needs AVX-512 (this build or CPU has not; the torch path attends here)");
   const Kv kind = kv_kind(k_cache);
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1 &&
               q.stride(1) == q.size(2), "prefill_attention: q must be float32 [n, H, D] with contiguous heads");
@@ -539,10 +639,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
             k_scale ? ks.numel() : 0, k_scale ? vs.numel() : 0, out.data_ptr<float>(), nullptr, nullptr, 0};
   if (P.n == 0) return out;
   const int64_t* sp = sl.data_ptr<int64_t>();
-  if (kind == Kv::F32) run<Kv::F32>(P, k_cache, v_cache, sp);
-  else if (kind == Kv::BF16) run<Kv::BF16>(P, k_cache, v_cache, sp);
-  else if (kind == Kv::I8) run<Kv::I8>(P, k_cache, v_cache, sp);
-  else run<Kv::F8>(P, k_cache, v_cache, sp);
+  if (bf16) dispatch<true>(kind, P, k_cache, v_cache, sp);
+  else dispatch<false>(kind, P, k_cache, v_cache, sp);
 #endif
   return out;
 }
@@ -584,10 +682,10 @@ at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_
 namespace QTK_LIB {
 void bind_attention(pybind11::module_& m) {
   namespace py = pybind11;
-  m.def("prefill_attention_runs", &runs);
+  m.def("prefill_attention_runs", &runs, py::arg("bf16") = true);
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(), py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("window"), py::arg("scale"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("bf16") = true);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, py::call_guard<py::gil_scoped_release>(),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
