@@ -2,7 +2,7 @@
 this CPU's matmul units can do, for each path the engine may take on a float checkpoint.
 
     python benchmarks/prefill_peak.py [--model smollm2-135m] [--prompts 256,1024] [--num-prompts 16]
-        [--quantized W4A16_DIR,W8A8_DIR] [--out benchmarks/results]
+        [--quantized W4A16_DIR,W8A8_DIR] [--repeats 2] [--out benchmarks/results]
 
 Four measurements, in one process, 2 threads unless --threads:
 1. matmul peak, per dtype: oneDNN's matmul (the engine's, weights reordered once) on the model's
@@ -18,10 +18,12 @@ Four measurements, in one process, 2 threads unless --threads:
    qtk's flash kernel, bf16 math (where the CPU has AVX512-BF16) and float32 math (AVX-512), and in
    torch's float32 flash kernel (sdpa: the path of CPUs without AVX-512).
 4. prefill: `num-prompts` prompts of exactly L tokens of the built-in evaluation text, 1 output
-   token, prefix caching off (every token is computed), after a warm-up; tokens/s, and the FLOPs
+   token, prefix caching off (every token is computed), after a warm-up, the best of `repeats` runs
+   (these VMs' speed moves 10-20% within minutes); tokens/s, and the FLOPs
    done per second (the decoder's linear layers, 2 per weight per token; attention, 4 * heads *
    head_dim per (query, key) pair it reads: causal, so (L + 1) / 2 keys on average; the lm_head on
-   the last token) as a share of the peak of the dtype its many-row matmuls run in. Once as the
+   the last token) as a share of the peak of the dtype its many-row matmuls run in, and of the roofline
+   with each op at its own dtype's peak (W8A8: the layers at the int8 peak, attention at bf16's). Once as the
    engine chooses (bf16 where the CPU has the units) and once with QTK_CPU_BF16=0 (float32).
    --quantized: checkpoints of the same model (`qtk quantize` outputs) prefilled alike, as the engine
    runs them: weight-only int4/int8 in bf16 on qtk's kernel for the codes where the CPU has AVX512-BF16
@@ -153,25 +155,26 @@ def attention_rates(cfg, lengths: list[int]) -> list[dict]:
     return rows
 
 
-def flops_per_token(cfg, length: int) -> float:
+def flops_per_token(cfg, length: int) -> tuple[float, float]:
+    """(the linear layers' and the lm_head's, attention's) FLOPs per prompt token of a prompt of `length`."""
     h, heads, layers = cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers
     d = getattr(cfg, "head_dim", None) or h // heads
     linear = 2 * sum(k * n for k, n in layer_shapes(cfg)) * layers
     attention = 4 * heads * d * (length + 1) / 2 * layers
-    return linear + attention + 2 * h * cfg.vocab_size / length
+    return linear + 2 * h * cfg.vocab_size / length, attention
 
 
-def matmul_dtype(model) -> str:
-    """The dtype of the peak a runtime model's many-row matmuls are held to: int8 for W8A8 layers, bf16
-    where its steps run in bf16 (packed_linear.steps_in_bf16), else float32."""
+def matmul_dtypes(model) -> tuple[str, str]:
+    """The dtypes of the peaks a runtime model's prefill is held to: (its many-row matmuls': int8 for W8A8
+    layers, else bf16 where its steps run in bf16 (packed_linear.steps_in_bf16), else float32; its
+    attention's: bf16 where its steps run in bf16, else float32)."""
     from qtk.runtime.packed_linear import W8A8Linear, steps_in_bf16
 
-    if any(isinstance(m, W8A8Linear) for m in model.modules()):
-        return "int8"
-    return "bfloat16" if steps_in_bf16(model) else "float32"
+    attention = "bfloat16" if steps_in_bf16(model) else "float32"
+    return "int8" if any(isinstance(m, W8A8Linear) for m in model.modules()) else attention, attention
 
 
-def prefill(model: str, length: int, n: int, force_float32: bool) -> dict:
+def prefill(model: str, length: int, n: int, force_float32: bool, repeats: int) -> dict:
     from qtk import LLM, SamplingParams
     from qtk.bench.prompts import PromptSet, token_prompts
     from qtk.runtime.packed_linear import kernel_summary
@@ -182,17 +185,17 @@ def prefill(model: str, length: int, n: int, force_float32: bool) -> dict:
         llm = LLM(model, enable_prefix_caching=False)
         prompts = token_prompts(llm.tokenizer, PromptSet.parse(f"fixed:{length}"), n + 2)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts[:2], params)  # warm-up
-        t = time.perf_counter()
-        llm.generate(prompts[2:], params)
-        seconds = time.perf_counter() - t
-        kernels, dtype = kernel_summary(llm.model), matmul_dtype(llm.model)
+        seconds = best_seconds(lambda: llm.generate(prompts[2:], params), repeats=repeats)  # after a warm-up run
+        kernels, (dtype, attention_dtype) = kernel_summary(llm.model), matmul_dtypes(llm.model)
     finally:
         os.environ.pop("QTK_CPU_BF16", None)
     cfg = llm.model.config
     del llm
+    linear, attention = flops_per_token(cfg, length)
     return {"prompt_len": length, "prompts": n, "seconds": seconds, "tokens_per_s": n * length / seconds,
-            "flops_per_token": flops_per_token(cfg, length), "kernels": kernels, "matmul_dtype": dtype}
+            "flops_per_token": linear + attention, "linear_flops_per_token": linear,
+            "attention_flops_per_token": attention, "kernels": kernels, "matmul_dtype": dtype,
+            "attention_dtype": attention_dtype}
 
 
 def main() -> None:
@@ -201,6 +204,7 @@ def main() -> None:
     p.add_argument("--prompts", default="256,1024", help="prompt lengths, comma-separated")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="prefill runs per (checkpoint, length): the best is kept")
     p.add_argument("--quantized", default="", help="checkpoints of the model to prefill too, comma-separated")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args()
@@ -228,16 +232,26 @@ def main() -> None:
     checkpoints += [(q, False) for q in a.quantized.split(",") if q]
     for length in lengths:
         for model, force in checkpoints:
-            r = prefill(model, length, a.num_prompts, force)
+            r = prefill(model, length, a.num_prompts, force, a.repeats)
             r["model"] = model
             r["gflops"] = r["tokens_per_s"] * r["flops_per_token"] / 1e9
             r["of_peak"] = r["gflops"] / peak[r["matmul_dtype"]] if r["matmul_dtype"] in peak else None
+            # the time the CPU at its peaks would take, each op at its own dtype's (W8A8: the layers int8,
+            # attention bf16), over the time taken
+            if r["matmul_dtype"] in peak and r["attention_dtype"] in peak:
+                ideal = (r["linear_flops_per_token"] / peak[r["matmul_dtype"]] +
+                         r["attention_flops_per_token"] / peak[r["attention_dtype"]]) / 1e9
+                r["of_roofline"] = r["tokens_per_s"] * ideal
+            else:
+                r["of_roofline"] = None
             runs.append(r)
-    print("\n| model | prompt tokens | many-row matmuls | prefill tok/s | GFLOP/s | of that dtype's peak |")
-    print("|---|---|---|---|---|---|")
+    print("\n| model | prompt tokens | many-row matmuls | attention | prefill tok/s | GFLOP/s | of the matmuls' "
+          "dtype's peak | of the roofline, each op at its dtype's peak |")
+    print("|---|---|---|---|---|---|---|---|")
+    share = lambda x: "" if x is None else f"{x:.0%}"  # noqa: E731
     for r in runs:
-        share = "" if r["of_peak"] is None else f"{r['of_peak']:.0%}"
-        print(f"| {r['model']} | {r['prompt_len']} | {r['matmul_dtype']} | {r['tokens_per_s']:.0f} | {r['gflops']:.0f} | {share} |")
+        print(f"| {r['model']} | {r['prompt_len']} | {r['matmul_dtype']} | {r['attention_dtype']} | "
+              f"{r['tokens_per_s']:.0f} | {r['gflops']:.0f} | {share(r['of_peak'])} | {share(r['of_roofline'])} |")
     result = {"command": "python benchmarks/prefill_peak.py " + " ".join(sys.argv[1:]), "commit": git_commit(),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_name(),
               "capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": bf16, "threads": a.threads,
@@ -246,7 +260,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = result["capability"].lower() + ("-bf16" if bf16 else "")
-    stem = f"prefill-peak-{a.model}-{tag}-{datetime.date.today()}-{result['commit'][:7]}"
+    stem = f"prefill-peak-{Path(a.model).name}-{tag}-{datetime.date.today()}-{result['commit'][:7]}"
     path, n = out / f"{stem}.json", 2
     while path.exists():  # a repeat run of the same commit keeps the earlier ones
         path, n = out / f"{stem}-run{n}.json", n + 1
