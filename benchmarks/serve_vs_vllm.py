@@ -163,7 +163,10 @@ def main() -> None:
               "output_len": a.output_len, "vllm_dtype": a.vllm_dtype, "qtk_args": a.qtk_args, "runs": runs}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"serve-vllm-bench-{a.model}-c{a.concurrency}-{datetime.date.today()}.json"
+    stem = f"serve-vllm-bench-{Path(a.model).name}-c{a.concurrency}-{datetime.date.today()}-{result['commit'][:7]}"
+    path, n = out / f"{stem}.json", 2
+    while path.exists():  # a repeat run of the same commit keeps the earlier ones
+        path, n = out / f"{stem}-run{n}.json", n + 1
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {path}")
 
