@@ -2,7 +2,7 @@
 server after the other on this machine (issue 29's second, independent measurement).
 
     python benchmarks/serve_vs_vllm.py [--model smollm2-135m] [--input-lens 256,1024] [--output-len 128]
-        [--num-prompts 64] [--concurrency 16] [--vllm-dtype bfloat16] [--qtk-args "..."] [--out benchmarks/results]
+        [--num-prompts 64] [--concurrency 16] [--vllm-dtype auto] [--qtk-args "..."] [--out benchmarks/results]
 
 For each input length: vLLM's random dataset (random token ids, exactly that many, --random-range-ratio
 0), `output-len` tokens each with EOS ignored, `num-prompts` requests at most `concurrency` at a time,
@@ -113,7 +113,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--vllm-dtype", default="bfloat16")
+    p.add_argument("--vllm-dtype", default="auto", help="auto: bfloat16 where the CPU has bf16 units, else float32")
     p.add_argument("--qtk-args", default="", help="more `qtk serve` options, one string")
     p.add_argument("--only", choices=["qtk", "vllm"], default=None)
     p.add_argument("--port", type=int, default=8321)
@@ -122,9 +122,11 @@ def main() -> None:
     import torch
 
     from qtk.bench import git_commit
-    from qtk.device import cpu_name
+    from qtk.device import cpu_has_native_bf16, cpu_name
     from qtk.loading import resolve
 
+    if a.vllm_dtype == "auto":
+        a.vllm_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     model_dir = str(resolve(a.model))
     lens = [int(x) for x in a.input_lens.split(",")]
     url = f"http://127.0.0.1:{a.port}"

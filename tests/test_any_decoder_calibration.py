@@ -324,7 +324,13 @@ def _engine_matches_transformers(model_type, method, tmp_path, **kw):
     quantize_model(model, recipe, calib(4, 32), progress=False)
     save_quantized(model, None, tmp_path / "q", *_groups(model, recipe), recipe.kv_cache, dtype=torch.float32)
     loaded = load_quantized(tmp_path / "q").eval()
-    check_against_transformers(loaded, runtime=build(copy.deepcopy(loaded)))  # native: q/k/v fused in the copy
+    # W8A8: the activations' int8 rounding is a step function, and the engine's float32 sums (another order:
+    # fused q/k/v, its own kernels) put an input on the other side of a rounding edge now and then. On an
+    # AVX2 CPU (qtk's float kernel on the int8 codes) such a flip moved one sequence's later logits by up to
+    # 3e-3 (arcee, nemotron) against their spread of 0.16, the other sequences within 3e-7; a wrong kernel
+    # is off by the spread.
+    atol = 1e-2 if kw.get("scheme") == "w8a8" else 2e-4
+    check_against_transformers(loaded, runtime=build(copy.deepcopy(loaded)), atol=atol)  # native: q/k/v fused
 
 
 @pytest.mark.parametrize("model_type", TYPES)

@@ -480,17 +480,20 @@ def test_store_and_decode_refuse_mismatched_operands(lib):
         lib.paged_decode_attention(q, cache(), cache(), tables, lens, 8, 0.3, None, None, 0, 0.0, torch.ones(3))
 
 
-def bf16_attention_lib(bf16: bool = True):
-    """The avx512 build where the CPU has what the attention kernels' math needs (AVX512-BF16 for bf16,
-    AVX-512 for the float32 prefill), else skip."""
-    lib = cpu.library("avx512") if HAS_AVX512 else None
+def bf16_attention_lib(bf16: bool = True, build: str = "avx512"):
+    """The build (avx512, or avx2 for the float32 prefill's 8-lane version) where the CPU has what the
+    attention kernels' math needs (AVX512-BF16 for bf16; AVX-512, or AVX2 and FMA, for the float32
+    prefill), else skip."""
+    lib = cpu.library(build) if (HAS_AVX512 if build == "avx512" else HAS_AVX2) else None
     if lib is None or not lib.prefill_attention_runs(bf16=bf16):
-        pytest.skip(f"CPU without AVX-512{' + AVX512-BF16' if bf16 else ''} (or no compiler): prefill chunks attend in torch")
+        pytest.skip(f"CPU without {build.upper()}{' + AVX512-BF16' if bf16 else ''} (or no compiler): prefill chunks "
+                    "attend in torch")
     return lib
 
 
-def test_prefill_attention_runs_only_with_avx512():
-    """Builds without AVX-512 have the kernel's name but not the kernel, in either math: they say so, and refuse."""
+def test_prefill_attention_runs_only_where_built():
+    """A build without the kernels has their names: it says so, and refuses; the avx2 build has the float32
+    prefill only."""
     lib = cpu.library("generic")
     if lib is None:
         pytest.skip("no C++ compiler")
@@ -498,11 +501,17 @@ def test_prefill_attention_runs_only_with_avx512():
     args = torch.randn(2, 2, 16), torch.zeros(1, 4, 16), torch.zeros(1, 4, 16), torch.arange(2), 0, 0.25
     with pytest.raises(RuntimeError, match="needs AVX-512 with AVX512-BF16"):
         lib.prefill_attention(*args)
-    with pytest.raises(RuntimeError, match="needs AVX-512 \\(this build"):
+    with pytest.raises(RuntimeError, match="needs AVX-512, or AVX2 and FMA \\(this build"):
         lib.prefill_attention(*args, bf16=False)
+    avx2 = cpu.library("avx2") if HAS_AVX2 else None
+    if avx2 is not None:
+        assert avx2.prefill_attention_runs(bf16=False) and not avx2.prefill_attention_runs()
+        with pytest.raises(RuntimeError, match="needs AVX-512 with AVX512-BF16"):
+            avx2.prefill_attention(*args)
 
 
-@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "float32"])
+@pytest.mark.parametrize("bf16,build", [(True, "avx512"), (False, "avx512"), (False, "avx2")],
+                         ids=["bf16", "float32", "float32-avx2"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("n,L,H,KV,D,window", [
     (70, 70, 4, 2, 64, None),     # a whole prompt, two key blocks, a partial one
@@ -512,14 +521,14 @@ def test_prefill_attention_runs_only_with_avx512():
     (1, 33, 2, 1, 16, None),      # one query, the smallest D
     (200, 260, 9, 3, 64, None),   # SmolLM2's heads: 3 rows a position, tiles across positions, blocks off the diagonal
 ])
-def test_prefill_attention_matches_the_torch_path(bf16, kv_dtype, n, L, H, KV, D, window):
+def test_prefill_attention_matches_the_torch_path(bf16, build, kv_dtype, n, L, H, KV, D, window):
     """prefill_attention over a chunk's slots gives attention._prefill's result (float32 math): in bf16
     within bf16 rounding (q * scale, K, V and the softmax weights rounded to bf16), in float32 within
-    float32 rounding, for every cache dtype (per-head scales), GQA, windows, chunks after a prefix,
-    and q as a strided view (the qkv projection's output)."""
+    float32 rounding (AVX-512's 16 lanes, AVX2's 8), for every cache dtype (per-head scales), GQA, windows,
+    chunks after a prefix, and q as a strided view (the qkv projection's output)."""
     from qtk.runtime.attention import KVCache, PrefillChunk, _bytes, _first_key, _prefill, write_kv
 
-    lib = bf16_attention_lib(bf16)
+    lib = bf16_attention_lib(bf16, build)
     g = torch.Generator().manual_seed(L)
     quant = kv_dtype not in (torch.float32, torch.bfloat16)
     scales = (torch.rand(KV, 1, 1, generator=g) * 0.02 + 0.01, torch.rand(KV, 1, 1, generator=g) * 0.02 + 0.01) \
@@ -545,21 +554,23 @@ def test_prefill_attention_matches_the_torch_path(bf16, kv_dtype, n, L, H, KV, D
         assert ((got - unwindowed).norm() / unwindowed.norm()).item() > 0.1
 
 
-def test_prefill_attention_refuses_mismatched_operands():
-    lib = bf16_attention_lib()
+@pytest.mark.parametrize("build", ["avx512", "avx2"])
+def test_prefill_attention_refuses_mismatched_operands(build):
+    lib = bf16_attention_lib(False, build)
     q, kc = torch.randn(3, 4, 16), torch.zeros(2, 8, 16)
     with pytest.raises(RuntimeError, match="a slot is outside the cache"):
-        lib.prefill_attention(q, kc, kc, torch.tensor([0, 1, 8]), 0, 0.25)
+        lib.prefill_attention(q, kc, kc, torch.tensor([0, 1, 8]), 0, 0.25, bf16=False)
     with pytest.raises(RuntimeError, match="slots must be int64 \\[L\\] with L >= n"):
-        lib.prefill_attention(q, kc, kc, torch.arange(2), 0, 0.25)
+        lib.prefill_attention(q, kc, kc, torch.arange(2), 0, 0.25, bf16=False)
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16, got 8"):
-        lib.prefill_attention(torch.randn(3, 4, 8), kc[..., :8].contiguous(), kc[..., :8].contiguous(), torch.arange(3), 0, 0.25)
+        lib.prefill_attention(torch.randn(3, 4, 8), kc[..., :8].contiguous(), kc[..., :8].contiguous(), torch.arange(3), 0,
+                              0.25, bf16=False)
     with pytest.raises(RuntimeError, match="q must be float32"):
-        lib.prefill_attention(q.bfloat16(), kc, kc, torch.arange(3), 0, 0.25)
+        lib.prefill_attention(q.bfloat16(), kc, kc, torch.arange(3), 0, 0.25, bf16=False)
     with pytest.raises(RuntimeError, match="scales go with \\(and only with\\) an INT8 / FP8 cache"):
-        lib.prefill_attention(q, kc, kc, torch.arange(3), 0, 0.25, torch.ones(1), torch.ones(1))
+        lib.prefill_attention(q, kc, kc, torch.arange(3), 0, 0.25, torch.ones(1), torch.ones(1), bf16=False)
     with pytest.raises(RuntimeError, match="heads % kv_heads == 0"):
-        lib.prefill_attention(torch.randn(3, 3, 16), kc, kc, torch.arange(3), 0, 0.25)
+        lib.prefill_attention(torch.randn(3, 3, 16), kc, kc, torch.arange(3), 0, 0.25, bf16=False)
 
 
 @pytest.mark.parametrize("B,H,KV,D,lens,window,softcap,sinks", [

@@ -15,8 +15,10 @@ copied into the build, so checkouts of one version share it):
              Lake, AMD from Zen 4): the weight-only gemv on 16 lanes from 4 rows, and the W8A8 kernel;
              where the CPU also has AVX512-BF16 (checked at run time), the bf16 kernels: layers for a
              decode batch, and a bf16 checkpoint's weight-only int4 / int8 layers for many rows
-             (cpu_bf16_linear.cpp), prefill and decode attention (cpu_attention.cpp)
-    avx2     -mavx2 -mfma: other CPUs whose torch capability is AVX2 or AVX512 (Skylake-SP)
+             (cpu_bf16_linear.cpp), prefill and decode attention (cpu_attention.cpp); the float32
+             prefill attention on 16 lanes
+    avx2     -mavx2 -mfma: other CPUs whose torch capability is AVX2 or AVX512 (Skylake-SP); the float32
+             prefill attention on 8 lanes
     generic  portable C++ loops (-O3, whatever the compiler vectorizes): any other CPU
 QTK_CPU_KERNEL=avx512|avx2|generic|off overrides the choice (off: the reference path, a float32
 matmul on weights decoded once; avx512 is refused on a CPU without it). Without a compiler the

@@ -245,7 +245,8 @@ def _prefill_kernel(ops, q: torch.Tensor, terms: ScoreTerms, bf16: bool) -> bool
     """Whether qtk's flash kernel (csrc/cpu_attention.cpp) takes a layer's prefill chunks: D % 16 == 0, the
     layer has no softcap or sinks, and the CPU has what the kernel's math needs: AVX512-BF16 in a bf16 step
     (q, K, V and the softmax weights in bf16, the sums float32; 2.5-3.4x torch's float32 flash kernel at
-    256-4096 tokens on Zen 4), AVX-512 in a float32 one (all float32; 1.4-2.2x torch's)."""
+    256-4096 tokens on Zen 4), AVX-512 or AVX2 in a float32 one (all float32; 1.4-2.2x torch's on Zen 4's
+    AVX-512; the avx2 build's 8-lane version on AVX2-only CPUs)."""
     return (not terms and q.dtype == torch.float32 and q.shape[-1] % 16 == 0 and
             hasattr(ops, "prefill_attention_runs") and ops.prefill_attention_runs(bf16=bf16))
 

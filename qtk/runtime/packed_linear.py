@@ -86,7 +86,7 @@ class OneDNNMatmul:
     """y = x W^T + b for float32 x [T, K] on oneDNN, W reordered once: in bf16 (x rounded to bf16,
     float32 sums, y rounded to bf16 and returned in float32) or float32; for T >= rows."""
 
-    packed: torch.Tensor  # oneDNN's layout, bf16 or float32
+    packed: torch.Tensor  # oneDNN's layout, bf16 or float32 (bf16 [N, K] unpacked where oneDNN has no bf16)
     bias: torch.Tensor | None  # float32
     rows: int
 
@@ -96,21 +96,31 @@ class OneDNNMatmul:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed.dtype == torch.bfloat16:
-            y = packed_linear(x.to(torch.bfloat16), self.packed, None).float()
+            y = self.bf16_product(x).float()
             return y if self.bias is None else y.add_(self.bias)
         return packed_linear(x, self.packed, self.bias)
+
+    def bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T in bf16 (no bias) for a bf16 weight: x rounded to bf16, float32 sums, y bf16."""
+        xb = x.to(torch.bfloat16)
+        return packed_linear(xb, self.packed, None) if self.packed.is_mkldnn else F.linear(xb, self.packed)
 
     @staticmethod
     def of(weight: torch.Tensor, bias: torch.Tensor | None) -> OneDNNMatmul | None:
         """A float weight [N, K] for oneDNN in the CPU's fastest dtype for many rows: bf16 where it has
-        bf16 units, else float32 (None where oneDNN is not there)."""
+        bf16 units, else float32 (None where oneDNN is not there). QTK_CPU_BF16=1 on a CPU whose oneDNN
+        has no bf16 (AVX2 only) keeps the bf16 weight unpacked, for torch's bf16 matmul (emulated, slow:
+        for tests of the bf16 path's numbers)."""
         dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         if not torch.backends.mkldnn.is_available():
             return None
+        w = weight.detach().to(dtype).contiguous()
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), None)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         except (AttributeError, RuntimeError):
-            return None
+            if dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return None
+            packed = w
         return OneDNNMatmul(packed, bias, MANY_ROWS[dtype])
 
 
@@ -280,7 +290,7 @@ def bf16_matmul(module: nn.Module | None):
         return many.rows, lambda x: many(x, x.shape[0] >= BF16_DOT_ROWS[1])
     if many is None or not many.bf16 or many.bias is not None:
         return None
-    onednn = lambda x: packed_linear(x.to(torch.bfloat16), many.packed, None)  # noqa: E731
+    onednn = many.bf16_product
     dot = module.dot
     if dot is None:
         return many.rows, onednn

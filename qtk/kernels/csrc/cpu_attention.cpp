@@ -1,6 +1,7 @@
-// Prefill attention on AVX-512 CPUs: FlashAttention's loop (Dao et al. 2022; FlashAttention-2's order:
+// Prefill attention on x86 CPUs: FlashAttention's loop (Dao et al. 2022; FlashAttention-2's order:
 // queries outside, keys inside, one running max and sum per query row) over a prefill chunk, in bf16 math
-// (AVX512-BF16) or float32 math (AVX-512 alone: what a CPU without bf16 units runs).
+// (AVX512-BF16) or float32 math: in 16-lane vectors on AVX-512 (what a CPU without bf16 units runs), in
+// 8-lane ones on AVX2 with FMA (the avx2 build: AVX2-only CPUs and Skylake-SP; QTK_ATTN_AVX2 below).
 //
 //   prefill_attention(q, k_cache, v_cache, slots, window, scale, k_scale, v_scale, bf16=True) -> o
 //     q [n, H, D] float32 (heads contiguous, rows at any stride): the chunk's queries; k_cache, v_cache [KV, S, D]: float32, bf16, INT8 or
@@ -32,7 +33,8 @@
 //             P = 2^(S - m) as words; O = alpha O + P V (alpha skipped where the 4 rows' are all 1).
 //             Finally O / l.
 // Work items are handed out largest first from one counter (causal items differ up to n / BQ times in
-// size), on torch's threads.
+// size), on torch's threads. The AVX2 version keeps the blocks, tiles, work items and numerics of the
+// float32 math; its 16 registers of 8 lanes cannot hold a tile's S, which goes through a buffer in L1.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
@@ -49,11 +51,15 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define QTK_ATTN_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QTK_ATTN_AVX2 1  // the float32 prefill in 8-lane vectors (the avx2 build: AVX2 CPUs, Skylake-SP)
 #endif
 
 #ifndef QTK_LIB
 #define QTK_LIB qtk_cpu_generic
 #endif
+#define QTK_INLINE inline __attribute__((always_inline))
 
 namespace {
 
@@ -61,22 +67,122 @@ namespace {
 
 // Whether this build and CPU run the kernels: the bf16 ones need AVX512-BF16, the float32 prefill AVX-512 alone
 bool runs(bool bf16 = true) {
-#ifdef QTK_ATTN_AVX512
+#if defined(QTK_ATTN_AVX512)
   return bf16 ? __builtin_cpu_supports("avx512bf16") : __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+#elif defined(QTK_ATTN_AVX2)
+  return !bf16 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
   return false;
 #endif
 }
 
-#ifdef QTK_ATTN_AVX512
-#pragma GCC push_options
-#pragma GCC target("avx512bf16")  // these functions only: the build's other code runs on CPUs without it
-#define QTK_INLINE inline __attribute__((always_inline))
+// ---- shared by both ISAs' prefill kernels: the problem, the blocks, the work items -----------------------------
 
-constexpr int64_t BK = 64;  // keys per block: 4 vectors of 16 scores
+constexpr int64_t BK = 64;  // keys per block: 4 vectors of 16 scores (AVX-512), 8 of 8 (AVX2)
 constexpr int64_t BQ = 32;  // query positions per work item
 constexpr int64_t MR = 4;   // query rows per register tile (row_max4 reduces exactly 4)
 constexpr float kLog2e = 1.4426950408889634f;
+
+struct Problem {
+  int64_t n, H, KV, D, keys, window;  // keys = L; query i sits at key keys - n + i
+  int64_t q_row;  // q's stride between tokens
+  float scale;
+  const float *q, *ks, *vs;  // ks / vs: per-head scales (nks / nvs of them: 1 or KV), or null
+  int64_t nks, nvs;
+  float* out;
+  const uint32_t *kp, *vp;  // packed: head h, block b at ((h * blocks + b) * BK * D / PER)
+  int64_t blocks;
+
+  float q_scale(int64_t h) const { return scale * kLog2e * (ks ? ks[nks == 1 ? 0 : h] : 1.f); }  // base 2 softmax
+  float v_scale(int64_t h) const { return vs ? vs[nvs == 1 ? 0 : h] : 1.f; }
+};
+
+// A thread's buffers, sized for BQ positions of the group (PER: elements per word)
+struct Scratch {
+  std::vector<uint32_t> q, p;     // q [rows][D / PER] words, p [MR][BK / PER] words
+  std::vector<float> o, lsum, m, alpha;  // o [rows][D], lsum [rows][16], m and alpha [rows]
+
+  Scratch(const Problem& P, int64_t PER) {
+    const int64_t padded = (BQ * (P.H / P.KV) + MR - 1) / MR * MR;
+    q.resize(padded * P.D / PER);
+    p.resize(MR * BK / PER);
+    o.resize(padded * P.D);
+    lsum.resize(padded * 16);
+    m.resize(padded);
+    alpha.resize(padded);
+  }
+  // a work item's start: O = 0, l = 0, m = -inf for its `rows` (padded) rows
+  void reset(int64_t rows, int64_t D) {
+    std::fill(o.begin(), o.begin() + rows * D, 0.f);
+    std::fill(lsum.begin(), lsum.begin() + rows * 16, 0.f);
+    std::fill(m.begin(), m.begin() + rows, -INFINITY);
+  }
+};
+
+// The keys of block b that a register tile (rows r .. r + MR of a work item: positions from i0, `rows` real ones,
+// padding rows the last one's) computes: the block's first 16 nc, nc returned (0: none of the tile's rows sees any,
+// its state stays as it is). all: every row sees every computed key; else seen[row]: a bit per key it sees.
+inline int64_t tile_keys(const Problem& P, int64_t i0, int64_t rows, int64_t r, int64_t b, uint64_t (&seen)[MR], bool& all) {
+  const int64_t G = P.H / P.KV, j0 = b * BK;
+  // keys j seen by the row at position p: lo(p) <= j < hi(p); the tile's rows span positions pa .. pz
+  auto hi_of = [&](int64_t p) { return p + 1; };
+  auto lo_of = [&](int64_t p) { return P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : int64_t(0); };
+  auto pos = [&](int64_t row) { return P.keys - P.n + i0 + std::min(row, rows - 1) / G; };
+  const int64_t pa = pos(r), pz = pos(r + MR - 1);
+  const int64_t keys = std::min(BK, hi_of(pz) - j0);  // the block's keys any row of the tile sees start there
+  if (keys <= 0 || lo_of(pa) >= j0 + BK) return 0;
+  const int64_t nc = (keys + 15) / 16;
+  all = j0 + 16 * nc <= hi_of(pa) && j0 >= lo_of(pz);
+  for (int rr = 0; rr < MR && !all; ++rr) {
+    const int64_t p = pos(r + rr);
+    const int64_t lo = std::clamp<int64_t>(lo_of(p) - j0, 0, BK), hi = std::clamp<int64_t>(hi_of(p) - j0, 0, BK);
+    const uint64_t below = hi >= 64 ? ~uint64_t(0) : (uint64_t(1) << hi) - 1;
+    seen[rr] = lo >= 64 ? 0 : below & ~((uint64_t(1) << lo) - 1);
+  }
+  return nc;
+}
+
+// The key blocks [b0, b1) the queries at positions i0 .. i1 - 1 of the chunk read
+inline std::pair<int64_t, int64_t> item_blocks(const Problem& P, int64_t i0, int64_t i1) {
+  const int64_t p0 = P.keys - P.n + i0, p1 = P.keys - P.n + i1 - 1;
+  return {(P.window > 0 ? std::max<int64_t>(0, p0 - P.window + 1) : 0) / BK, (p1 + 1 + BK - 1) / BK};
+}
+
+// Steps 1 and 2 over a chunk: pack(h, j0, kp, vp) packs head h's block of keys from j0 (words of PER elements),
+// on torch's threads; then attend(h, i0, i1, T) takes each work item (KV head, BQ query positions), handed out
+// largest first from one counter (causal items differ up to n / BQ times in size), a Scratch per thread
+template <int64_t PER, class Pack, class Attend>
+void run_chunk(Problem& P, Pack&& pack, Attend&& attend) {
+  const int64_t W = P.D / PER;
+  P.blocks = (P.keys + BK - 1) / BK;
+  // only the blocks some query reads: with a window the keys before the first query's go unread
+  const int64_t lo_block = (P.window > 0 ? std::max<int64_t>(0, P.keys - P.n - P.window + 1) : 0) / BK;
+  std::vector<uint32_t> kp(P.KV * P.blocks * BK * W), vp(P.KV * P.blocks * BK * W);
+  const int64_t nb = P.blocks - lo_block;
+  at::parallel_for(0, P.KV * nb, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t h = t / nb, b = lo_block + t % nb;
+      pack(h, b * BK, kp.data() + (h * P.blocks + b) * BK * W, vp.data() + (h * P.blocks + b) * BK * W);
+    }
+  });
+  P.kp = kp.data();
+  P.vp = vp.data();
+  const int64_t qblocks = (P.n + BQ - 1) / BQ, items = P.KV * qblocks;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch T(P, PER);
+    for (int64_t t; (t = next.fetch_add(1)) < items;) {
+      const int64_t qb = qblocks - 1 - t / P.KV, h = t % P.KV;  // the last queries (the most keys) first
+      attend(h, qb * BQ, std::min(P.n, (qb + 1) * BQ), T);
+    }
+  });
+}
+
+#ifdef QTK_ATTN_AVX512
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")  // these functions only: the build's other code runs on CPUs without it
+
 
 // 16 keys' or values' elements as float32 from any cache dtype (codes, unscaled)
 template <Kv KIND>
@@ -262,23 +368,6 @@ QTK_INLINE void pv_tile(const uint32_t* p, const uint32_t* vp, int64_t words, in
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + d0 + 16 * c, acc[r][c]);
 }
 
-struct Problem {
-  int64_t n, H, KV, D, keys, window;  // keys = L; query i sits at key keys - n + i
-  int64_t q_row;  // q's stride between tokens
-  float scale;
-  const float *q, *ks, *vs;  // ks / vs: per-head scales (nks / nvs of them: 1 or KV), or null
-  int64_t nks, nvs;
-  float* out;
-  const uint32_t *kp, *vp;  // packed: head h, block b at ((h * blocks + b) * BK * D / PER)
-  int64_t blocks;
-};
-
-// A thread's buffers, sized for BQ positions of the group
-struct Scratch {
-  std::vector<uint32_t> q, p;     // q [rows][D / PER] words, p [MR][BK / PER] words
-  std::vector<float> o, lsum, m, alpha;  // o [rows][D], lsum [rows][16], m and alpha [rows]
-};
-
 // A tile's pass over one key block, its first NC vectors of 16 keys: S = Q K^T, the mask (seen: a bit per key
 // a row sees, or null: all), the softmax, O = alpha O + P V
 template <bool BF, int NC>
@@ -305,23 +394,11 @@ void tile_pass(const uint32_t* q, const uint32_t* kp, const uint32_t* vp, int64_
 // Rows r .. r + MR of a work item (positions from i0, rows real ones) against key block b: the keys some row sees
 template <bool BF>
 void tile_block(const Problem& P, int64_t h, int64_t i0, int64_t rows, int64_t r, int64_t b, Scratch& T) {
-  const int64_t G = P.H / P.KV, D = P.D, W = D / Math<BF>::PER, j0 = b * BK;
-  // keys j seen by the row at position p: lo(p) <= j < hi(p); the tile's rows span positions pa .. pz
-  auto hi_of = [&](int64_t p) { return p + 1; };
-  auto lo_of = [&](int64_t p) { return P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : int64_t(0); };
-  auto pos = [&](int64_t row) { return P.keys - P.n + i0 + std::min(row, rows - 1) / G; };  // padding: the last row's
-  const int64_t pa = pos(r), pz = pos(r + MR - 1);
-  const int64_t keys = std::min(BK, hi_of(pz) - j0);  // the block's keys any row of the tile sees start there
-  if (keys <= 0 || lo_of(pa) >= j0 + BK) return;      // none of them: the tile's state stays as it is
-  const int64_t nc = (keys + 15) / 16;
+  const int64_t D = P.D, W = D / Math<BF>::PER;
   uint64_t seen[MR];
-  const bool all = j0 + 16 * nc <= hi_of(pa) && j0 >= lo_of(pz);  // every row sees every computed key
-  for (int rr = 0; rr < MR && !all; ++rr) {
-    const int64_t p = pos(r + rr);
-    const int64_t lo = std::clamp<int64_t>(lo_of(p) - j0, 0, BK), hi = std::clamp<int64_t>(hi_of(p) - j0, 0, BK);
-    const uint64_t below = hi >= 64 ? ~uint64_t(0) : (uint64_t(1) << hi) - 1;
-    seen[rr] = lo >= 64 ? 0 : below & ~((uint64_t(1) << lo) - 1);
-  }
+  bool all;
+  const int64_t nc = tile_keys(P, i0, rows, r, b, seen, all);
+  if (nc == 0) return;
   const uint32_t* q = T.q.data() + r * W;
   const uint32_t* kp = P.kp + (h * P.blocks + b) * BK * W;
   const uint32_t* vp = P.vp + (h * P.blocks + b) * BK * W;
@@ -342,7 +419,7 @@ void attend(const Problem& P, int64_t h, int64_t i0, int64_t i1, Scratch& T) {
   const int64_t G = P.H / P.KV, D = P.D, W = D / PER;
   const int64_t rows = (i1 - i0) * G, padded = (rows + MR - 1) / MR * MR;
   // the queries, scaled (log2 e: the softmax in base 2), as words; padding rows zero
-  const __m512 qs = _mm512_set1_ps(P.scale * kLog2e * (P.ks ? P.ks[P.nks == 1 ? 0 : h] : 1.f));
+  const __m512 qs = _mm512_set1_ps(P.q_scale(h));
   std::fill(T.q.begin(), T.q.begin() + padded * W, 0u);
   alignas(64) uint32_t w[32];
   for (int64_t r = 0; r < rows; ++r) {
@@ -354,14 +431,11 @@ void attend(const Problem& P, int64_t h, int64_t i0, int64_t i1, Scratch& T) {
       std::memcpy(T.q.data() + r * W + d / PER, w, sizeof(uint32_t) * std::min<int64_t>(32, D - d) / PER);
     }
   }
-  std::fill(T.o.begin(), T.o.begin() + padded * D, 0.f);
-  std::fill(T.lsum.begin(), T.lsum.begin() + padded * 16, 0.f);
-  std::fill(T.m.begin(), T.m.begin() + padded, -INFINITY);
-  const int64_t p0 = P.keys - P.n + i0, p1 = P.keys - P.n + i1 - 1;
-  const int64_t b0 = (P.window > 0 ? std::max<int64_t>(0, p0 - P.window + 1) : 0) / BK, b1 = (p1 + 1 + BK - 1) / BK;
+  T.reset(padded, D);
+  const auto [b0, b1] = item_blocks(P, i0, i1);
   for (int64_t b = b0; b < b1; ++b)
     for (int64_t r = 0; r < padded; r += MR) tile_block<BF>(P, h, i0, rows, r, b, T);
-  const float vscale = P.vs ? P.vs[P.nvs == 1 ? 0 : h] : 1.f;
+  const float vscale = P.v_scale(h);
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = P.out + ((i0 + r / G) * P.H + h * G + r % G) * D;
     const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(T.lsum.data() + 16 * r));
@@ -372,36 +446,13 @@ void attend(const Problem& P, int64_t h, int64_t i0, int64_t i1, Scratch& T) {
 
 template <bool BF, Kv KIND>
 void run(Problem& P, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* slots) {
-  constexpr int64_t PER = Math<BF>::PER;
-  const int64_t D = P.D, W = D / PER, S = k_cache.size(1);
-  P.blocks = (P.keys + BK - 1) / BK;
-  // only the blocks some query reads: with a window the keys before the first query's go unread
-  const int64_t lo_block = (P.window > 0 ? std::max<int64_t>(0, P.keys - P.n - P.window + 1) : 0) / BK;
-  std::vector<uint32_t> kp(P.KV * P.blocks * BK * W), vp(P.KV * P.blocks * BK * W);
+  const int64_t D = P.D, S = k_cache.size(1);
   const kv_t<KIND>* kc = reinterpret_cast<const kv_t<KIND>*>(k_cache.data_ptr());
   const kv_t<KIND>* vc = reinterpret_cast<const kv_t<KIND>*>(v_cache.data_ptr());
-  const int64_t nb = P.blocks - lo_block;
-  at::parallel_for(0, P.KV * nb, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t h = t / nb, b = lo_block + t % nb;
-      pack_block<BF, KIND>(kc + h * S * D, vc + h * S * D, slots, b * BK, P.keys, D, kp.data() + (h * P.blocks + b) * BK * W,
-                           vp.data() + (h * P.blocks + b) * BK * W);
-    }
-  });
-  P.kp = kp.data();
-  P.vp = vp.data();
-  const int64_t G = P.H / P.KV, qblocks = (P.n + BQ - 1) / BQ, items = P.KV * qblocks;
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    const int64_t padded = (BQ * G + MR - 1) / MR * MR;
-    Scratch T{std::vector<uint32_t>(padded * W), std::vector<uint32_t>(MR * BK / PER), std::vector<float>(padded * D),
-              std::vector<float>(padded * 16), std::vector<float>(padded), std::vector<float>(padded)};
-    for (int64_t t; (t = next.fetch_add(1)) < items;) {
-      const int64_t qb = qblocks - 1 - t / P.KV, h = t % P.KV;  // the last queries (the most keys) first
-      attend<BF>(P, h, qb * BQ, std::min(P.n, (qb + 1) * BQ), T);
-    }
-  });
+  run_chunk<Math<BF>::PER>(
+      P, [&](int64_t h, int64_t j0, uint32_t* kp, uint32_t* vp) {
+        pack_block<BF, KIND>(kc + h * S * D, vc + h * S * D, slots, j0, P.keys, D, kp, vp); },
+      [&](int64_t h, int64_t i0, int64_t i1, Scratch& T) { attend<BF>(P, h, i0, i1, T); });
 }
 
 template <bool BF>
@@ -603,11 +654,195 @@ void decode_run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 #pragma GCC pop_options
 #endif  // QTK_ATTN_AVX512
 
+#ifdef QTK_ATTN_AVX2
+// ---- prefill on AVX2 CPUs: the float32 math in vectors of 8 -------------------------------------------------
+// The AVX-512 kernel's blocks, work items and float32 numerics (K packed as [D][BK], V as [BK][D], the online
+// softmax in base 2 with the same exp2 polynomial), tiled for 16 registers of 8 lanes, too few to hold a
+// 4-row tile's scores for a block of 64 keys. Per register tile of 4 rows and key block:
+//   S = Q K^T  per 16 keys a 4 x 16 micro-tile (8 accumulators: 2 key loads and 4 broadcasts feed 8 FMAs a
+//              dim), masked, into s [MR][BK] (1 KB, in L1);
+//   softmax    per row over s: m, alpha, l as the AVX-512 kernel's; P written over S;
+//   P V        per 16 dims a 4 x 16 micro-tile of O (alpha applied as it is loaded) over the keys computed.
+// 8 keys' or values' elements as float32 from any cache dtype (codes, unscaled)
+template <Kv KIND>
+QTK_INLINE __m256 load8(const kv_t<KIND>* p) {
+  if constexpr (KIND == Kv::F32) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (KIND == Kv::BF16) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  } else if constexpr (KIND == Kv::I8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  } else {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_i32gather_ps(e4m3().v, idx, 4);
+  }
+}
+
+// 2^x for x <= 0 (-inf: 0): x = n + f, |f| <= 1/2, 2^f by the AVX-512 kernel's degree-5 polynomial (p(0) = 1,
+// relative error below 2e-7), times 2^n made in the exponent bits (0 for n <= -127: a weight below 2^-126 of
+// the row's largest, which is 1)
+QTK_INLINE __m256 exp2_8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-127.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.3264725e-3f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6715130e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5507336e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022242e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314700e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+QTK_INLINE float reduce8(__m256 v, bool max) {
+  __m128 x = max ? _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))
+                 : _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 y = _mm_movehl_ps(x, x);
+  x = max ? _mm_max_ps(x, y) : _mm_add_ps(x, y);
+  const __m128 z = _mm_movehdup_ps(x);
+  return _mm_cvtss_f32(max ? _mm_max_ss(x, z) : _mm_add_ss(x, z));
+}
+
+// lanes whose bit of `bits` (8 of them) is set keep s, the others -inf
+QTK_INLINE __m256 keep8(__m256 s, uint32_t bits) {
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), sel), sel);
+  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(on));
+}
+
+inline float* as_f32(uint32_t* p) { return reinterpret_cast<float*>(p); }
+inline const float* as_f32(const uint32_t* p) { return reinterpret_cast<const float*>(p); }
+
+// Step 1: keys j0 .. j0 + BK of one head (rows past `keys` zero) into kp [D][BK] and vp [BK][D]
+template <Kv KIND>
+void pack_block8(const kv_t<KIND>* kh, const kv_t<KIND>* vh, const int64_t* slots, int64_t j0, int64_t keys, int64_t D,
+                 float* kp, float* vp) {
+  std::memset(kp, 0, sizeof(float) * D * BK);
+  std::memset(vp, 0, sizeof(float) * BK * D);
+  alignas(32) float w[8];
+  for (int64_t jj = 0; jj < BK && j0 + jj < keys; ++jj) {
+    const kv_t<KIND>*k = kh + slots[j0 + jj] * D, *v = vh + slots[j0 + jj] * D;
+    for (int64_t d = 0; d < D; d += 8) {
+      _mm256_store_ps(w, load8<KIND>(k + d));
+      for (int i = 0; i < 8; ++i) kp[(d + i) * BK + jj] = w[i];
+      _mm256_storeu_ps(vp + jj * D + d, load8<KIND>(v + d));
+    }
+  }
+}
+
+// A tile's pass over one key block, its first 16 nc keys: S into s, the mask (seen: a bit per key a row sees, or
+// null: all), the softmax, O = alpha O + P V
+void tile_pass8(const float* q, const float* kp, const float* vp, int64_t D, int64_t nc, const uint64_t* seen, float* m,
+                float* alpha, float* lsum, float* s, float* o) {
+  for (int64_t c = 0; c < nc; ++c) {  // S = Q K^T, 16 keys at a time
+    __m256 acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* k = kp + 16 * c;
+    for (int64_t i = 0; i < D; ++i) {
+      const __m256 k0 = _mm256_loadu_ps(k + i * BK), k1 = _mm256_loadu_ps(k + i * BK + 8);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 a = _mm256_broadcast_ss(q + r * D + i);
+        acc[r][0] = _mm256_fmadd_ps(a, k0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(a, k1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < 2; ++v)
+        _mm256_storeu_ps(s + r * BK + 16 * c + 8 * v,
+                         seen ? keep8(acc[r][v], static_cast<uint32_t>(seen[r] >> (16 * c + 8 * v)) & 0xFF) : acc[r][v]);
+  }
+  bool rescale = false;
+  for (int r = 0; r < MR; ++r) {  // the online softmax in base 2, P over S
+    float* sr = s + r * BK;
+    __m256 top = _mm256_loadu_ps(sr);
+    for (int64_t v = 1; v < 2 * nc; ++v) top = _mm256_max_ps(top, _mm256_loadu_ps(sr + 8 * v));
+    const float mx = std::max(m[r], reduce8(top, true));
+    const float shift = mx == -INFINITY ? 0.f : mx;  // a row that has seen nothing yet: its weights are 0
+    alpha[r] = std::exp2(m[r] - shift);
+    m[r] = mx;
+    rescale |= alpha[r] != 1.f;
+    const __m256 b = _mm256_set1_ps(shift);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t v = 0; v < 2 * nc; ++v) {
+      const __m256 e = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(sr + 8 * v), b));
+      _mm256_storeu_ps(sr + 8 * v, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    _mm256_storeu_ps(lsum + 8 * r, _mm256_fmadd_ps(_mm256_loadu_ps(lsum + 8 * r), _mm256_set1_ps(alpha[r]), sum));
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {  // O = alpha O + P V, 16 dims at a time
+    __m256 acc[MR][2];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < 2; ++v) {
+        acc[r][v] = _mm256_loadu_ps(o + r * D + d0 + 8 * v);
+        if (rescale) acc[r][v] = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), acc[r][v]);
+      }
+    for (int64_t j = 0; j < 16 * nc; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vp + j * D + d0), v1 = _mm256_loadu_ps(vp + j * D + d0 + 8);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 a = _mm256_broadcast_ss(s + r * BK + j);
+        acc[r][0] = _mm256_fmadd_ps(a, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(a, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < 2; ++v) _mm256_storeu_ps(o + r * D + d0 + 8 * v, acc[r][v]);
+  }
+}
+
+// Step 2 for KV head h and query positions i0 .. i1
+void attend8(const Problem& P, int64_t h, int64_t i0, int64_t i1, Scratch& T) {
+  const int64_t G = P.H / P.KV, D = P.D;
+  const int64_t rows = (i1 - i0) * G, padded = (rows + MR - 1) / MR * MR;
+  float* q = as_f32(T.q.data());  // the queries, scaled; padding rows zero
+  std::fill(q + rows * D, q + padded * D, 0.f);
+  const __m256 qs = _mm256_set1_ps(P.q_scale(h));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = P.q + (i0 + r / G) * P.q_row + (h * G + r % G) * D;
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(q + r * D + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), qs));
+  }
+  T.reset(padded, D);
+  const auto [b0, b1] = item_blocks(P, i0, i1);
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t r = 0; r < padded; r += MR) {
+      uint64_t seen[MR];
+      bool all;
+      const int64_t nc = tile_keys(P, i0, rows, r, b, seen, all);
+      if (nc == 0) continue;
+      const float* kp = as_f32(P.kp) + (h * P.blocks + b) * BK * D;
+      const float* vp = as_f32(P.vp) + (h * P.blocks + b) * BK * D;
+      tile_pass8(q + r * D, kp, vp, D, nc, all ? nullptr : seen, T.m.data() + r, T.alpha.data() + r,
+                 T.lsum.data() + 8 * r, as_f32(T.p.data()), T.o.data() + r * D);
+    }
+  const float vscale = P.v_scale(h);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = P.out + ((i0 + r / G) * P.H + h * G + r % G) * D;
+    const float l = reduce8(_mm256_loadu_ps(T.lsum.data() + 8 * r), false);
+    const __m256 inv = _mm256_set1_ps(l > 0.f ? vscale / l : 0.f);
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(inv, _mm256_loadu_ps(T.o.data() + r * D + d)));
+  }
+}
+
+template <Kv KIND>
+void run8(Problem& P, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* slots) {
+  const int64_t D = P.D, S = k_cache.size(1);
+  const kv_t<KIND>* kc = reinterpret_cast<const kv_t<KIND>*>(k_cache.data_ptr());
+  const kv_t<KIND>* vc = reinterpret_cast<const kv_t<KIND>*>(v_cache.data_ptr());
+  run_chunk<1>(
+      P, [&](int64_t h, int64_t j0, uint32_t* kp, uint32_t* vp) {
+        pack_block8<KIND>(kc + h * S * D, vc + h * S * D, slots, j0, P.keys, D, as_f32(kp), as_f32(vp)); },
+      [&](int64_t h, int64_t i0, int64_t i1, Scratch& T) { attend8(P, h, i0, i1, T); });
+}
+#endif  // QTK_ATTN_AVX2
+
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& slots, int64_t window, double scale,
                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, bool bf16) {
   TORCH_CHECK(runs(bf16), bf16 ? "prefill_attention: needs AVX-512 with AVX512-BF16 (this build or CPU has not; the torch "
-              "path attends here)" : "prefill_attention: needs AVX-512 (this build or CPU has not; the torch path attends here)");
+              "path attends here)" : "prefill_attention: needs AVX-512, or AVX2 and FMA (this build or CPU has not; the torch "
+              "path attends here)");
   const Kv kind = kv_kind(k_cache);
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1 &&
               q.stride(1) == q.size(2), "prefill_attention: q must be float32 [n, H, D] with contiguous heads");
@@ -622,7 +857,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK((kind == Kv::F32 || kind == Kv::BF16) == !k_scale.has_value() && k_scale.has_value() == v_scale.has_value(),
               "prefill_attention: scales go with (and only with) an INT8 / FP8 cache");
   at::Tensor out = at::empty(q.sizes(), q.options());
-#ifdef QTK_ATTN_AVX512
+#if defined(QTK_ATTN_AVX512) || defined(QTK_ATTN_AVX2)
   const at::Tensor sl = slots.contiguous();
   const int64_t S = k_cache.size(1);
   if (sl.numel()) {
@@ -639,8 +874,15 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
             k_scale ? ks.numel() : 0, k_scale ? vs.numel() : 0, out.data_ptr<float>(), nullptr, nullptr, 0};
   if (P.n == 0) return out;
   const int64_t* sp = sl.data_ptr<int64_t>();
+#if defined(QTK_ATTN_AVX512)
   if (bf16) dispatch<true>(kind, P, k_cache, v_cache, sp);
   else dispatch<false>(kind, P, k_cache, v_cache, sp);
+#else
+  if (kind == Kv::F32) run8<Kv::F32>(P, k_cache, v_cache, sp);
+  else if (kind == Kv::BF16) run8<Kv::BF16>(P, k_cache, v_cache, sp);
+  else if (kind == Kv::I8) run8<Kv::I8>(P, k_cache, v_cache, sp);
+  else run8<Kv::F8>(P, k_cache, v_cache, sp);
+#endif
 #endif
   return out;
 }
