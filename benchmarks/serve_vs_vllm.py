@@ -34,6 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]  # this checkout's qtk, not an installed one
 
 VLLM_PYTHON = ["bash", str(ROOT / "scripts" / "peer_env.sh"), "vllm"]  # python in vLLM's venv (made on first use)
+# vLLM's processes: its CPU platform named (with the wheel's metadata renamed, vLLM's own detection finds no
+# platform, and the generic one loads vllm._C, built for AVX512-BF16: an illegal instruction on AVX2-only CPUs,
+# where its CPU platform loads _C_AVX2)
+VLLM_ENV = {"PYTHONPATH": "", "VLLM_TARGET_DEVICE": "cpu"}
 CLIENT = """
 import sys, importlib.metadata as md
 _version = md.version
@@ -76,7 +80,7 @@ def client(url: str, name: str, tokenizer: str, a, input_len: int, out_dir: Path
             "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result",
             "--result-dir", str(out_dir), "--result-filename", filename, "--disable-tqdm"]
     r = subprocess.run([*VLLM_PYTHON, "-c", CLIENT, *args], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": ""})
+                       env={**os.environ, **VLLM_ENV})
     if r.returncode != 0:
         raise SystemExit(f"vllm bench serve failed ({r.returncode}):\n{r.stderr[-3000:]}")
     return json.loads((out_dir / filename).read_text())
@@ -92,7 +96,7 @@ def serve_qtk(model: str, port: int, extra: list[str], threads: int) -> subproce
 def serve_vllm(model_dir: str, port: int, dtype: str, threads: int, max_len: int) -> subprocess.Popen:
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "VLLM_CPU_KVCACHE_SPACE": "2",
-           "PYTHONPATH": ""}
+           **VLLM_ENV}
     return subprocess.Popen([*VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
                              "--model", model_dir, "--served-model-name", "model", "--dtype", dtype,
                              "--max-model-len", str(max_len), "--port", str(port), "--seed", "0"],
