@@ -663,6 +663,7 @@ void decode_run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 //              dim), masked, into s [MR][BK] (1 KB, in L1);
 //   softmax    per row over s: m, alpha, l as the AVX-512 kernel's; P written over S;
 //   P V        per 16 dims a 4 x 16 micro-tile of O (alpha applied as it is loaded) over the keys computed.
+
 // 8 keys' or values' elements as float32 from any cache dtype (codes, unscaled)
 template <Kv KIND>
 QTK_INLINE __m256 load8(const kv_t<KIND>* p) {
