@@ -57,8 +57,8 @@ def rel_err(y, ref):
 @pytest.mark.parametrize("group", [32, 64, 128, 256, None])
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_matches_twin_and_math(lib, bits, group, asym):
-    """Every group size (None: per channel), sym/asym, int4/int8; M across the gemv (< 20), decoded
-    slices (20..512: 6-row micro-tiles and each remainder) and tiled (> 512) paths, odd M; N not a
+    """Every group size (None: per channel), sym/asym, int4/int8; M across the gemv (below rows_min:
+    8-12 rows on the avx2 build, 20 on avx512), decoded slices (to 512: 6-row micro-tiles and each remainder) and tiled (> 512) paths, odd M; N not a
     multiple of the 32-column tile nor of 8 (padded blocks)."""
     k = 512
     for n in (72, 53):
@@ -73,6 +73,22 @@ def test_kernel_matches_twin_and_math(lib, bits, group, asym):
             math = (x.double() @ dequant(codes, scale, zero).t() + (0 if b is None else b.double())).float()
             assert y.shape == (m, n) and y.dtype == torch.float32
             assert rel_err(y, twin) < 1e-5 and rel_err(twin, math) < 1e-6, (n, m)  # float32 sums vs float64
+
+
+def test_a_bf16_weight_gives_the_float32_products_on_every_path(lib):
+    """A bf16 weight (bits 16: a bf16 checkpoint's float layer) gives F.linear's float32 result (the
+    same products, float32 sums) at every M: the gemv (few rows), the decoded slices (from rows_min(16),
+    10 on the avx2 build, to 512) and the tiles + sgemm (> 512); N not a multiple of 32 nor of 8."""
+    torch.manual_seed(4)
+    for n in (72, 53):
+        weight, bias = torch.randn(n, 320).bfloat16().float(), torch.randn(n)
+        w = cpu.pack_bf16(weight)
+        for m in (1, 2, 7, 9, 10, 11, 16, 19, 20, 33, 515):
+            x = torch.randn(m, 320)
+            b = bias if m % 2 else None
+            y = cpu.woq_linear(x, w, b, lib)
+            want = (x.double() @ weight.double().t() + (0 if b is None else b.double())).float()
+            assert y.shape == (m, n) and rel_err(y, want) < 1e-6, (n, m)
 
 
 def test_non_contiguous_and_batched_inputs(lib):

@@ -30,10 +30,11 @@ def test_a_bf16_checkpoints_layer_takes_its_kernel_by_rows(monkeypatch, units):
     """A float32 Linear holding bf16 numbers becomes a WOQLinear. Below the first bf16 row count, qtk's
     float32 kernel gives F.linear's float32 result. With the units: where the CPU has AVX512-BF16, qtk's
     bf16 kernel from BF16_DOT_ROWS[0] rows (x rounded to bf16, float32 sums, y float32) and oneDNN
-    from BF16_DOT_ROWS[1]; else oneDNN from MANY_ROWS; oneDNN in bf16 (x and y rounded to bf16,
+    from BF16_DOT_ROWS[1]; else oneDNN from many_rows (MANY_ROWS; float32 on AVX2-only CPUs,
+    MANY_ROWS_AVX2); oneDNN in bf16 (x and y rounded to bf16,
     float32 sums). Without the units, oneDNN in float32. The module and the runtime's direct call agree."""
     monkeypatch.setenv("QTK_CPU_BF16", units)
-    from qtk.runtime.packed_linear import BF16_DOT_ROWS, MANY_ROWS, WOQLinear, pack_linears
+    from qtk.runtime.packed_linear import BF16_DOT_ROWS, WOQLinear, many_rows, pack_linears
 
     torch.manual_seed(0)
     lin = bf16_numbers(torch.nn.Linear(256, 384))
@@ -43,7 +44,7 @@ def test_a_bf16_checkpoints_layer_takes_its_kernel_by_rows(monkeypatch, units):
     dtype = torch.bfloat16 if units == "1" else torch.float32
     assert (dot is not None) == (units == "1" and cpu_kernels.ops().bf16_linear_runs())
     assert packed.many.packed.dtype == dtype
-    assert packed.many.rows == (BF16_DOT_ROWS[1] if dot else MANY_ROWS[dtype])
+    assert packed.many.rows == (BF16_DOT_ROWS[1] if dot else many_rows(dtype))
     first = dot.lo if dot else packed.many.rows
     for rows in sorted({1, first - 1, first, packed.many.rows - 1, packed.many.rows, packed.many.rows + 7}):
         x = torch.randn(rows, 256)

@@ -9,7 +9,7 @@ A float32 Linear becomes
   - on a CPU with AVX512-BF16, from BF16_DOT_ROWS[0] (batched decode): qtk's bf16 kernel on the same
     copy (csrc/cpu_bf16_linear.cpp; x rounded to bf16, the sums float32), and from BF16_DOT_ROWS[1]
     (prefill chunks) oneDNN's bf16 matmul on its own copy;
-  - else oneDNN from MANY_ROWS (prefill chunks, batched decode): in bf16 on a CPU with bf16 units
+  - else oneDNN from many_rows (prefill chunks, batched decode): in bf16 on a CPU with bf16 units
     (x and y rounded to bf16, the sums float32),
     else in float32 (OneDNNMatmul);
 - else a PackedLinear: the weight in oneDNN's float32 layout (kernels.dispatch.cpu_packed_weight:
@@ -41,6 +41,19 @@ SMALL_FLOAT = 2 ** 15
 # Zen 4: the kernel 12.4 / oneDNN bf16 13.8 ms at 8 rows, 15.5 / 14.5 at 10, 22.1 / 18.2 at 16; oneDNN
 # float32 19.9 ms at 8 rows, 25.8 at 16, 31.5 at 20 against the kernel's 35.3)
 MANY_ROWS = {torch.bfloat16: 10, torch.float32: 18}
+# the float32 crossover on a CPU without AVX-512 (qtk's avx2 build), where oneDNN's float32 matmul and qtk's
+# decoded slices (csrc/cpu_woq.cpp rows_min) both multiply in 8-lane FMAs: the same 120 layers, 2-core Zen 1,
+# ms per pass, the kernel / oneDNN float32: 16 rows 70.6 / 76.5, 32 rows 117 / 123, 48 rows 166 / 204, 64 rows
+# 221 / 228, 96 rows 328 / 331, 128 rows 431 / 419
+MANY_ROWS_AVX2 = 96
+
+
+def many_rows(dtype: torch.dtype) -> int:
+    """Rows from which a layer kept in bf16 multiplies on oneDNN in `dtype` (MANY_ROWS; float32 on
+    a CPU without AVX-512 running qtk's avx2 build: MANY_ROWS_AVX2)."""
+    if dtype == torch.float32 and cpu_kernels.variant() == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        return MANY_ROWS_AVX2
+    return MANY_ROWS[dtype]
 # rows from which a layer kept in bf16 multiplies in bf16 on qtk's AVX512-BF16 kernel, and from which on
 # oneDNN's bf16 matmul takes over (benchmarks/prefill_peak.py's crossover, 2-core Zen 4, SmolLM2-135M's 120
 # decoder layers out of cache, ms per pass, float32 kernel / bf16 kernel / oneDNN bf16: 4 rows 7.3 / 6.9 /
@@ -121,7 +134,7 @@ class OneDNNMatmul:
             if dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 return None
             packed = w
-        return OneDNNMatmul(packed, bias, MANY_ROWS[dtype])
+        return OneDNNMatmul(packed, bias, many_rows(dtype))
 
 
 @dataclass(frozen=True)

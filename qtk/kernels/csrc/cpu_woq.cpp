@@ -23,7 +23,7 @@
 // (x scaled once per call, exact powers of two) gives u * x[k]. So a weight costs an AND, a
 // convert and an FMA (the last code of a word: a shift instead of the AND, and x unscaled).
 //
-// Three paths, chosen by M (rows of x; thresholds at M_ROWS_MIN below):
+// Three paths, chosen by M (rows of x; thresholds at rows_min below):
 //   gemv: decode (a few rows): 2 rows per pass, register-blocked over 4 column blocks (32 columns) so
 //         8 FMA chains run at once; a tile's codes (32 columns x K) stay in L1 between passes.
 //   rows: batched decode, short prefill chunks (AVX2 build): each 64-row slice of a 32-column tile is
@@ -60,12 +60,25 @@ namespace {
 constexpr int64_t LANES = 8;       // columns per block (one AVX2 register of floats)
 constexpr int NT = 4;              // column blocks per gemv tile: 32 columns
 constexpr int64_t TILE_COLS = 64;  // columns per tile on the large-M path
-// The path by rows of x (measured on 2 Zen 3 cores, SmolLM2's shapes, int4 g64, codes out of cache):
-// the gemv wins below ~20 rows (it decodes in registers, with no stores); decoded slices times 6 x 16
-// micro-tiles tie at 16-20 and win from 24 on (1.2x at 64, 1.05-1.25x over decoded tiles + sgemm at
-// 128-512); past 512 rows sgemm's own blocking wins (rows' sums no longer stay in cache). The portable
-// build has only the gemv and the tiles.
-constexpr int64_t M_ROWS_MIN = 20, M_ROWS_MAX = 512, M_GEMV_MAX = 64;
+// The path by rows of x: the gemv below rows_min(bits) rows (it decodes in registers, with no stores, but
+// again for every pair of rows), decoded slices times 6 x 16 micro-tiles from there to M_ROWS_MAX, and
+// past it decoded tiles + sgemm (whose own blocking wins once the rows' sums no longer stay in cache).
+// The portable build has only the gemv and the tiles. Measured (SmolLM2's shapes, codes out of cache):
+// - 2 Zen 3 cores, int4 g64: slices tie with the gemv at 16-20 rows and win from 24 on (1.2x at 64,
+//   1.05-1.25x over decoded tiles + sgemm at 128-512);
+// - 2 Zen 1 cores (128-bit FMA units: the gemv's decode costs as much as its FMAs), SmolLM2's 120 decoder
+//   layers in ms per pass, gemv / slices: bf16 8 rows 45.2 / 45.7, 10 rows 56.2 / 50.0, 16 rows 86.4 /
+//   62.2; int8 6 rows 34.9 / 34.0, 8 rows 47.0 / 41.3, 16 rows 91.4 / 63.7; int4 6 rows 36.6 / 32.6,
+//   12 rows 61.0 / 50.9, 16 rows 86.9 / 61.6 (its lm_head, bf16 [49152, 576], at 16 rows 22.7 / 16.4).
+// So the AVX2 build leaves the gemv where the Zen 1 slices win (bf16, int8: the gemv's per-weight decode,
+// a shift or a widening, is dearer than int4's AND) and for int4 at 12 rows, between Zen 1's crossover (6)
+// and Zen 3's (16-20). The AVX-512 build's gemv multiplies 4 rows per decoded register, 16 lanes wide: 20.
+constexpr int64_t M_ROWS_MAX = 512, M_GEMV_MAX = 64;
+#ifdef QTK_AVX512
+constexpr int64_t rows_min(int64_t) { return 20; }
+#else
+constexpr int64_t rows_min(int64_t bits) { return bits == 16 ? 10 : bits == 8 ? 8 : 12; }
+#endif
 
 struct Args {
   const float* x;   // [M, K]
@@ -588,7 +601,7 @@ static inline void micro6(const float* w, const float* x, int64_t ldx, int64_t k
 #undef QTK_ST
 }
 
-// Batched decode and short prefill chunks (M_ROWS_MIN..M_ROWS_MAX rows): each KC-row slice of a full 32-column tile is decoded
+// Batched decode and short prefill chunks (rows_min(bits)..M_ROWS_MAX rows): each KC-row slice of a full 32-column tile is decoded
 // once into L1 as float weights, then multiplied by all rows in 6 x 16 micro-tiles (the gemv decodes
 // the codes again for every pair of rows); the rows' sums stay in acc [M, 32].
 template <int BITS>
@@ -703,7 +716,7 @@ at::Tensor woq_linear(const at::Tensor& x_in, const at::Tensor& codes, const at:
   const float* xp = x.data_ptr<float>();
   const int64_t gsize = K / G;
 #ifdef QTK_AVX2
-  const bool gemv_path = M < M_ROWS_MIN, rows_path = !gemv_path && M <= M_ROWS_MAX;
+  const bool gemv_path = M < rows_min(bits), rows_path = !gemv_path && M <= M_ROWS_MAX;
 #else
   const bool gemv_path = M <= M_GEMV_MAX, rows_path = false;
 #endif
