@@ -8,4 +8,4 @@ if [ -f scripts/peer_env.sh ]; then
     bash scripts/peer_env.sh fixtures
     export QTK_REQUIRE_PEER=1  # the fixtures are built: the peer tests must run, not skip
 fi
-exec python3 -m pytest -q "$@"
+exec python3 -m pytest -q --durations=20 "$@"  # the slowest tests named in every CI log
