@@ -58,8 +58,9 @@ def rel_err(y, ref):
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_matches_twin_and_math(lib, bits, group, asym):
     """Every group size (None: per channel), sym/asym, int4/int8; M across the gemv (below rows_min:
-    8-12 rows on the avx2 build, 20 on avx512), decoded slices (to 512: 6-row micro-tiles and each remainder) and tiled (> 512) paths, odd M; N not a
-    multiple of the 32-column tile nor of 8 (padded blocks)."""
+    8-12 rows on the avx2 build, 20 on avx512), decoded slices (to 512: 6-row micro-tiles and each
+    remainder) and tiled (> 512) paths, odd M; N not a multiple of the 32-column tile nor of 8 (padded
+    blocks)."""
     k = 512
     for n in (72, 53):
         codes, scale, zero = random_layer(n, k, group, bits, asym)

@@ -46,14 +46,6 @@ MANY_ROWS = {torch.bfloat16: 10, torch.float32: 18}
 # ms per pass, the kernel / oneDNN float32: 16 rows 70.6 / 76.5, 32 rows 117 / 123, 48 rows 166 / 204, 64 rows
 # 221 / 228, 96 rows 328 / 331, 128 rows 431 / 419
 MANY_ROWS_AVX2 = 96
-
-
-def many_rows(dtype: torch.dtype) -> int:
-    """Rows from which a layer kept in bf16 multiplies on oneDNN in `dtype` (MANY_ROWS; float32 on
-    a CPU without AVX-512 running qtk's avx2 build: MANY_ROWS_AVX2)."""
-    if dtype == torch.float32 and cpu_kernels.variant() == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2":
-        return MANY_ROWS_AVX2
-    return MANY_ROWS[dtype]
 # rows from which a layer kept in bf16 multiplies in bf16 on qtk's AVX512-BF16 kernel, and from which on
 # oneDNN's bf16 matmul takes over (benchmarks/prefill_peak.py's crossover, 2-core Zen 4, SmolLM2-135M's 120
 # decoder layers out of cache, ms per pass, float32 kernel / bf16 kernel / oneDNN bf16: 4 rows 7.3 / 6.9 /
@@ -67,6 +59,14 @@ BF16_DOT_ROWS = (5, 128)
 # 10.7 / 11.3, 10 rows 13.6 / 11.9, 12 rows 15.4 / 12.8, 16 rows 20.0 / 15.1, 128 rows 143 / 73; int8 8 rows
 # 11.1 / 12.7, 10 rows 14.0 / 13.9, 12 rows 15.6 / 14.6, 16 rows 20.4 / 17.0)
 QUANT_BF16_ROWS = {4: 10, 8: 12}
+
+
+def many_rows(dtype: torch.dtype) -> int:
+    """Rows from which a layer kept in bf16 multiplies on oneDNN in `dtype` (MANY_ROWS; float32 on
+    a CPU without AVX-512 running qtk's avx2 build: MANY_ROWS_AVX2)."""
+    if dtype == torch.float32 and cpu_kernels.variant() == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        return MANY_ROWS_AVX2
+    return MANY_ROWS[dtype]
 
 
 class PackedLinear(nn.Module):
