@@ -70,6 +70,8 @@ constexpr int64_t TILE_COLS = 64;  // columns per tile on the large-M path
 //   layers in ms per pass, gemv / slices: bf16 8 rows 45.2 / 45.7, 10 rows 56.2 / 50.0, 16 rows 86.4 /
 //   62.2; int8 6 rows 34.9 / 34.0, 8 rows 47.0 / 41.3, 16 rows 91.4 / 63.7; int4 6 rows 36.6 / 32.6,
 //   12 rows 61.0 / 50.9, 16 rows 86.9 / 61.6 (its lm_head, bf16 [49152, 576], at 16 rows 22.7 / 16.4).
+//   With bf16 slices converted under the FMAs (micro6_bf16): 4 rows 24.2 / 34.4, 5 rows 32.2 / 36.7,
+//   6 rows 34.5 / 32.8, 8 rows 45.0 / 41.0, 16 rows 60.9 (lm_head 15.6).
 // So the AVX2 build leaves the gemv where the Zen 1 slices win (bf16, int8: the gemv's per-weight decode,
 // a shift or a widening, is dearer than int4's AND) and for int4 at 12 rows, between Zen 1's crossover (6)
 // and Zen 3's (16-20). The AVX-512 build's gemv multiplies 4 rows per decoded register, 16 lanes wide: 20.
@@ -77,7 +79,7 @@ constexpr int64_t M_ROWS_MAX = 512, M_GEMV_MAX = 64;
 #ifdef QTK_AVX512
 constexpr int64_t rows_min(int64_t) { return 20; }
 #else
-constexpr int64_t rows_min(int64_t bits) { return bits == 16 ? 10 : bits == 8 ? 8 : 12; }
+constexpr int64_t rows_min(int64_t bits) { return bits == 16 ? 6 : bits == 8 ? 8 : 12; }
 #endif
 
 struct Args {
@@ -542,7 +544,8 @@ __attribute__((noinline)) static void decode_tile(const Args& a, int64_t nb0, in
         } else {
           c = load_lanes<BITS>(blk, k);
         }
-        _mm256_storeu_ps(dst, _mm256_fmsub_ps(c, _mm256_loadu_ps(s), _mm256_loadu_ps(z)));
+        if constexpr (BITS == 16) _mm256_storeu_ps(dst, c);  // the weight itself (scales 1, no zeros)
+        else _mm256_storeu_ps(dst, _mm256_fmsub_ps(c, _mm256_loadu_ps(s), _mm256_loadu_ps(z)));
 #else
         for (int j = 0; j < LANES; ++j) dst[j] = code_at<BITS>(blk, k, j) * s[j] - z[j];
 #endif
@@ -601,6 +604,36 @@ static inline void micro6(const float* w, const float* x, int64_t ldx, int64_t k
 #undef QTK_ST
 }
 
+// micro6 for bf16 weights that it converts itself: rows k0..k0 + kn of two column blocks become float
+// weights in registers, multiply 6 rows, and are stored in w for the slice's other micro-tiles, so the
+// stores run under the FMAs. Converting a slice first, in decode_tile's loop of its own, left the FMA units
+// idle behind the stores (Zen 1 stores one 128-bit half per cycle): SmolLM2's 120 layers at 16 rows took
+// 70 ms that way, 61 this way, and 53 with no conversion at all (wrong numbers, the bound; 2 Zen 1 cores).
+// Not for int8 and int4 codes: there the decoding's own arithmetic (convert, scale, zero; a shift and a
+// mask for int4) competes with the FMAs, and fusing measured no faster (int8) or 2-4% slower (int4).
+static void micro6_bf16(const uint8_t* b0, const uint8_t* b1, int64_t k0, int64_t kn, float* w, const float* x,
+                        int64_t ldx, float* acc) {
+#define QTK_LD(r) __m256 c##r##0 = _mm256_loadu_ps(acc + r * 32), c##r##1 = _mm256_loadu_ps(acc + r * 32 + 8);
+  QTK_LD(0) QTK_LD(1) QTK_LD(2) QTK_LD(3) QTK_LD(4) QTK_LD(5)
+#undef QTK_LD
+  for (int64_t k = 0; k < kn; ++k) {
+    const __m256 w0 = load_lanes<16>(b0, k0 + k), w1 = load_lanes<16>(b1, k0 + k);
+    _mm256_storeu_ps(w + k * 32, w0);
+    _mm256_storeu_ps(w + k * 32 + 8, w1);
+#define QTK_FMA(r)                                                 \
+  {                                                                \
+    const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);         \
+    c##r##0 = _mm256_fmadd_ps(w0, b, c##r##0);                     \
+    c##r##1 = _mm256_fmadd_ps(w1, b, c##r##1);                     \
+  }
+    QTK_FMA(0) QTK_FMA(1) QTK_FMA(2) QTK_FMA(3) QTK_FMA(4) QTK_FMA(5)
+#undef QTK_FMA
+  }
+#define QTK_ST(r) _mm256_storeu_ps(acc + r * 32, c##r##0); _mm256_storeu_ps(acc + r * 32 + 8, c##r##1);
+  QTK_ST(0) QTK_ST(1) QTK_ST(2) QTK_ST(3) QTK_ST(4) QTK_ST(5)
+#undef QTK_ST
+}
+
 // Batched decode and short prefill chunks (rows_min(bits)..M_ROWS_MAX rows): each KC-row slice of a full 32-column tile is decoded
 // once into L1 as float weights, then multiplied by all rows in 6 x 16 micro-tiles (the gemv decodes
 // the codes again for every pair of rows); the rows' sums stay in acc [M, 32].
@@ -616,11 +649,17 @@ static void rows_tile(const Args& a, int64_t nb0, float* wbuf, float* acc) {
   std::fill(acc, acc + M * W, 0.f);
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kn = std::min(KC, K - k0);
-    decode_tile<BITS>(a, nb0, NT, wbuf, W, k0, k0 + kn);
+    const bool convert_first = BITS == 16 && M >= MRB;  // bf16: the first 6 rows convert the slice
+    if (!convert_first) decode_tile<BITS>(a, nb0, NT, wbuf, W, k0, k0 + kn);
     for (int64_t h = 0; h < W; h += 16)
       for (int64_t m = 0; m < M; m += MRB) {
         const float* x = a.x + m * K + k0;
         float* o = acc + m * W + h;
+        if (convert_first && m == 0) {
+          const uint8_t* b0 = a.codes + (nb0 + h / LANES) * bb;
+          micro6_bf16(b0, b0 + bb, k0, kn, wbuf + h, x, K, o);
+          continue;
+        }
         switch (std::min<int64_t>(MRB, M - m)) {
           case 6: micro6(wbuf + h, x, K, kn, o); break;
           case 5: micro<5>(wbuf + h, x, K, kn, o); break;
