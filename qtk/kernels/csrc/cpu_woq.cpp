@@ -70,7 +70,7 @@ constexpr int64_t TILE_COLS = 64;  // columns per tile on the large-M path
 //   layers in ms per pass, gemv / slices: bf16 8 rows 45.2 / 45.7, 10 rows 56.2 / 50.0, 16 rows 86.4 /
 //   62.2; int8 6 rows 34.9 / 34.0, 8 rows 47.0 / 41.3, 16 rows 91.4 / 63.7; int4 6 rows 36.6 / 32.6,
 //   12 rows 61.0 / 50.9, 16 rows 86.9 / 61.6 (its lm_head, bf16 [49152, 576], at 16 rows 22.7 / 16.4).
-//   With bf16 slices converted under the FMAs (micro6_bf16): 4 rows 24.2 / 34.4, 5 rows 32.2 / 36.7,
+//   With bf16 slices converted under the FMAs (micro6<true>): 4 rows 24.2 / 34.4, 5 rows 32.2 / 36.7,
 //   6 rows 34.5 / 32.8, 8 rows 45.0 / 41.0, 16 rows 60.9 (lm_head 15.6).
 // So the AVX2 build leaves the gemv where the Zen 1 slices win (bf16, int8: the gemv's per-weight decode,
 // a shift or a widening, is dearer than int4's AND) and for int4 at 12 rows, between Zen 1's crossover (6)
@@ -583,43 +583,30 @@ static inline void micro(const float* w, const float* x, int64_t ldx, int64_t kn
   }
 }
 
-// micro<6> with its 12 accumulators as variables (GCC keeps an array of them on the stack).
-static inline void micro6(const float* w, const float* x, int64_t ldx, int64_t kn, float* acc) {
+// micro<6> with its 12 accumulators as variables (GCC keeps an array of them on the stack), on the slice's
+// float weights w [kn, 32]. CONVERT (bf16 weights): it first makes them itself, from rows k0..k0 + kn of
+// the column blocks at b0 and b0 + bb, in registers, and stores them into w for the slice's other
+// micro-tiles, so the stores run under the FMAs. Converting a slice first, in decode_tile's loop of its own,
+// left the FMA units idle behind the stores (Zen 1 stores one 128-bit half per cycle): SmolLM2's 120 layers
+// at 16 rows took 70 ms that way, 61 this way, and 53 with no conversion at all (wrong numbers, the bound;
+// 2 Zen 1 cores). Not for int8 and int4 codes: there the decoding's own arithmetic (convert, scale, zero; a
+// shift and a mask for int4) competes with the FMAs, and fusing measured no faster (int8) or 2-4% slower
+// (int4).
+template <bool CONVERT = false>
+static inline void micro6(float* w, const float* x, int64_t ldx, int64_t kn, float* acc,
+                          const uint8_t* b0 = nullptr, int64_t bb = 0, int64_t k0 = 0) {
 #define QTK_LD(r) __m256 c##r##0 = _mm256_loadu_ps(acc + r * 32), c##r##1 = _mm256_loadu_ps(acc + r * 32 + 8);
   QTK_LD(0) QTK_LD(1) QTK_LD(2) QTK_LD(3) QTK_LD(4) QTK_LD(5)
 #undef QTK_LD
   for (int64_t k = 0; k < kn; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(w + k * 32), w1 = _mm256_loadu_ps(w + k * 32 + 8);
-#define QTK_FMA(r)                                                 \
-  {                                                                \
-    const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);         \
-    c##r##0 = _mm256_fmadd_ps(w0, b, c##r##0);                     \
-    c##r##1 = _mm256_fmadd_ps(w1, b, c##r##1);                     \
-  }
-    QTK_FMA(0) QTK_FMA(1) QTK_FMA(2) QTK_FMA(3) QTK_FMA(4) QTK_FMA(5)
-#undef QTK_FMA
-  }
-#define QTK_ST(r) _mm256_storeu_ps(acc + r * 32, c##r##0); _mm256_storeu_ps(acc + r * 32 + 8, c##r##1);
-  QTK_ST(0) QTK_ST(1) QTK_ST(2) QTK_ST(3) QTK_ST(4) QTK_ST(5)
-#undef QTK_ST
-}
-
-// micro6 for bf16 weights that it converts itself: rows k0..k0 + kn of two column blocks become float
-// weights in registers, multiply 6 rows, and are stored in w for the slice's other micro-tiles, so the
-// stores run under the FMAs. Converting a slice first, in decode_tile's loop of its own, left the FMA units
-// idle behind the stores (Zen 1 stores one 128-bit half per cycle): SmolLM2's 120 layers at 16 rows took
-// 70 ms that way, 61 this way, and 53 with no conversion at all (wrong numbers, the bound; 2 Zen 1 cores).
-// Not for int8 and int4 codes: there the decoding's own arithmetic (convert, scale, zero; a shift and a
-// mask for int4) competes with the FMAs, and fusing measured no faster (int8) or 2-4% slower (int4).
-static void micro6_bf16(const uint8_t* b0, const uint8_t* b1, int64_t k0, int64_t kn, float* w, const float* x,
-                        int64_t ldx, float* acc) {
-#define QTK_LD(r) __m256 c##r##0 = _mm256_loadu_ps(acc + r * 32), c##r##1 = _mm256_loadu_ps(acc + r * 32 + 8);
-  QTK_LD(0) QTK_LD(1) QTK_LD(2) QTK_LD(3) QTK_LD(4) QTK_LD(5)
-#undef QTK_LD
-  for (int64_t k = 0; k < kn; ++k) {
-    const __m256 w0 = load_lanes<16>(b0, k0 + k), w1 = load_lanes<16>(b1, k0 + k);
-    _mm256_storeu_ps(w + k * 32, w0);
-    _mm256_storeu_ps(w + k * 32 + 8, w1);
+    __m256 w0, w1;
+    if constexpr (CONVERT) {
+      w0 = load_lanes<16>(b0, k0 + k), w1 = load_lanes<16>(b0 + bb, k0 + k);
+      _mm256_storeu_ps(w + k * 32, w0);
+      _mm256_storeu_ps(w + k * 32 + 8, w1);
+    } else {
+      w0 = _mm256_loadu_ps(w + k * 32), w1 = _mm256_loadu_ps(w + k * 32 + 8);
+    }
 #define QTK_FMA(r)                                                 \
   {                                                                \
     const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);         \
@@ -656,8 +643,7 @@ static void rows_tile(const Args& a, int64_t nb0, float* wbuf, float* acc) {
         const float* x = a.x + m * K + k0;
         float* o = acc + m * W + h;
         if (convert_first && m == 0) {
-          const uint8_t* b0 = a.codes + (nb0 + h / LANES) * bb;
-          micro6_bf16(b0, b0 + bb, k0, kn, wbuf + h, x, K, o);
+          micro6<true>(wbuf + h, x, K, kn, o, a.codes + (nb0 + h / LANES) * bb, bb, k0);
           continue;
         }
         switch (std::min<int64_t>(MRB, M - m)) {
