@@ -498,6 +498,46 @@ def test_store_and_decode_refuse_mismatched_operands(lib):
         lib.paged_decode_attention(q, cache(), cache(), tables, lens, 8, 0.3, None, None, 0, 0.0, torch.ones(3))
 
 
+@pytest.mark.parametrize("V", [49152, 1000, 77])  # whole blocks of 64 and of 8, and tails of both
+def test_sample_rows_draws_the_token_where_the_cdf_passes_u(lib, V):
+    """sample_rows is the sampler's inverse-CDF draw: the token it returns is the one whose
+    cumulative probability (float64, at that row's temperature) passes u, up to float32's rounding;
+    u = 0 gives the first token of weight > 0 and u near 1 the last; NaN and -inf never come out,
+    +inf logits share the draw; a row with nothing to draw returns -1."""
+    g = torch.Generator().manual_seed(0)
+    B = 24
+    x = torch.randn(B, V, generator=g) * 4
+    x[:, ::5] = float("-inf")  # excluded tokens (a grammar's mask, top-k)
+    x[:, 1::7] = float("nan")
+    t = torch.rand(B, generator=g) * 2 + 1e-5
+    t[0] = 1e-5  # the smallest temperature a row is drawn at: the argmax
+    u = torch.rand(B, generator=g)
+    u[1], u[2] = 0.0, 1.0 - 2 ** -24
+    got = lib.sample_rows(x, t, u)
+    clean = torch.nan_to_num(x.double(), nan=float("-inf"))
+    p = ((clean - clean.amax(-1, keepdim=True)) / t.double()[:, None]).softmax(-1)
+    cdf = p.cumsum(-1)
+    for r in range(B):
+        j = got[r].item()
+        assert p[r, j] > 0, (r, j)
+        below = cdf[r, j - 1].item() if j else 0.0
+        assert below <= u[r].item() + 1e-5 and cdf[r, j].item() >= u[r].item() - 1e-5, (r, j, below, cdf[r, j].item(), u[r])
+    assert got[0].item() == clean[0].argmax().item()
+    allowed = (p[1] > 0).nonzero().flatten()
+    assert got[1].item() == allowed[0].item() and got[2].item() == allowed[-1].item()
+    y = torch.full((3, 40), float("-inf"))
+    y[0, 3], y[0, 9], y[0, 30] = float("inf"), float("inf"), 1e30  # +inf: the largest float, the rest 0
+    y[1, :] = float("nan")
+    draws = [lib.sample_rows(y, torch.ones(3), torch.tensor([v, 0.5, 0.5])).tolist() for v in (0.0, 0.49, 0.51, 0.999)]
+    assert [d[0] for d in draws] == [3, 3, 9, 9] and all(d[1:] == [-1, -1] for d in draws)
+    strided = x[:, :V // 2]  # rows at a stride
+    assert torch.equal(lib.sample_rows(strided, t, u), lib.sample_rows(strided.contiguous(), t, u))
+    with pytest.raises(RuntimeError, match="temperature must be positive"):
+        lib.sample_rows(x[:1], torch.zeros(1), u[:1])
+    with pytest.raises(RuntimeError, match="one value per row"):
+        lib.sample_rows(x, t[:3], u)
+
+
 def bf16_attention_lib(bf16: bool = True, build: str = "avx512"):
     """The build (avx512, or avx2 for the float32 prefill's 8-lane version) where the CPU has what the
     attention kernels' math needs (AVX512-BF16 for bf16; AVX-512, or AVX2 and FMA, for the float32

@@ -268,13 +268,21 @@ def test_a_huge_repetition_penalty_lowers_seen_tokens_never_excludes_them(penalt
     assert Sampler()(logits, [seq])[0] in (1, 2, 3)
 
 
-def test_a_batch_draws_each_row_with_its_own_probabilities():
-    """The sampler draws the whole batch at once (an exponential race): each row's tokens come with
-    its own temperature-scaled probabilities, top-k'd rows only among their k, greedy rows take the
-    argmax, and a seeded row its own generator's draws whatever else is in the batch."""
+@pytest.mark.parametrize("draw", ["kernel", "torch"])
+def test_a_batch_draws_each_row_with_its_own_probabilities(draw, monkeypatch):
+    """The sampler draws the whole batch at once (by inverse CDF, in qtk's CPU kernel or in torch):
+    each row's tokens come with its own temperature-scaled probabilities, top-k'd rows only among
+    their k, greedy rows take the argmax, and a seeded row its own generator's draws whatever else
+    is in the batch."""
+    from qtk.kernels import cpu
     from qtk.runtime.sampler import Sampler
     from qtk.runtime.sampling_params import SamplingParams
     from qtk.runtime.sequence import Sequence
+
+    if draw == "kernel" and cpu.ops() is None:
+        pytest.skip("qtk's CPU kernels do not run here (no compiler)")
+    if draw == "torch":
+        monkeypatch.setattr(Sampler, "_kernels", lambda self, rows: None)
 
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log()
@@ -295,6 +303,39 @@ def test_a_batch_draws_each_row_with_its_own_probabilities():
     others = [Sequence([1], kinds[0]), Sequence([1], kinds[1])]
     in_batch = [many(logits.repeat(3, 1), [others[0], seeded[1], others[1]])[1] for _ in range(30)]
     assert alone == in_batch and len(set(alone)) > 1
+
+
+def test_the_kernel_draws_the_tokens_torch_draws(monkeypatch):
+    """qtk's CPU draw (sample_rows) and torch's (softmax, cumsum, searchsorted) give the same tokens
+    for the same seeds: temperatures, top-k / top-p / min-p, a logit bias and a grammar-like mask,
+    over a vocabulary the size of the bundled model's. Both sum in float32 (torch's cumsum in order,
+    the kernel by blocks), so where u falls within their rounding of each other (~1e-6 of the mass)
+    on a token rarer than that, they pick neighbours: all but one in 240 agree here."""
+    from qtk.kernels import cpu
+    from qtk.runtime.sampler import Sampler
+    from qtk.runtime.sampling_params import SamplingParams
+    from qtk.runtime.sequence import Sequence
+
+    if cpu.ops() is None:
+        pytest.skip("qtk's CPU kernels do not run here (no compiler)")
+    g = torch.Generator().manual_seed(1)
+    kinds = [dict(temperature=1.0), dict(temperature=0.3), dict(temperature=1.7, top_p=0.9), dict(temperature=0.8, top_k=40),
+             dict(temperature=1.0, min_p=0.05), dict(temperature=1.0, logit_bias={7: 5.0})]
+    logits = torch.randn(12, 49152, generator=g) * 3
+    logits[5, 1000:] = float("-inf")  # a grammar's mask
+
+    def draws(kernel: bool) -> list[list[int]]:
+        if not kernel:
+            monkeypatch.setattr(Sampler, "_kernels", lambda self, rows: None)
+        seqs = [Sequence([1], SamplingParams(seed=i, **kinds[i % len(kinds)])) for i in range(12)]
+        sampler = Sampler()
+        out = [sampler(logits, seqs) for _ in range(20)]
+        monkeypatch.undo()
+        return out
+
+    ours, torchs = draws(kernel=True), draws(kernel=False)
+    pairs = [(a, b) for x, y in zip(ours, torchs) for a, b in zip(x, y)]
+    assert sum(a == b for a, b in pairs) >= len(pairs) - 2 and all(abs(a - b) <= 1 for a, b in pairs)
 
 
 def test_incremental_detokenization_is_the_whole_decode_and_never_half_a_character(tokenizer):

@@ -73,6 +73,7 @@ class Sampler:
         self.eos_token_ids = set(eos_token_ids)
         self.grammars = grammars  # structured outputs: masks the rows of sequences with a grammar
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded generator
+        self._ops = None  # qtk's CPU kernels (False: none here), looked up on the first draw
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         guided = [(s.grammar, i) for i, s in enumerate(seqs) if s.grammar is not None]
@@ -87,6 +88,8 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if all(s.params.greedy and not self._adjusts(s) for s in seqs):  # one argmax for the batch
             return logits.argmax(dim=-1).tolist()
+        if not any(s.params.greedy or self._adjusts(s) for s in seqs):  # every row drawn as it is (a served batch)
+            return self._draw(logits, seqs).tolist()
         rows = finite(logits)  # a copy: the adjustments below write into it
         for i, seq in enumerate(seqs):  # the per-sequence adjustments, where a sequence has any
             if not self._adjusts(seq):
@@ -99,7 +102,7 @@ class Sampler:
                     row[banned] = float("-inf")
             rows[i] = row
         drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if len(drawn) == len(seqs):  # every row drawn (a served batch at temperature > 0): no argmax, no copy
+        if len(drawn) == len(seqs):  # no argmax, no copy
             return self._draw(rows, seqs).tolist()
         out = rows.argmax(dim=-1)  # the greedy sequences' tokens
         if drawn:
@@ -107,33 +110,59 @@ class Sampler:
         return out.tolist()
 
     def _draw(self, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per row [B, V] by temperature, top-k, top-p and min-p, the batch at once by inverse
-        CDF: one uniform u per row, the first token whose cumulative probability passes u * total (a
-        token of probability 0 never does). torch.multinomial draws an exponential per token (15 ms
-        for 16 x 49,152 on 2 cores, a fifth of a served decode step); this draws 16 numbers. A seeded
-        sequence's u comes from its own generator."""
-        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=rows.dtype, device=rows.device)
-        # shifted so the largest is 0 before the temperature (softmax does not change): a tiny
-        # temperature then sends the others to -inf, never the likeliest to +inf
-        rows = torch.nan_to_num_((rows - rows.amax(dim=-1, keepdim=True)).div_(temperature[:, None]), nan=float("-inf"),
-                                 posinf=torch.finfo(rows.dtype).max, neginf=float("-inf"))  # finite(), in place
-        for i, s in enumerate(seqs):
-            p = s.params
-            if p.top_k or p.top_p < 1.0 or p.min_p > 0.0:
-                rows[i] = filter_logits(rows[i], p.top_k, p.top_p, p.min_p)
-        cdf = rows.softmax(dim=-1).cumsum_(dim=-1)
-        u = torch.rand(len(seqs), 1, dtype=cdf.dtype, device=cdf.device)
+        """One token per row [B, V] of logits (as they come, or as finite() leaves them) by temperature,
+        top-k, top-p and min-p, the batch at once by inverse CDF: one uniform u per row, the first token
+        whose cumulative probability passes u * total (a token of probability 0 never does).
+        torch.multinomial draws an exponential per token (15 ms for 16 x 49,152 on 2 cores, a fifth of a
+        served decode step); this draws 16 numbers. A seeded sequence's u comes from its own generator.
+        On CPU qtk's kernel (sample_rows) draws from the logits in one call; torch's version of the same
+        draw (shift, divide, softmax, cumsum, searchsorted) took 6 ms of that step."""
+        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
+        u = torch.rand(len(seqs), dtype=torch.float32)
         for i, s in enumerate(seqs):
             if s.params.seed is not None:
                 gen = self.generators.get(s.seq_id)
                 if gen is None:
-                    gen = self.generators[s.seq_id] = torch.Generator(device=rows.device).manual_seed(s.params.seed)
-                u[i] = torch.rand(1, generator=gen, dtype=cdf.dtype, device=cdf.device)
-        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
-        excluded = ~torch.isfinite(cdf[:, -1])  # every token excluded (a grammar's mask): its check fails it
+                    gen = self.generators[s.seq_id] = torch.Generator().manual_seed(s.params.seed)
+                u[i] = torch.rand(1, generator=gen, dtype=torch.float32)
+        filtered = any(s.params.top_k or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in seqs)
+        if filtered:  # the filters work on the temperature-scaled logits; the draw then at temperature 1
+            rows = self._scaled(finite(rows), temperature)
+            for i, s in enumerate(seqs):
+                p = s.params
+                if p.top_k or p.top_p < 1.0 or p.min_p > 0.0:
+                    rows[i] = filter_logits(rows[i], p.top_k, p.top_p, p.min_p)
+            temperature = torch.ones_like(temperature)
+        ops = self._kernels(rows)
+        if ops is not None:
+            tokens = ops.sample_rows(rows, temperature, u)
+            excluded = tokens < 0  # no token left with a weight (a grammar's mask): its check fails it
+        else:
+            cdf = (rows if filtered else self._scaled(finite(rows), temperature)).softmax(dim=-1).cumsum_(dim=-1)
+            u = u.to(device=cdf.device, dtype=cdf.dtype)[:, None]
+            tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+            excluded = ~torch.isfinite(cdf[:, -1])
         if bool(excluded.any()):
-            tokens[excluded] = rows[excluded].argmax(dim=-1)
+            tokens[excluded] = finite(rows[excluded]).argmax(dim=-1).to(tokens.device)
         return tokens
+
+    @staticmethod
+    def _scaled(rows: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """(rows - their max) / temperature, finite: shifted so the largest is 0 before the temperature
+        (softmax does not change), a tiny temperature then sends the others to -inf, never the
+        likeliest to +inf."""
+        rows = (rows - rows.amax(dim=-1, keepdim=True)).div_(temperature.to(device=rows.device, dtype=rows.dtype)[:, None])
+        return torch.nan_to_num_(rows, nan=float("-inf"), posinf=torch.finfo(rows.dtype).max, neginf=float("-inf"))
+
+    def _kernels(self, rows: torch.Tensor):
+        """qtk's CPU kernels where they run on these rows (float32 on CPU), else None (torch draws)."""
+        if rows.device.type != "cpu" or rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            return None
+        if self._ops is None:
+            from ..kernels import cpu as cpu_kernels
+
+            self._ops = cpu_kernels.ops() or False
+        return self._ops or None
 
     @staticmethod
     def _adjusts(seq: Sequence) -> bool:
