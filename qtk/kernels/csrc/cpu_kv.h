@@ -50,26 +50,5 @@ inline float as_float(uint16_t bf16) {  // the top half of a float32
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-
-template <Kv KIND>
-inline float kv_at(const kv_t<KIND>* row, int64_t d) {
-  if constexpr (KIND == Kv::F8) {
-    return e4m3().v[row[d]];
-  } else if constexpr (KIND == Kv::BF16) {
-    return as_float(row[d]);
-  } else {
-    return static_cast<float>(row[d]);
-  }
-}
-
-// Cache row `slot` of one head as float32: the row itself (float32 cache) or decoded into buf.
-template <Kv KIND>
-inline const float* row_f32(const kv_t<KIND>* head, int64_t slot, int64_t D, float* buf) {
-  if constexpr (KIND == Kv::F32) {
-    return head + slot * D;
-  } else {
-    for (int64_t d = 0; d < D; ++d) buf[d] = kv_at<KIND>(head + slot * D, d);
-    return buf;
-  }
-}
-
+inline float as_float(int8_t code) { return code; }           // an INT8 cache's code (unscaled)
+inline float as_float(uint8_t bits) { return e4m3().v[bits]; }  // an FP8 cache's e4m3 bits (unscaled)

@@ -285,7 +285,7 @@ float exp_sum_(float* v, int64_t n, float shift) {
 }
 
 // -- the KV cache ---------------------------------------------------------------------------------
-#include "cpu_kv.h"  // its element types (Kv), e4m3 -> float32, kv_scale, kv_kind, kv_at, row_f32
+#include "cpu_kv.h"  // its element types (Kv), e4m3 -> float32, kv_scale, kv_kind, as_float
 
 uint8_t float_to_e4m3(float f) {  // round to nearest even, saturating at +-448 (as torch's .to(float8_e4m3fn) after clamp)
   if (std::isnan(f)) return 0x7F;
@@ -360,6 +360,24 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 }
 
 #ifdef QTK_AVX2
+// 8 elements of an INT8 cache (its codes) or an FP8 e4m3 cache (uint8 bits) as float32, unscaled, decoded in
+// registers so that every cache dtype is read in place (decoded first into a float32 copy of the context,
+// an FP8 cache by a table, the decode attention took 2.1x a float32 cache's time and an INT8 cache 0.74x,
+// for a quarter of the bytes). e4m3: 2^(e - 7) (1 + m / 8), for e = 0 m * 2^-9, is 2^120 times the float32
+// whose exponent field holds e and whose mantissa starts with m (a subnormal for e = 0, which the product
+// makes exact unless the thread flushes denormal inputs to zero); 0x7F / 0xFF are NaN.
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const uint8_t* p) {
+  // sign-extended and shifted: the sign in bit 31 (and 30..27), e and m in bits 26..20
+  const __m256i x = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 20);
+  const __m256 v = _mm256_mul_ps(_mm256_and_ps(_mm256_castsi256_ps(x), _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x87F00000u)))),
+                                 _mm256_set1_ps(0x1p120f));
+  const __m256i em = _mm256_set1_epi32(0x07F00000);
+  return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(x, em), em)));  // NaN: all ones
+}
+
 // q . k for 8 keys at once: 8 FMA chains over D (D % 8 == 0), then the 8 sums across lanes by a
 // transpose of adds (one horizontal sum per key cost more than the dots), times the scale, into
 // out[0..8), and their maximum into mx. The last step adds the two 128-bit halves rather than
@@ -385,6 +403,68 @@ static inline void dot8(const float* q, const R* const* rows, int64_t D, __m128 
   _mm_storeu_ps(out, s0);
   _mm_storeu_ps(out + 4, s1);
   mx = _mm_max_ps(mx, _mm_max_ps(s0, s1));
+}
+
+// q . k for NH query heads of one KV head (rows q, q + qs, ...) and 4 keys at once, for an INT8 / FP8 cache:
+// each key's 8 elements are decoded once for all NH heads (dot8, head by head, would decode them once per
+// head). 4 NH sums across lanes, times the scale, into out[h * os ..][0..4), and each head's maximum into
+// mx[h]. NH <= 3: 4 NH accumulators, NH q vectors and one key vector fill the 16 registers.
+template <int NH, typename R>
+static inline void dot4_heads(const float* q, int64_t qs, const R* const* rows, int64_t D, __m128 scale, float* out,
+                              int64_t os, __m128* mx) {
+  static_assert(NH >= 1 && NH <= 3, "dot4_heads: 1 to 3 heads");
+  __m256 a[NH][4];
+#pragma GCC unroll 3
+  for (int h = 0; h < NH; ++h) a[h][0] = a[h][1] = a[h][2] = a[h][3] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 qv[NH];
+#pragma GCC unroll 3
+    for (int h = 0; h < NH; ++h) qv[h] = _mm256_loadu_ps(q + h * qs + d);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m256 kv = load8(rows[k] + d);
+#pragma GCC unroll 3
+      for (int h = 0; h < NH; ++h) a[h][k] = _mm256_fmadd_ps(qv[h], kv, a[h][k]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int h = 0; h < NH; ++h) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
+    const __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)), scale);
+    _mm_storeu_ps(out + h * os, s);
+    mx[h] = _mm_max_ps(mx[h], s);
+  }
+}
+
+// out[h][d0 .. d0 + 32) (+)= sum_j p[h][j] * rows[j][d0 ..] for NH heads (p[h] = p + h * ps, out[h] = out +
+// h * os), for an INT8 / FP8 cache: each value row's 4 vectors are decoded once for all NH heads
+// (pv_chunk, head by head, would decode them once per head). NH <= 3: 4 NH accumulators, NH weights and
+// one value vector in 16 registers.
+template <int NH, typename R>
+static inline void pv4_heads(const float* p, int64_t ps, const R* const* rows, int64_t L, int64_t d0, float* out,
+                             int64_t os, bool add) {
+  static_assert(NH >= 1 && NH <= 3, "pv4_heads: 1 to 3 heads");
+  __m256 acc[NH][4];
+#pragma GCC unroll 3
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) acc[h][v] = add ? _mm256_loadu_ps(out + h * os + d0 + 8 * v) : _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    __m256 pj[NH];
+#pragma GCC unroll 3
+    for (int h = 0; h < NH; ++h) pj[h] = _mm256_broadcast_ss(p + h * ps + j);
+    const R* r = rows[j] + d0;
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      const __m256 x = load8(r + 8 * v);
+#pragma GCC unroll 3
+      for (int h = 0; h < NH; ++h) acc[h][v] = _mm256_fmadd_ps(pj[h], x, acc[h][v]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out + h * os + d0 + 8 * v, acc[h][v]);
 }
 
 static inline float hmax4(__m128 v) {
@@ -437,6 +517,10 @@ static void weighted_rows(const float* p, const R* const* rows, int64_t L, int64
 // each head re-read them from L2 and ran 3x slower (a 2-core Zen 4, 16 sequences x 1024 keys).
 constexpr int64_t DECODE_TILE = 64;
 
+// How many of the `left` query heads of a KV head the AVX2 passes take at once (dot4_heads, pv4_heads):
+// 3, or 2 where 4 are left (2 + 2 rather than 3 + 1); 1 means the head-by-head path.
+constexpr int64_t heads_at_once(int64_t left) { return left == 4 ? 2 : std::min<int64_t>(3, left); }
+
 // One work item: the query heads g0..g1 of KV head h of sequence b. With few sequences (B * KV items
 // would leave threads idle, as at batch 1) the query heads of a KV head are split over items too.
 template <Kv KIND>
@@ -452,14 +536,19 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const kv_t<KIND>* kc = static_cast<const kv_t<KIND>*>(k_cache.data_ptr());
   const kv_t<KIND>* vc = static_cast<const kv_t<KIND>*>(v_cache.data_ptr());
   float* op = out.data_ptr<float>();
+  // INT8 / FP8 rows are decoded in registers, once per 2-3 query heads (dot4_heads, pv4_heads): FP8's
+  // decode costs more than the FMAs it feeds. Float32 rows go head by head, 8 keys at once: over a cache
+  // out of CPU cache, 4 keys at once for 3 heads kept fewer lines in flight and the step's attention took
+  // 1.15-1.2x as long (16 sequences x 1024 keys, 2 Zen 1 cores); bf16 rows too (no faster grouped).
+  constexpr bool GROUPED = KIND == Kv::I8 || KIND == Kv::F8;
+  (void)GROUPED;  // the portable build has no grouped passes
   int64_t work = 0;  // keys and values to read: a tiny step runs on the calling thread
   for (int64_t b = 0; b < B; ++b) work += ln[b] * KV * D;
   const int64_t splits = B * KV < 2 * at::get_num_threads() ? G : 1;
   const int64_t items = B * KV * splits;
   at::parallel_for(0, items, work < (1 << 12) ? items : 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores, smax, kbuf, vbuf;
-    using row_t = std::conditional_t<KIND == Kv::BF16, uint16_t, float>;  // bf16 rows are read in place
-    std::vector<const row_t*> krow, vrow;
+    std::vector<float> scores, smax;
+    std::vector<const kv_t<KIND>*> krow, vrow;  // every cache dtype is read in place (load8, as_float)
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (KV * splits), h = (i / splits) % KV, s = i % splits;
       const int64_t g0 = s * G / splits, g1 = (s + 1) * G / splits, ng = g1 - g0, n = ln[b];
@@ -468,24 +557,14 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t first = window > 0 && n > window ? n - window : 0, L = n - first;  // the keys it sees
       const kv_t<KIND>* kh = kc + h * S * D;
       const kv_t<KIND>* vh = vc + h * S * D;
-      krow.resize(L);  // the context's rows, through the block table (decoded once for INT8 / FP8)
+      krow.resize(L);  // the context's rows, through the block table
       vrow.resize(L);
-      if constexpr (KIND == Kv::I8 || KIND == Kv::F8) {
-        kbuf.resize(L * D);
-        vbuf.resize(L * D);
-      }
       for (int64_t blk = first / bs; blk * bs < n; ++blk) {
         const int64_t base = tb[b * W + blk] * bs;
         TORCH_CHECK(base >= 0 && base + bs <= S, "paged_decode_attention: block table points outside the cache");
         for (int64_t o = std::max(first - blk * bs, int64_t(0)); o < bs && blk * bs + o < n; ++o) {
-          const int64_t j = blk * bs + o - first;
-          if constexpr (KIND == Kv::F32 || KIND == Kv::BF16) {
-            krow[j] = kh + (base + o) * D;
-            vrow[j] = vh + (base + o) * D;
-          } else {
-            krow[j] = row_f32<KIND>(kh, base + o, D, kbuf.data() + j * D);
-            vrow[j] = row_f32<KIND>(vh, base + o, D, vbuf.data() + j * D);
-          }
+          krow[blk * bs + o - first] = kh + (base + o) * D;
+          vrow[blk * bs + o - first] = vh + (base + o) * D;
         }
       }
       scores.resize(ng * L);
@@ -494,7 +573,34 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const float vscale = vs ? vs[nvs == 1 ? 0 : h] : 1.f;
       for (int64_t j0 = 0; j0 < L; j0 += DECODE_TILE) {  // scores: q . k over the context, a tile at a time
         const int64_t j1 = std::min(L, j0 + DECODE_TILE);
-        for (int64_t g = g0; g < g1; ++g) {
+        int64_t g = g0;
+#ifdef QTK_AVX2
+        if (GROUPED && D % 8 == 0)  // 2 or 3 heads at a time, each key row decoded once for them all
+          for (int64_t nh; (nh = heads_at_once(g1 - g)) > 1; g += nh) {
+            const float* qr = qp + b * qs0 + (h * G + g) * qs1;
+            float* sr = scores.data() + (g - g0) * L;
+            __m128 mv[3];
+            for (int64_t e = 0; e < nh; ++e) mv[e] = _mm_set1_ps(smax[g - g0 + e]);
+            const __m128 sc = _mm_set1_ps(kscale);
+            int64_t j = j0;
+            for (; j + 4 <= j1; j += 4)
+              if (nh == 3)
+                dot4_heads<3>(qr, qs1, &krow[j], D, sc, sr + j, L, mv);
+              else
+                dot4_heads<2>(qr, qs1, &krow[j], D, sc, sr + j, L, mv);
+            for (int64_t e = 0; e < nh; ++e) {
+              float& m = smax[g - g0 + e];
+              m = hmax4(mv[e]);
+              for (int64_t jj = j; jj < j1; ++jj) {
+                float dot = 0.f;
+                for (int64_t d = 0; d < D; ++d) dot += qr[e * qs1 + d] * as_float(krow[jj][d]);
+                sr[e * L + jj] = dot * kscale;
+                m = std::max(m, sr[e * L + jj]);
+              }
+            }
+          }
+#endif
+        for (; g < g1; ++g) {
           const float* qr = qp + b * qs0 + (h * G + g) * qs1;
           float* sr = scores.data() + (g - g0) * L;
           float& m = smax[g - g0];  // each head's largest score, kept as they are written
@@ -525,10 +631,24 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         mx = std::max(mx, sink);
         smax[g - g0] = vscale / (exp_sum_(sr, L, mx) + (sinks ? std::exp(sink - mx) : 0.f));
       }
-      for (int64_t j0 = 0; j0 < L; j0 += DECODE_TILE)  // out = exp(s) . v, a tile at a time
-        for (int64_t g = g0; g < g1; ++g)
-          weighted_rows(scores.data() + (g - g0) * L + j0, vrow.data() + j0, std::min(DECODE_TILE, L - j0), D,
-                        op + (b * H + h * G + g) * D, j0 > 0);
+      for (int64_t j0 = 0; j0 < L; j0 += DECODE_TILE) {  // out = exp(s) . v, a tile at a time
+        const int64_t n = std::min(DECODE_TILE, L - j0);
+        int64_t g = g0;
+#ifdef QTK_AVX2
+        if (GROUPED && D % 32 == 0)  // 2 or 3 heads at a time, each value row decoded once for them all
+          for (int64_t nh; (nh = heads_at_once(g1 - g)) > 1; g += nh)
+            for (int64_t d0 = 0; d0 < D; d0 += 32)
+              if (nh == 3)
+                pv4_heads<3>(scores.data() + (g - g0) * L + j0, L, vrow.data() + j0, n, d0,
+                             op + (b * H + h * G + g) * D, D, j0 > 0);
+              else
+                pv4_heads<2>(scores.data() + (g - g0) * L + j0, L, vrow.data() + j0, n, d0,
+                             op + (b * H + h * G + g) * D, D, j0 > 0);
+#endif
+        for (; g < g1; ++g)
+          weighted_rows(scores.data() + (g - g0) * L + j0, vrow.data() + j0, n, D, op + (b * H + h * G + g) * D,
+                        j0 > 0);
+      }
       for (int64_t g = g0; g < g1; ++g) {  // then divided by the sum, once per output row rather than per key
         float* o = op + (b * H + h * G + g) * D;
         const float inv = smax[g - g0];
