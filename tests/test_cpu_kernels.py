@@ -463,41 +463,47 @@ def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D):
         assert rel_err(got, want) < 1e-5, (window, terms)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.bfloat16])
 @pytest.mark.parametrize("G", [1, 2, 3, 4, 5])
-def test_decode_reads_every_int8_and_fp8_code_exactly(lib, kv_dtype, G):
-    """paged_decode_attention reads an INT8 / FP8 cache in place, decoding in registers: each of the
-    256 codes, as a value and as a key, counts as torch's value of it times the scale (FP8's
-    subnormals, -0 and largest; its NaNs as NaN), with 1 to 5 query heads per KV head (2 and 3 at a
-    time, and one by one) and with one sequence (its heads split over threads)."""
+def test_decode_reads_int8_fp8_and_bf16_codes_exactly(lib, kv_dtype, G):
+    """paged_decode_attention reads an INT8 / FP8 / bf16 cache in place, decoding in registers: each
+    of the 256 INT8 and FP8 codes (and 256 random bf16 bit patterns), as a value and as a key, counts
+    as torch's value of it, times the scale for INT8 / FP8 (FP8's subnormals, -0 and largest; NaN as
+    NaN), with 1 to 5 query heads per KV head (2 and 3 at a time, and one by one) and with one sequence
+    (its heads split over threads)."""
     from qtk.runtime.attention import _bytes
 
     D, bs = 256, 4
-    codes = torch.arange(256, dtype=torch.uint8).view(kv_dtype)
+    if kv_dtype == torch.bfloat16:
+        codes = torch.randint(0, 2 ** 16, (D,), generator=torch.Generator().manual_seed(0)).to(torch.int16).view(kv_dtype)
+        ks = vs = None
+    else:
+        codes = torch.arange(256, dtype=torch.uint8).view(kv_dtype)
+        ks, vs = torch.tensor([0.75]), torch.tensor([1.25])
     vals = codes.float()  # torch's decoding, the reference
     one = torch.ones(D).to(kv_dtype)
-    ks, vs = torch.tensor([0.75]), torch.tensor([1.25])
+    kscale, vscale = (1.0, 1.0) if ks is None else (ks, vs)
     for B in (256, 1):
         tables, q = torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, G, D)
         kc, vc = torch.zeros(1, bs, D, dtype=kv_dtype), torch.zeros(1, bs, D, dtype=kv_dtype)
         vc[0, 0] = codes  # one key: the output is its value row, times v_scale
         got = lib.paged_decode_attention(torch.randn(B, G, D), _bytes(kc), _bytes(vc), tables, torch.ones(B, dtype=torch.long),
                                          bs, 0.5, ks, vs)
-        torch.testing.assert_close(got, (vals * vs).expand(B, G, D), rtol=1e-6, atol=0, equal_nan=True)
-        # keys 0 (zeros) and 1 (the codes, FP8's NaNs as 0: 0 * NaN is NaN), values 0 and 1 (ones):
+        torch.testing.assert_close(got, (vals * vscale).expand(B, G, D), rtol=1e-6, atol=0, equal_nan=True)
+        # keys 0 (zeros) and 1 (the codes, NaN and inf as 0: 0 * NaN is NaN), values 0 and 1 (ones):
         # sequence b's query picks code b and scales it to a score of +-1 (0 for a zero), so the output is
         # sigmoid(score) * v_scale
         b = torch.arange(B)
-        nan = vals.isnan()
+        nan = ~vals.isfinite()
         kc[0, 1], vc[0, 0], vc[0, 1] = torch.where(nan, torch.zeros_like(codes), codes), 0, one
         w = torch.where(nan | (vals == 0), 1.0, 1 / vals.abs())
-        q[b, :, b] = w[b, None] / ks
+        q[b, :, b] = w[b, None] / kscale
         lens = torch.full((B,), 2)
         got = lib.paged_decode_attention(q, _bytes(kc), _bytes(vc), tables, lens, bs, 1.0, ks, vs)
-        want = torch.sigmoid(w * vals.nan_to_num(0.0))[b] * vs
+        want = torch.sigmoid(w * torch.where(nan, 0.0, vals))[b] * vscale
         torch.testing.assert_close(got, want[:, None, None].expand(B, G, D), rtol=1e-6, atol=1e-7)
-        if nan.any():  # a NaN key's score is NaN, and so is every output that sees it
-            kc[0, 1, 0] = codes[nan][0]
+        if vals.isnan().any():  # a NaN key's score is NaN, and so is every output that sees it
+            kc[0, 1, 0] = codes[vals.isnan()][0]
             assert lib.paged_decode_attention(q, _bytes(kc), _bytes(vc), tables, lens, bs, 1.0, ks, vs).isnan().all()
 
 

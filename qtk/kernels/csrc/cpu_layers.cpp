@@ -405,9 +405,9 @@ static inline void dot8(const float* q, const R* const* rows, int64_t D, __m128 
   mx = _mm_max_ps(mx, _mm_max_ps(s0, s1));
 }
 
-// q . k for NH query heads of one KV head (rows q, q + qs, ...) and 4 keys at once, for an INT8 / FP8 cache:
-// each key's 8 elements are decoded once for all NH heads (dot8, head by head, would decode them once per
-// head). 4 NH sums across lanes, times the scale, into out[h * os ..][0..4), and each head's maximum into
+// q . k for NH query heads of one KV head (rows q, q + qs, ...) and 4 keys at once, for a bf16 / INT8 / FP8
+// cache: each key's 8 elements are decoded once for all NH heads (dot8, head by head, would decode them once
+// per head). 4 NH sums across lanes, times the scale, into out[h * os ..][0..4), and each head's maximum into
 // mx[h]. NH <= 3: 4 NH accumulators, NH q vectors and one key vector fill the 16 registers.
 template <int NH, typename R>
 static inline void dot4_heads(const float* q, int64_t qs, const R* const* rows, int64_t D, __m128 scale, float* out,
@@ -437,7 +437,7 @@ static inline void dot4_heads(const float* q, int64_t qs, const R* const* rows, 
 }
 
 // out[h][d0 .. d0 + 32) (+)= sum_j p[h][j] * rows[j][d0 ..] for NH heads (p[h] = p + h * ps, out[h] = out +
-// h * os), for an INT8 / FP8 cache: each value row's 4 vectors are decoded once for all NH heads
+// h * os), for a bf16 / INT8 / FP8 cache: each value row's 4 vectors are decoded once for all NH heads
 // (pv_chunk, head by head, would decode them once per head). NH <= 3: 4 NH accumulators, NH weights and
 // one value vector in 16 registers.
 template <int NH, typename R>
@@ -536,11 +536,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const kv_t<KIND>* kc = static_cast<const kv_t<KIND>*>(k_cache.data_ptr());
   const kv_t<KIND>* vc = static_cast<const kv_t<KIND>*>(v_cache.data_ptr());
   float* op = out.data_ptr<float>();
-  // INT8 / FP8 rows are decoded in registers, once per 2-3 query heads (dot4_heads, pv4_heads): FP8's
-  // decode costs more than the FMAs it feeds. Float32 rows go head by head, 8 keys at once: over a cache
-  // out of CPU cache, 4 keys at once for 3 heads kept fewer lines in flight and the step's attention took
-  // 1.15-1.2x as long (16 sequences x 1024 keys, 2 Zen 1 cores); bf16 rows too (no faster grouped).
-  constexpr bool GROUPED = KIND == Kv::I8 || KIND == Kv::F8;
+  // bf16, INT8 and FP8 rows are decoded in registers, once per 2-3 query heads (dot4_heads, pv4_heads):
+  // head by head, the decoding cost more than the bytes it saves (16 sequences x 1024 keys, 2 Zen 1 cores,
+  // the step's attention: bf16 72-75 ms that way, 49 grouped, float32 61-64). Float32 rows go head by
+  // head, 8 keys at once: over a cache out of CPU cache, 4 keys at once for 3 heads kept fewer lines in
+  // flight and took 1.15-1.2x as long.
+  constexpr bool GROUPED = KIND == Kv::I8 || KIND == Kv::F8 || KIND == Kv::BF16;
   (void)GROUPED;  // the portable build has no grouped passes
   int64_t work = 0;  // keys and values to read: a tiny step runs on the calling thread
   for (int64_t b = 0; b < B; ++b) work += ln[b] * KV * D;
