@@ -247,16 +247,23 @@ def transformers_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> di
     model has no module of their own name (a Gemma 3 saved by transformers 4, as every hub GPTQ / AWQ
     one: language_model.model.layers.N -> model.language_model.layers.N): transformers' renamings for
     the model, not its converters (qtk keeps experts per expert)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, apply_renamings
-
     modules = dict(model.named_modules())
-    foreign = [k for k in tensors if k.rpartition(".")[0] not in modules]
+    foreign = {k for k in tensors if k.rpartition(".")[0] not in modules}
     if not foreign:
         return tensors
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
     renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    renamed = {k: apply_renamings(k, renamings) for k in foreign}
-    return {renamed.get(k, k): v for k, v in tensors.items()}
+    return {_renamed(k, renamings) if k in foreign else k: v for k, v in tensors.items()}
+
+
+def _renamed(key: str, renamings) -> str:
+    """KEY through each of transformers' renamings in turn (what its apply_renamings does;
+    transformers 5.17 has no apply_renamings)."""
+    for renaming in renamings:
+        key, _ = renaming.rename_source_key(key)
+    return key
 
 
 def kv_modules(tensors: dict[str, torch.Tensor]) -> list[str]:

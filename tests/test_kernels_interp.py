@@ -376,12 +376,12 @@ def test_bench_rows_on_tiny_shapes(monkeypatch):
     clock standing in for do_bench (which needs CUDA)."""
     from qtk.bench import kernels_gpu as bench
 
-    monkeypatch.setattr(bench, "median_us", lambda fn: (fn(), 10.0)[1])
+    monkeypatch.setattr(bench, "median_us", lambda fn, graph=False: (fn(), 10.0 if graph else 30.0)[1])
     rows = bench.bench_shape("tiny", 128, 48, [1, 17], torch.float16, torch.device("cpu"), hbm=1e12,
                              peaks={"fp16": 1e14, "int8": 2e14})
     assert {r.kernel for r in rows} == {"w4a16_g128", "w4a16_asym_g128", "w4a16_channel", "w8a16", "w8a8_int8"}
     for r in rows:
-        assert r.us == 10.0 and r.speedup_vs_matmul == 1.0 and r.max_rel_err < 2e-2
+        assert r.us == 10.0 and r.us_eager == 30.0 and r.speedup_vs_matmul == 1.0 and r.max_rel_err < 2e-2
         assert r.tflops == pytest.approx(2 * r.m * 48 * 128 / 10.0 * 1e-6)
         assert 0 < r.limit_fraction < 1 and r.gbps > 0
     assert len(bench.table(rows).splitlines()) == len(rows) + 1

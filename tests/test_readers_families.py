@@ -361,14 +361,18 @@ def _v4_name(model_type: str, name: str) -> str:
 
 
 @pytest.mark.parametrize("fmt", ["gptq_v1_sym", "awq_gemm"])
-def test_a_multimodal_gemma3_hub_checkpoint_saved_by_transformers_4_loads(fmt, tmp_path):
+def test_a_multimodal_gemma3_hub_checkpoint_saved_by_transformers_4_loads(fmt, tmp_path, monkeypatch):
     """Gemma 3 4B and up are Gemma3ForConditionalGeneration: their hub GPTQ / AWQ checkpoints name
     the text model language_model.model.layers.N (transformers 4), which transformers 5 renames on
-    loading and so does qtk. The text Linears quantized, the vision tower float, as GPTQModel does."""
+    loading and so does qtk. The text Linears quantized, the vision tower float, as GPTQModel does.
+    Without transformers' apply_renamings, which transformers 5.17 lacks (the H200 image's)."""
+    import transformers.core_model_loading
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, Gemma3Config
 
     from qtk.checkpoint import load_quantized
+
+    monkeypatch.delattr(transformers.core_model_loading, "apply_renamings", raising=False)
 
     torch.manual_seed(0)
     text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -1,7 +1,9 @@
 """`qtk bench kernels`: the quantized GEMMs on a real model's shapes, by the protocol of
 docs/benchmarks.md (Kernels).
 
-For each layer shape (K x N) and M: median time of triton.testing.do_bench, GB/s (weights +
+For each layer shape (K x N) and M: median time of the kernels replayed from a CUDA graph
+(triton.testing.do_bench_cudagraph; the engine's decode steps run captured), and beside it the time
+launched from Python (do_bench, the host's launch overhead included), GB/s (weights +
 scales + zero points + activations read once, output written once), TFLOP/s (2*M*N*K), the
 fraction of the hardware limit max(bytes / HBM bandwidth, FLOPs / peak of the kernel's math), both
 measured in the same run (a device-to-device copy; an 8192^3 cuBLAS matmul in each math: the
@@ -55,6 +57,7 @@ class Row:
     speedup_vs_matmul: float
     matmul_us: float
     max_rel_err: float
+    us_eager: float  # us, matmul_us: CUDA-graph replay (the kernels alone); this: launched from Python
 
 
 @dataclass
@@ -68,8 +71,23 @@ class Case:
     math: str
 
 
-def median_us(fn: Callable[[], object]) -> float:
+def median_us(fn: Callable[[], object], graph: bool = False) -> float:
+    """Median microseconds of fn on the GPU: replayed from a CUDA graph (graph=True: the kernels
+    alone, as the engine's captured decode steps run them), or launched from Python each time (the
+    host's launch overhead included, as an eager step pays it; at small M that overhead is most of
+    the time: on the first H200 run, 60-200 us a call for work of a few us)."""
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def graph_us(fn: Callable[[], object], name: str) -> float | None:
+    """median_us(fn, graph=True), or None (logged) where fn cannot be captured."""
+    try:
+        return median_us(fn, graph=True)
+    except RuntimeError as e:
+        log.warning("%s: not capturable in a CUDA graph (%s); its row times the eager launch", name, e)
+        return None
 
 
 def hbm_bandwidth(device) -> float:
@@ -168,14 +186,15 @@ def bench_shape(shape, k, n, ms, dtype, device, hbm, peaks: dict[str, float | No
             ref = x @ case.dense
             y = case.fn(x)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            t_mm = median_us(lambda: x @ case.dense)
-            t = median_us(lambda: case.fn(x))
+            t_eager = median_us(lambda: case.fn(x))
+            t_mm = graph_us(lambda: x @ case.dense, "matmul") or median_us(lambda: x @ case.dense)
+            t = graph_us(lambda: case.fn(x), case.name) or t_eager
             moved = case.weight_bytes + nbytes(x) + m * n * torch.finfo(dtype).bits // 8
             flops = 2 * m * n * k
             peak = peaks.get(case.math)
             limit = None if peak is None else max(moved / hbm, flops / peak) * 1e6 / t
             rows.append(Row(shape, k, n, m, case.name, t, moved / t * 1e-3, flops / t * 1e-6, limit,
-                            t_mm / t, t_mm, err))
+                            t_mm / t, t_mm, err, t_eager))
     return rows
 
 
@@ -185,9 +204,9 @@ def _fraction(x: float | None) -> str:
 
 def table(rows: list[Row]) -> str:
     head = f"{'shape':8} {'K':>6} {'N':>6} {'M':>5} {'kernel':16} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8} " \
-           f"{'limit':>6} {'vs mm':>6} {'err':>8}"
+           f"{'limit':>6} {'vs mm':>6} {'err':>8} {'eager us':>9}"
     lines = [head] + [f"{r.shape:8} {r.k:6d} {r.n:6d} {r.m:5d} {r.kernel:16} {r.us:9.1f} {r.gbps:7.0f} "
-                      f"{r.tflops:8.1f} {_fraction(r.limit_fraction)} {r.speedup_vs_matmul:6.2f} {r.max_rel_err:8.1e}"
+                      f"{r.tflops:8.1f} {_fraction(r.limit_fraction)} {r.speedup_vs_matmul:6.2f} {r.max_rel_err:8.1e} {r.us_eager:9.1f}"
                       for r in rows]
     return "\n".join(lines)
 

@@ -61,7 +61,10 @@ def _scaled_mm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K, st
         k_mask = offs_k < k_end
         a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
+        if IS_FP8:  # Hopper's fp8 MMA accumulates coarsely: add into acc in fp32 every BLOCK_K (as cuBLAS does)
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(a, w, acc, out_dtype=tl.int32)
     # epilogue in fp32: per-token x per-channel (or per-tensor) scales
     y = acc.to(tl.float32)
     if A_PER_TOKEN:
