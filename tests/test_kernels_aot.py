@@ -129,6 +129,16 @@ def test_woq_mm_small_m_compiles(cc):
     assert tensor_core_ops(ptx, cc)
 
 
+@pytest.mark.parametrize("cc,group,bits,asym", [(80, 128, 4, True), (90, 128, 4, False), (90, None, 8, True)])
+def test_woq_dequant_compiles(cc, group, bits, asym):
+    """W^T decoded for cuBLAS, the path from DEQUANT_MM_MIN_M rows on."""
+    cfg = w4a16.woq_config(w4a16.DEQUANT_MM_MIN_M, 4096, 4096, group, H100_SMS)
+    assert cfg.dequant_mm
+    compile_ptx(w4a16._woq_dequant_kernel, cc, {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16"},
+                dict(BITS=bits, GROUP_SIZE=group or 1, PER_CHANNEL=group is None, HAS_ZP=asym,
+                     BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n))
+
+
 @pytest.mark.parametrize("cc,out,static,k", [(80, "int8", False, 14336), (90, "int8", True, 4096),
                                              (90, "fp8", False, 14336), (90, "int8", False, 65536)])
 def test_act_quant_compiles(cc, out, static, k):

@@ -163,6 +163,8 @@ WOQ_CASES = [
     (33, 24, 100, None, 4, False, torch.float16, True, None),
     (19, 64, 192, 64, 8, True, torch.bfloat16, True, None),
     (65, 48, 128, None, 8, False, torch.float16, False, (False, 64, 32, 32, 1)),
+    (256, 40, 256, 64, 4, True, torch.bfloat16, True, None),  # W^T decoded, then torch.mm
+    (300, 33, 96, None, 8, False, torch.float16, False, None),
 ]
 
 
@@ -175,6 +177,19 @@ def test_woq_gemm(m, n, k, group, bits, asym, dtype, bias, cfg):
     y = w4a16.woq_gemm(a, w.qweight, w.scales, w.zeros, b, bits, group, config=config)
     ref = reference.woq_gemm_ref(a, w.qweight, w.scales, w.zeros, b, bits, group)
     assert_close(y, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("group,bits,asym,dtype", [(64, 4, True, torch.bfloat16), (32, 4, False, torch.float16),
+                                                    (None, 8, True, torch.bfloat16), (None, 4, False, torch.float16)])
+def test_woq_dequant_is_the_layout_twin(group, bits, asym, dtype):
+    """The kernel's W^T is layout.dequant_woq's, rounded once to dtype (tails in K and N too)."""
+    from qtk.kernels.layout import dequant_woq
+
+    k = 192 if group else 100
+    w = random_woq(150, k, group, bits, asym, dtype)
+    wt = w4a16.woq_dequant(w.qweight, w.scales, w.zeros, bits, group, k, dtype)
+    assert wt.shape == (k, 150) and wt.dtype == dtype
+    assert torch.equal(wt, dequant_woq(w.qweight, w.scales, w.zeros, bits, group, k).to(dtype))
 
 
 def test_woq_gemm_strided_rows():
@@ -379,7 +394,7 @@ def test_bench_rows_on_tiny_shapes(monkeypatch):
     monkeypatch.setattr(bench, "median_us", lambda fn, graph=False: (fn(), 10.0 if graph else 30.0)[1])
     rows = bench.bench_shape("tiny", 128, 48, [1, 17], torch.float16, torch.device("cpu"), hbm=1e12,
                              peaks={"fp16": 1e14, "int8": 2e14})
-    assert {r.kernel for r in rows} == {"w4a16_g128", "w4a16_asym_g128", "w4a16_channel", "w8a16", "w8a8_int8"}
+    assert {r.kernel for r in rows} == {"w4a16_g128", "w4a16_g128_tiled", "w4a16_asym_g128", "w4a16_channel", "w8a16", "w8a8_int8"}
     for r in rows:
         assert r.us == 10.0 and r.us_eager == 30.0 and r.speedup_vs_matmul == 1.0 and r.max_rel_err < 2e-2
         assert r.tflops == pytest.approx(2 * r.m * 48 * 128 / 10.0 * 1e-6)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -27,9 +27,10 @@ import triton
 import triton.testing
 
 from ..kernels.act_quant import act_quant
+from ..kernels.common import sm_count
 from ..kernels.fp8 import Fp8Backend, fp8_gemm, fp8_supported, scaled_mm_applies
 from ..kernels.layout import dequant_woq, pack_woq
-from ..kernels.w4a16 import woq_gemm
+from ..kernels.w4a16 import woq_config, woq_gemm
 from ..kernels.w8a8 import int8_gemm
 from . import git_commit
 
@@ -134,8 +135,9 @@ def nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def woq_case(name, n, k, bits, group, asym, dtype, device) -> Case:
-    """A weight-only kernel: the weight decoded in registers, the GEMM in the activation dtype."""
+def woq_case(name, n, k, bits, group, asym, dtype, device, tiled: bool = False) -> Case:
+    """A weight-only kernel: the weight decoded in registers, the GEMM in the activation dtype
+    (from DEQUANT_MM_MIN_M rows on, W^T decoded then cuBLAS, unless `tiled`: the Triton GEMM)."""
     half = 1 << (bits - 1)
     groups = 1 if group is None else k // group
     codes = torch.randint(-half, half, (n, k), dtype=torch.int8, device=device)
@@ -143,8 +145,12 @@ def woq_case(name, n, k, bits, group, asym, dtype, device) -> Case:
     zp = torch.randint(-half, half, (n, groups), dtype=torch.int8, device=device) if asym else None
     w = pack_woq(codes, scale, zp, bits, group, dtype)
     dense = dequant_woq(w.qweight, w.scales, w.zeros, bits, group, k).to(dtype)
-    return Case(name, lambda x: woq_gemm(x, w.qweight, w.scales, w.zeros, None, bits, group),
-                nbytes(w.qweight, w.scales, w.zeros), dense, MATH[dtype])
+    def fn(x):
+        config = woq_config(x.shape[0], n, k, group, sm_count(x.device))
+        config = replace(config, dequant_mm=False) if tiled else config
+        return woq_gemm(x, w.qweight, w.scales, w.zeros, None, bits, group, config=config)
+
+    return Case(name, fn, nbytes(w.qweight, w.scales, w.zeros), dense, MATH[dtype])
 
 
 def w8a8_case(name, n, k, codes_dtype, dtype, device, backend=Fp8Backend.AUTO) -> Case:
@@ -166,6 +172,7 @@ def w8a8_case(name, n, k, codes_dtype, dtype, device, backend=Fp8Backend.AUTO) -
 
 def cases(n, k, dtype, device) -> list[Case]:
     out = [woq_case("w4a16_g128", n, k, 4, 128, False, dtype, device),
+           woq_case("w4a16_g128_tiled", n, k, 4, 128, False, dtype, device, tiled=True),
            woq_case("w4a16_asym_g128", n, k, 4, 128, True, dtype, device),
            woq_case("w4a16_channel", n, k, 4, None, False, dtype, device),
            woq_case("w8a16", n, k, 8, None, False, dtype, device),

@@ -16,6 +16,11 @@ Paths, by M:
     larger M          `_woq_mm_kernel`: tiles dequantized to A's dtype feed tl.dot (mma on
                       sm_80, wgmma on sm_90) with an fp32 accumulator; split-K when the tiles
                       alone cannot fill the SMs (M up to a few hundred), none for prefill.
+    M >= DEQUANT_MM_MIN_M
+                      `woq_dequant` (`_woq_dequant_kernel`: W^T decoded once into A's dtype)
+                      then cuBLAS. On the H200 the tiled kernel ran at a third of cuBLAS bf16 at
+                      M = 1024-4096, while decoding W^T costs about one read of the bf16 weight;
+                      vLLM's AWQ path switches to dequantize + matmul at the same 256 tokens.
 Group scales are applied per K tile (in the tiled path BLOCK_K divides G, so a tile lies in one
 group; the GEMV loads them per word row); per-channel scales are applied once to the accumulator. The configs below are a starting point, not tuned
 on a GPU yet (qtk bench kernels measures them).
@@ -33,13 +38,16 @@ from .common import ACT_DTYPES, check, check_bias, check_matrix, check_same_devi
 from .layout import WOQ_BITS
 
 GEMV_MAX_M = 4
+DEQUANT_MM_MIN_M = 256
 
 
 @dataclass(frozen=True)
 class WOQConfig(TileConfig):
-    """Launch config: the GEMV kernel (gemv) or the tiled one, block sizes, K slices."""
+    """Launch config: the GEMV kernel (gemv), the tiled one, or W^T decoded by tiles of
+    [block_k, block_n] then cuBLAS (dequant_mm); block sizes, K slices."""
 
     gemv: bool = False
+    dequant_mm: bool = False
 
 
 def _block_k(preferred: int, group_size: int | None) -> int:
@@ -67,7 +75,7 @@ def woq_config(m: int, n: int, k: int, group_size: int | None, sms: int) -> WOQC
         bm, bn, bk, warps, stages = 128, 128, _block_k(64, group_size), 8, 3
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = pick_split_k(tiles, triton.cdiv(k, bk), sms)
-    return WOQConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages)
+    return WOQConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages, dequant_mm=m >= DEQUANT_MM_MIN_M)
 
 
 @triton.jit
@@ -170,6 +178,38 @@ def _woq_mm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, stride_
     _epilogue(acc, s_ptr, bias_ptr, c_ptr, offs_m, offs_n, M, N, pid_k, PER_CHANNEL, HAS_BIAS, WRITE_PARTIAL)
 
 
+@triton.jit
+def _woq_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K,
+                        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                        HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W^T [K, N] in out's dtype, one [BLOCK_K, BLOCK_N] tile per program; grid (K / BLOCK_K,
+    N / BLOCK_N). BLOCK_K divides the group size, as in the tiled GEMM."""
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_mask, n_mask = offs_k < K, offs_n < N
+    g = 0 if PER_CHANNEL else tl.program_id(0) * BLOCK_K // GROUP_SIZE
+    w = _load_dequant(w_ptr, s_ptr, z_ptr, offs_k, offs_n, k_mask, n_mask, g, N, BITS, PER_CHANNEL, HAS_ZP)
+    if PER_CHANNEL:
+        w = w * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=k_mask[:, None] & n_mask[None, :])
+
+
+def woq_dequant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+                group_size: int | None, k: int, dtype: torch.dtype, block_k: int = 64,
+                block_n: int = 128) -> torch.Tensor:
+    """W^T [K, N] in dtype from the run-time layout (the twin of layout.dequant_woq)."""
+    n = qweight.shape[1]
+    block_k = _block_k(block_k, group_size)
+    out = torch.empty(k, n, device=qweight.device, dtype=dtype)
+    if k and n:
+        _woq_dequant_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, block_n))](
+            qweight, scales, zeros if zeros is not None else scales, out, n, k, BITS=bits,
+            GROUP_SIZE=group_size or 1, PER_CHANNEL=group_size is None, HAS_ZP=zeros is not None,
+            BLOCK_K=block_k, BLOCK_N=block_n)
+    return out
+
+
 def check_woq(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
               bias: torch.Tensor | None, bits: int, group_size: int | None) -> tuple[int, int, int]:
     """Validate woq_gemm's inputs (ValueError naming the tensor); returns (M, N, K)."""
@@ -206,6 +246,9 @@ def woq_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     else:
         check(group_size is None or group_size % cfg.block_k == 0,
               f"config block_k {cfg.block_k} must divide group_size {group_size}")
+    if cfg.dequant_mm and m and n:
+        wt = woq_dequant(qweight, scales, zeros, bits, group_size, k, a.dtype, cfg.block_k, cfg.block_n)
+        return torch.mm(a, wt) if bias is None else torch.addmm(bias.to(a.dtype), a, wt)
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     if m == 0 or n == 0:
         return out
