@@ -14,6 +14,11 @@
 #            (ENGINE_ARGS: extra arguments, e.g. "--requests 128 --hf-requests 32")
 # Other knobs: MODEL, PPL_LIMIT (8 windows), NUM_SAMPLES (64), SKIP_BASELINE=1 (model: no baseline
 # perplexity), KERNELS_ARGS (e.g. "--m 1,16,1024").
+#   prepare  (on your own machine, before the device calls) fills .gpu/ (git-ignored through
+#            .git/info/exclude): the wheels of what the device image lacks (fastapi, uvicorn,
+#            llguidance, gguf, jsonschema, opentelemetry-api and their needs, for its Python 3.12)
+#            in .gpu/whl, and the bundled GGUF (98 MB, over a call's 64 MiB) in two halves,
+#            .gpu/a and .gpu/b, one carried per call on a warm machine. It prints the two calls.
 # Limits (seconds) per part: T_TESTS, T_MODEL, T_KERNELS, T_ENGINE. Results go to $OUT when set (the
 # device machine's return folder), else benchmarks/results; every part's log is PART.log there.
 # Python packages the image lacks: with WHEELS=DIR, they are installed from DIR (pip download, see
@@ -23,7 +28,40 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
-[ $# -gt 0 ] || { echo "usage: bash scripts/gpu_check.sh tests|model|kernels|engine ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash scripts/gpu_check.sh prepare | tests|model|kernels|engine ..." >&2; exit 2; }
+if [ "$1" = prepare ]; then
+    grep -qx "/.gpu/" "$(git rev-parse --git-path info/exclude)" || echo "/.gpu/" >>"$(git rev-parse --git-path info/exclude)"
+    mkdir -p .gpu/whl .gpu/a .gpu/b
+    dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+               -d .gpu/whl "$@"; }
+    plat() { for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_28_x86_64 manylinux_2_31_x86_64 any; do
+                 echo --platform "$p"; done; }
+    # versions: what the default install resolves here; the image's own packages (torch, triton,
+    # transformers, numpy, anyio, click, httpx, ...) are not carried
+    pkgs=(fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing-inspection uvicorn
+          llguidance gguf jsonschema jsonschema-specifications referencing rpds-py opentelemetry-api)
+    for pkg in "${pkgs[@]}"; do
+        v=$(python3 -c "import importlib.metadata as m; print(m.version('$pkg'))" 2>/dev/null) \
+            || { echo "$pkg is not installed here: pip install -e . first" >&2; exit 2; }
+        dl $(plat) "$pkg==$v" || { echo "no Python 3.12 x86-64 wheel of $pkg==$v" >&2; exit 2; }
+    done
+    gguf=$(python3 -c "from qtk.loading import bundled_gguf; print(bundled_gguf())") || exit 2
+    size=$(stat -c %s "$gguf"); half=$((size / 2))
+    head -c "$half" "$gguf" >.gpu/a/gguf.part && tail -c +$((half + 1)) "$gguf" >.gpu/b/gguf.part
+    cat .gpu/a/gguf.part .gpu/b/gguf.part | cmp -s - "$gguf" || { echo "splitting $gguf failed" >&2; exit 2; }
+    du -sh .gpu/whl .gpu/a .gpu/b
+    name=$(basename "$gguf")
+    cat <<EOF2
+Two device calls, the second right after the first (a warm machine keeps /root for 30 s):
+  carry [".gpu/whl", ".gpu/a"]:  cp .gpu/a/gguf.part /root/gguf.a && WHEELS=.gpu/whl bash scripts/gpu_check.sh tests kernels
+  carry [".gpu/whl", ".gpu/b"]:  cat /root/gguf.a .gpu/b/gguf.part >/root/$name && MODEL=/root/$name WHEELS=.gpu/whl bash scripts/gpu_check.sh model engine
+(more than 8 files come back from the second: write them under another OUT and tar them into \$OUT)
+EOF2
+    exit 0
+fi
+for part in "$@"; do
+    case $part in tests|model|kernels|engine) ;; *) echo "unknown part $part: tests, model, kernels or engine" >&2; exit 2 ;; esac
+done
 if [ -n "${WHEELS:-}" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
         || { echo "could not install the wheels in $WHEELS" >&2; exit 2; }
@@ -90,7 +128,6 @@ for part in "$@"; do
     case $part in
         tests) limit=${T_TESTS:-300} ;; model) limit=${T_MODEL:-400} ;;
         kernels) limit=${T_KERNELS:-300} ;; engine) limit=${T_ENGINE:-480} ;;
-        *) echo "unknown part $part: tests, model, kernels or engine" >&2; exit 2 ;;
     esac
     echo "=== $part (limit ${limit}s) $(date -u +%T)"
     start=$SECONDS

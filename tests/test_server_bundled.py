@@ -218,3 +218,17 @@ def test_soak(server):
     print(f"\nsoak: {len(requests)} requests in {soak_s:.1f} s, {statuses.count(503)} answered 503 and retried, "
           f"{sum(r['kind'] == 'leave' for r in requests)} left mid-stream; greedy alone in {alone_s:.1f} s: "
           f"{same} identical, {tied} parted at a near-tie")
+
+
+def test_serve_smoke_script_passes(server):
+    """scripts/serve_smoke.py (what the GPU check sends `qtk serve --device cuda`) passes here: a chat,
+    the same chat streamed (the same greedy tokens), and a json_schema answer of the schema."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "serve_smoke.py"
+    spec = importlib.util.spec_from_file_location("serve_smoke", path)
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    with httpx.Client(timeout=600) as client:
+        assert smoke.run(client, server[0], None)
