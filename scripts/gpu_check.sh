@@ -104,8 +104,12 @@ part_model() {
     quantize gptq --method gptq --scheme w4a16 --group-size 64
     ppl $work/gptq gptq-w4a16-g64 bfloat16
     ppl $work/gptq gptq-w4a16-g64 float32
+    # calibrated in float32 as on a CPU (CUDA's auto is bf16): which of dtype and device moves the result
+    quantize gptq-f32 --method gptq --scheme w4a16 --group-size 64 --dtype float32
+    ppl $work/gptq-f32 gptq-w4a16-g64-f32calib float32
     quantize default
     ppl $work/default default-recipe float32
+    ppl $work/default default-recipe bfloat16
     qtk serve $work/default --device "${DEVICE:-cuda}" --port 8011 >"$out/serve.log" 2>&1 &
     local server=$!
     for _ in $(seq 120); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done

@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from qtk.kernels import act_quant, common, w4a16, w8a8
+from qtk.kernels import act_quant, common, fused, w4a16, w8a8
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="the session interprets: @triton.jit made no compilable kernels")
@@ -26,7 +26,8 @@ WGMMA = r"wgmma\.mma_async\.[\w.]+"
 
 
 def compile_ptx(kernel, cc: int, ptr_types: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> str:
-    """PTX of `kernel` for sm_<cc> (pointer params typed by ptr_types, other runtime params i32),
+    """PTX of `kernel` for sm_<cc> (pointer params typed by ptr_types, other runtime params i32 unless
+    ptr_types names them),
     which must not spill registers."""
     signature = {}
     for p in kernel.params:
@@ -35,7 +36,7 @@ def compile_ptx(kernel, cc: int, ptr_types: dict, constexprs: dict, num_warps: i
         elif p.name.endswith("_ptr"):
             signature[p.name] = ptr_types[p.name]
         else:
-            signature[p.name] = "i32"
+            signature[p.name] = ptr_types.get(p.name, "i32")
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
@@ -155,3 +156,16 @@ def test_act_quant_compiles(cc, out, static, k):
 def test_splitk_reduce_compiles(cc):
     compile_ptx(common._splitk_reduce_kernel, cc, {"p_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16"},
                 dict(SPLIT_K=8, HAS_BIAS=True, BLOCK=common.REDUCE_BLOCK))
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_fused_layer_ops_compile(cc):
+    """kernels/fused.py at Llama-3-8B's sizes: the add + RMSNorm over 4096, RoPE over 32 + 8 heads
+    of 128, SiLU * up over 14336 columns."""
+    for add in (False, True):
+        compile_ptx(fused._rms_norm_kernel, cc, {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16",
+                                                 "out_ptr": "*bf16", "eps": "fp32"}, dict(ADD=add, BLOCK=4096))
+    compile_ptx(fused._rope_kernel, cc, {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"},
+                dict(HEADS=40, HALF=64, BLOCK_H=64, BLOCK_D=64))
+    compile_ptx(fused._silu_mul_kernel, cc, {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16"},
+                dict(BLOCK=1024))

@@ -400,3 +400,64 @@ def test_bench_rows_on_tiny_shapes(monkeypatch):
         assert r.tflops == pytest.approx(2 * r.m * 48 * 128 / 10.0 * 1e-6)
         assert 0 < r.limit_fraction < 1 and r.gbps > 0
     assert len(bench.table(rows).splitlines()) == len(rows) + 1
+
+
+ULP = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}  # one unit in the last place, relative
+
+
+def within_ulp(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Every element within one unit in the last place of ref's dtype (float32: a few; the fused
+    kernels sum in another order than torch's reductions and exp), and in 16-bit dtypes, where the
+    rounding hides that order, nearly all of them equal."""
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    diff = (y.float() - ref.float()).abs()
+    assert (diff <= ULP[ref.dtype] * ref.float().abs() + 1e-30).all(), f"max diff {diff.max():.3g}"
+    if ref.dtype != torch.float32:
+        assert (diff == 0).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_add_rms_norm_is_the_residual_add_then_llama_rms_norm(dtype):
+    """kernels/fused.py's norms against transformers' LlamaRMSNorm and `h = h + a`: the sum rounded
+    as torch rounds it, written into h; the norm within a unit in the last place."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from qtk.kernels import fused
+
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = (torch.rand(96) + 0.5).to(dtype)
+    h, a = (torch.randn(5, 96) * 3).to(dtype), torch.randn(5, 96).to(dtype)
+    with torch.no_grad():
+        within_ulp(fused.rms_norm(h, norm.weight, 1e-5), norm(h))
+        want_h = h + a
+        y = fused.add_rms_norm_(h, a, norm.weight, 1e-5)
+        assert torch.equal(h, want_h)
+        within_ulp(y, norm(want_h))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rope_is_rope_on_q_and_k_side_by_side(dtype):
+    """RoPE over the q and k heads of a qkv projection's rows (v untouched), each product and sum
+    rounded as models.native.rope_'s torch ops round them."""
+    from qtk.kernels import fused
+    from qtk.runtime.models.native import rope_
+
+    T, H, KV, D = 3, 4, 2, 16
+    y = torch.randn(T, (H + 2 * KV) * D).to(dtype)
+    angles = torch.rand(T, D // 2) * 6
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    want = y.clone().view(T, H + 2 * KV, D)
+    rope_(want[:, :H + KV], cos[:, None], sin[:, None])
+    fused.rope_(y, cos, sin, H + KV)
+    assert torch.equal(y.view(T, H + 2 * KV, D), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_silu_and_mul_is_the_silu_glu(dtype):
+    from qtk.kernels import fused
+    from qtk.runtime.models.native import GLU
+
+    x = (torch.randn(4, 2 * 1100) * 4).to(dtype)  # two blocks of columns, the second partial
+    gate, up = x.chunk(2, dim=-1)
+    within_ulp(fused.silu_and_mul(x), GLU["silu"][0](gate, up))

@@ -126,3 +126,53 @@ def test_longrope_frequencies_do_not_depend_on_the_chunk_or_the_batch(tmp_path):
     beside = llm.generate([short, long], params)[0].prompt_logprobs
     for a, b, token in zip(alone[1:], beside[1:], short[1:]):
         assert abs(a[token] - b[token]) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_triton_forward_is_the_eager_one_in_bf16(family, monkeypatch):
+    """NativeModel._forward_triton (on CUDA: kernels/fused.py's add + RMSNorm, RoPE and GLU)
+    against the eager forward over the same Triton attention, in bf16, where every rounding shows:
+    the same greedy tokens and logits within a few bf16 units (the two may sum the norm's mean in
+    another order; here they agree exactly, and a sign flip in RoPE moves them by 1e-2 of the
+    largest). In float32 the tests above hold it to transformers' logits."""
+    from qtk.runtime.models.native import NativeModel
+
+    model = tiny(family).to(torch.bfloat16)
+    runs = []
+    with backend_context("triton"):
+        for fusable in (True, False):
+            monkeypatch.setattr(NativeModel, "triton_fusable", property(lambda self, f=fusable: f))
+            seqs, logits, _ = greedy_through_runtime(model, prompts(9, 4), new_tokens=4, backend="triton")
+            runs.append(([s.token_ids for s in seqs], logits))
+    (fused_ids, fused_logits), (eager_ids, eager_logits) = runs
+    assert fused_ids == eager_ids
+    for fused_rows, eager_rows in zip(fused_logits.values(), eager_logits.values()):  # seqs in the same order
+        a, b = torch.stack(fused_rows).float(), torch.stack(eager_rows).float()
+        assert (a - b).abs().max() <= 2e-3 * b.abs().max()
+
+
+def test_concatenated_projections_through_the_fused_triton_forward():
+    """On CUDA the engine concatenates plain sibling Linears (packed_linear.concatenated: q/k/v into
+    qkv_proj, gate/up into gate_up_proj); the fused Triton forward then rotates q and k side by side
+    in qkv's output and splits gate_up in the GLU kernel: the unconcatenated model's greedy tokens and
+    logits, in bf16, with a bias on q/k/v (Qwen2)."""
+    import copy
+
+    from qtk.runtime.packed_linear import concatenated
+
+    model = tiny("qwen2").to(torch.bfloat16)
+    joined = copy.deepcopy(model)
+    for layer in joined.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = concatenated([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp.gate_up_proj = concatenated([mlp.gate_proj, mlp.up_proj])
+        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+    runs = []
+    with backend_context("triton"):
+        for m in (model, joined):
+            seqs, logits, _ = greedy_through_runtime(m, prompts(9, 4), new_tokens=4, backend="triton")
+            runs.append(([s.token_ids for s in seqs], list(logits.values())))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        a, b = torch.stack(a).float(), torch.stack(b).float()
+        assert (a - b).abs().max() <= 2e-3 * b.abs().max()

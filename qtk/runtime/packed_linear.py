@@ -433,13 +433,33 @@ def _packed(linears: list[nn.Module]) -> PackedLinear | WOQLinear | None:
     return PackedLinear(packed, bias, linears[0].in_features)
 
 
+def concatenated(linears: list[nn.Module]) -> nn.Linear | None:
+    """Sibling plain Linears as one nn.Linear, outputs side by side (vLLM's QKVParallelLinear and
+    MergedColumnParallelLinear): one GEMM where there were three or two. For CUDA, where a decode
+    step's small GEMMs are each a launch; None unless all are plain Linears of one dtype and device."""
+    if len(linears) < 2 or not all(type(m) is nn.Linear for m in linears):
+        return None
+    w0 = linears[0].weight
+    if any(m.weight.dtype != w0.dtype or m.weight.device != w0.device for m in linears):
+        return None
+    with torch.no_grad():
+        out = nn.Linear(w0.shape[1], sum(m.out_features for m in linears), any(m.bias is not None for m in linears),
+                        device="meta", dtype=w0.dtype)
+        out.weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=False)
+        if out.bias is not None:
+            out.bias = nn.Parameter(torch.cat([m.bias if m.bias is not None else w0.new_zeros(m.out_features)
+                                               for m in linears]), requires_grad=False)
+    return out
+
+
 def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = None, bf16: bool = False) -> int:
     """Replace every float32 CPU nn.Linear under `model` by a PackedLinear (a tied lm_head gets a
     packed copy; the embedding keeps the plain weight), and mark every QuantLinear so that its
     Dense runtime packs its decoded weight. `fuse` {new name: (names, ...)}: sibling Linears that
     read the same input (q/k/v, gate/up) become one matmul under the new name, the old ones are
     dropped (the runtime's forward splits the output); so do sibling weight-only QuantLinears that
-    qtk's CPU kernel runs (WOQLinear), and W8A8 ones on its VNNI kernel (W8A8Linear). bf16 (a bf16
+    qtk's CPU kernel runs (WOQLinear), and W8A8 ones on its VNNI kernel (W8A8Linear); on CUDA, plain
+    Linears only (concatenated). bf16 (a bf16
     checkpoint, bf16_checkpoint): weight-only QuantLinears multiply many rows in bf16 where the CPU
     has AVX512-BF16 (QuantBF16Matmul). Returns how many modules were packed or fused."""
     count = 0
@@ -449,7 +469,8 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
         for new, names in (fuse or {}).items():
             if all(isinstance(getattr(parent, n, None), nn.Module) for n in names):
                 siblings = [getattr(parent, n) for n in names]
-                fused = _packed(siblings) or _fused_kernel(siblings, bf16)
+                on_gpu = isinstance(getattr(siblings[0], "weight", None), torch.Tensor) and siblings[0].weight.is_cuda
+                fused = concatenated(siblings) if on_gpu else _packed(siblings) or _fused_kernel(siblings, bf16)
                 if fused is not None:
                     for n in names:
                         delattr(parent, n)

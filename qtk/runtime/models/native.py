@@ -48,6 +48,8 @@ FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": 
 # sibling projections the engine may fuse into one matmul (packed_linear.pack_linears); Phi-3's
 # checkpoint holds them fused already, under these names
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# the RMSNorm classes that compute transformers' LlamaRMSNorm (kernels/fused.py's formula)
+LLAMA_RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Phi3RMSNorm", "MixtralRMSNorm"}
 # the config's MLP activation -> its GLU in torch (act(gate) * up) and the name of qtk's fused CPU op
 GLU = {"silu": (lambda g, u: torch.nn.functional.silu(g) * u, "silu_and_mul"),
        "gelu_pytorch_tanh": (lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u, "gelu_tanh_and_mul")}
@@ -129,6 +131,7 @@ class NativeModel(nn.Module):
         self._bf16_rows = None  # rows from which a step runs all in bf16 between norms (with the plan)
         self._bf16_attention_rows = None  # rows from which a step's attention is bf16 without it (W8A8, bf16 checkpoint)
         self._step_bf16 = False  # whether the last step did (its logits follow: logits())
+        self._triton_fusable = None  # whether _forward_triton applies (triton_fusable, decided at first use)
 
     def _frozen_ropes(self, cfg) -> None:
         """The RoPE frequencies per layer (frozen_rope), as buffers rope_inv_freq_<type>: one type for
@@ -178,6 +181,8 @@ class NativeModel(nn.Module):
         self._step_bf16 = False
         if self.cpu_ops is not None and meta.backend == "cpu":
             return self._forward_fused(h, ropes, meta, kv_caches)
+        if meta.backend == "triton" and self.triton_fusable:
+            return self._forward_triton(h, ropes, meta, kv_caches)
         ropes = {t: (cos[:, None, :], sin[:, None, :]) for t, (cos, sin) in ropes.items()}  # [T, 1, D]
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             a = self._attention(i, layer.self_attn, layer.input_layernorm(h), ropes[self.rope_types[i]], meta, cache)
@@ -188,6 +193,51 @@ class NativeModel(nn.Module):
                 h = h + a
                 h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
         return self.norm(h)
+
+    @property
+    def triton_fusable(self) -> bool:
+        """Whether _forward_triton computes this model's forward: LlamaRMSNorm's formula in every norm
+        (no Gemma offset or sandwich norms, no q/k norms), a full RoPE and SiLU's GLU."""
+        if self._triton_fusable is None:
+            norms = [self.norm, *(n for layer in self.layers for n in (layer.input_layernorm,
+                                                                        layer.post_attention_layernorm))]
+            self._triton_fusable = (not (self.family.norm_offset or self.family.sandwich or self.family.qk_norm)
+                                    and self.glu_op == "silu_and_mul" and self.rotary_dim == self.head_dim
+                                    and all(type(n).__name__ in LLAMA_RMS_NORMS for n in norms))
+        return self._triton_fusable
+
+    def _forward_triton(self, h, ropes, meta, kv_caches) -> torch.Tensor:
+        """forward() on CUDA with kernels/fused.py: each residual add and the norm after it one
+        kernel, RoPE on q and k one kernel, the GLU one kernel (eager torch runs 25-35 small kernels a
+        layer); the projections and the attention as forward() runs them."""
+        from ...kernels import fused
+
+        T, H, KV, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        norm = lambda m: (m.weight, getattr(m, "variance_epsilon", None) or m.eps)  # noqa: E731
+        x = fused.rms_norm(h, *norm(self.layers[0].input_layernorm))
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            attn, mlp = layer.self_attn, layer.mlp
+            cos, sin = ropes[self.rope_types[i]]
+            if hasattr(attn, "qkv_proj"):
+                y = attn.qkv_proj(x)
+                fused.rope_(y, cos, sin, H + KV)  # q and k side by side in each row
+                q, k, v = y.view(T, H + 2 * KV, D).split_with_sizes([H, KV, KV], 1)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+                fused.rope_(q, cos, sin, H)
+                fused.rope_(k, cos, sin, KV)
+                q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
+            o = paged_attention(q, k, v, cache, meta, self.scales[i], window=self.windows[i], terms=self.terms[i])
+            x = fused.add_rms_norm_(h, attn.o_proj(o.reshape(T, H * D)), *norm(layer.post_attention_layernorm))
+            if hasattr(mlp, "gate_up_proj"):
+                m = mlp.down_proj(fused.silu_and_mul(mlp.gate_up_proj(x)))
+            elif hasattr(mlp, "gate_proj"):
+                m = mlp.down_proj(fused.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+            else:  # a MoE block (models/moe.py)
+                m = mlp(x)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x = fused.add_rms_norm_(h, m, *norm(nxt))
+        return x
 
     def _attention(self, i, attn, x, rope, meta, cache) -> torch.Tensor:
         T = x.shape[0]
