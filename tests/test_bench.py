@@ -246,7 +246,7 @@ def test_kernels_limit_fraction_is_against_the_peak_of_each_kernels_math(monkeyp
     monkeypatch.setattr(bench, "cases", lambda n, k, dtype, device: [
         bench.Case(name, lambda x: x @ dense, 64 * 64, dense, math)
         for name, math in (("w4a16_g128", "bf16"), ("w8a8_int8", "int8"), ("fp8_triton", "fp8"))])
-    monkeypatch.setattr(bench, "median_us", lambda fn: 100.0)
+    monkeypatch.setattr(bench, "median_us", lambda fn, graph=False: 100.0)
     peaks = {"bf16": 1e12, "int8": 2e12}  # op/s; no fp8 peak here
     rows = bench.bench_shape("t", 64, 64, [4096], torch.float32, "cpu", hbm=1e18, peaks=peaks)
     fraction = {r.kernel: r.limit_fraction for r in rows}
