@@ -66,10 +66,8 @@ if [ -n "${WHEELS:-}" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
         || { echo "could not install the wheels in $WHEELS" >&2; exit 2; }
     export PYTHONPATH=$PYTHONPATH:/tmp/site
-    mkdir -p /tmp/site/bin
-    printf '#!/bin/sh\nexec python3 -m qtk.cli "$@"\n' >/tmp/site/bin/qtk && chmod +x /tmp/site/bin/qtk
-    export PATH=/tmp/site/bin:$PATH
 fi
+# the device image has no qtk installed: a `qtk` that runs this checkout's
 command -v qtk >/dev/null || { mkdir -p /tmp/qtkbin; printf '#!/bin/sh\nexec python3 -m qtk.cli "$@"\n' >/tmp/qtkbin/qtk;
                                chmod +x /tmp/qtkbin/qtk; export PATH=/tmp/qtkbin:$PATH; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -212,23 +212,12 @@ class NativeModel(nn.Module):
         layer); the projections and the attention as forward() runs them."""
         from ...kernels import fused
 
-        T, H, KV, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         norm = lambda m: (m.weight, getattr(m, "variance_epsilon", None) or m.eps)  # noqa: E731
         x = fused.rms_norm(h, *norm(self.layers[0].input_layernorm))
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            attn, mlp = layer.self_attn, layer.mlp
-            cos, sin = ropes[self.rope_types[i]]
-            if hasattr(attn, "qkv_proj"):
-                y = attn.qkv_proj(x)
-                fused.rope_(y, cos, sin, H + KV)  # q and k side by side in each row
-                q, k, v = y.view(T, H + 2 * KV, D).split_with_sizes([H, KV, KV], 1)
-            else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-                fused.rope_(q, cos, sin, H)
-                fused.rope_(k, cos, sin, KV)
-                q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
-            o = paged_attention(q, k, v, cache, meta, self.scales[i], window=self.windows[i], terms=self.terms[i])
-            x = fused.add_rms_norm_(h, attn.o_proj(o.reshape(T, H * D)), *norm(layer.post_attention_layernorm))
+            mlp = layer.mlp
+            a = self._attention(i, layer.self_attn, x, ropes[self.rope_types[i]], meta, cache, fused)
+            x = fused.add_rms_norm_(h, a, *norm(layer.post_attention_layernorm))
             if hasattr(mlp, "gate_up_proj"):
                 m = mlp.down_proj(fused.silu_and_mul(mlp.gate_up_proj(x)))
             elif hasattr(mlp, "gate_proj"):
@@ -239,22 +228,29 @@ class NativeModel(nn.Module):
             x = fused.add_rms_norm_(h, m, *norm(nxt))
         return x
 
-    def _attention(self, i, attn, x, rope, meta, cache) -> torch.Tensor:
-        T = x.shape[0]
+    def _attention(self, i, attn, x, rope, meta, cache, fused=None) -> torch.Tensor:
+        """The attention block's output (o_proj's). rope: (cos, sin) [T, 1, D] for models.native.rope_,
+        or with `fused` (kernels/fused.py; no q/k norms) [T, D] for its rope_, which rotates q and k
+        in the projections' output, side by side in qkv's rows."""
+        T, H, KV, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if hasattr(attn, "qkv_proj"):  # fused by the engine, or in the checkpoint (Phi-3)
-            q, k, v = attn.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                                              self.num_kv_heads * self.head_dim], dim=-1)
+            y = attn.qkv_proj(x)
+            if fused is not None:
+                fused.rope_(y, *rope, H + KV)
+            q, k, v = y.split([H * D, KV * D, KV * D], dim=-1)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.family.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        rope_(q, *rope)
-        rope_(k, *rope)
+            if fused is not None:
+                fused.rope_(q, *rope, H)
+                fused.rope_(k, *rope, KV)
+        q, k, v = q.reshape(T, H, D), k.reshape(T, KV, D), v.reshape(T, KV, D)
+        if fused is None:
+            if self.family.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            rope_(q, *rope)
+            rope_(k, *rope)
         o = paged_attention(q, k, v, cache, meta, self.scales[i], window=self.windows[i], terms=self.terms[i])
-        return attn.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+        return attn.o_proj(o.reshape(T, H * D))
 
     def _norm_weights(self, norm: nn.Module) -> tuple[torch.Tensor, float]:
         """(w, eps) of an RMSNorm for qtk's fused ops: its weight, or 1 + weight (Gemma)."""
