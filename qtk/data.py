@@ -1,17 +1,22 @@
 """Calibration and evaluation text: the built-in corpus, local .txt/.jsonl files, HF datasets.
 
 The built-in corpus is CPython's own documentation (pydoc_data.topics: 79 topics of English
-prose, on every machine). Topics are split by name into disjoint calibration and evaluation
-sets (every 4th topic in sorted order is evaluation), so the two never overlap.
+prose), the copy qtk ships (qtk/assets/corpus: Python 3.11.7's), so every machine calibrates and
+evaluates on the same text whatever its Python. Topics are split by name into disjoint
+calibration and evaluation sets (every 4th topic in sorted order is evaluation), so the two never
+overlap.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import lzma
 from pathlib import Path
 
 import torch
 
+from .assets import corpus_file
 from .chat_template import has_template, render
 from .errors import DataSourceError, InputError, NotFoundError
 
@@ -20,9 +25,15 @@ log = logging.getLogger(__name__)
 SPLITS = ("calibration", "evaluation")
 
 
-def builtin_texts(split: str) -> list[str]:
-    from pydoc_data.topics import topics
+@functools.cache
+def builtin_topics() -> dict[str, str]:
+    """The built-in corpus: {topic name: text}."""
+    with lzma.open(corpus_file(), "rt", encoding="utf-8") as f:
+        return json.load(f)
 
+
+def builtin_texts(split: str) -> list[str]:
+    topics = builtin_topics()
     if split not in SPLITS:
         raise InputError(f"split must be one of {SPLITS}, got {split!r}")
     names = sorted(topics)

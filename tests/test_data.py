@@ -1,8 +1,11 @@
 """Calibration / evaluation text and the perplexity protocol (docs/benchmarks.md)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -12,14 +15,41 @@ from qtk.evals.perplexity import eval_windows, perplexity
 
 
 def test_builtin_splits_are_disjoint():
-    from pydoc_data.topics import topics
-
+    topics = data.builtin_topics()
     calib, evals = data.builtin_texts("calibration"), data.builtin_texts("evaluation")
     assert (len(calib), len(evals)) == (59, 20) and len(topics) == 79
     assert not set(calib) & set(evals)
     assert sorted(calib + evals) == sorted(topics.values())
     with pytest.raises(ValueError, match="split must be one of"):
         data.builtin_texts("train")
+
+
+# sha256 over each topic's name and text (sorted by name, each followed by a NUL), of CPython 3.11.7's
+# pydoc_data.topics: the text every recorded perplexity and calibration on the built-in corpus read
+CORPUS_SHA256 = "6c7d68cee92383c2d38e91c095bc7f45b93d936d39b8d4c5fe1b718baf09dc63"
+
+
+def _corpus_sha256(topics: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(topics):
+        h.update(name.encode() + b"\0" + topics[name].encode() + b"\0")
+    return h.hexdigest()
+
+
+def test_builtin_corpus_is_the_shipped_text_whatever_the_python(monkeypatch):
+    """Python versions ship different pydoc_data.topics (3.12's evaluation split scored 0.9% lower
+    perplexity than 3.11's); the corpus is qtk's own copy, so a different interpreter's text changes nothing."""
+    expected = data.builtin_texts("evaluation")
+    assert _corpus_sha256(data.builtin_topics()) == CORPUS_SHA256
+    other = types.ModuleType("pydoc_data.topics")
+    other.topics = {"other": "another Python's text"}
+    monkeypatch.setitem(sys.modules, "pydoc_data.topics", other)
+    data.builtin_topics.cache_clear()
+    try:
+        assert data.builtin_texts("evaluation") == expected
+        assert _corpus_sha256(data.builtin_topics()) == CORPUS_SHA256
+    finally:
+        data.builtin_topics.cache_clear()
 
 
 def test_token_stream_separates_texts_with_eos(tokenizer):
