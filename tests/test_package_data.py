@@ -62,6 +62,7 @@ def test_wheel_carries_the_shipped_files(tmp_path):
     (wheel,) = tmp_path.glob("qtk-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"qtk/assets/{f}" for f in _shipped_files()} <= names
+    assert f"qtk/assets/corpus/{assets.corpus_file().name}" in names  # the built-in corpus
     from qtk.kernels import cpu
 
     assert {f"qtk/kernels/csrc/{p.name}" for p in cpu.SOURCES} <= names  # the C++ kernels' sources and header
