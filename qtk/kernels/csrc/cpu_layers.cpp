@@ -378,84 +378,63 @@ inline __m256 load8(const uint8_t* p) {
   return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(x, em), em)));  // NaN: all ones
 }
 
-// q . k for 8 keys at once: 8 FMA chains over D (D % 8 == 0), then the 8 sums across lanes by a
-// transpose of adds (one horizontal sum per key cost more than the dots), times the scale, into
-// out[0..8), and their maximum into mx. The last step adds the two 128-bit halves rather than
-// permuting them across lanes: vperm2f128 is 8 uops on Zen 1.
-template <typename R>  // rows of float32, or of bf16 read in place (a bf16 cache)
-static inline void dot8(const float* q, const R* const* rows, int64_t D, __m128 scale, float* out, __m128& mx) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(qv, load8(rows[0] + d), a0);
-    a1 = _mm256_fmadd_ps(qv, load8(rows[1] + d), a1);
-    a2 = _mm256_fmadd_ps(qv, load8(rows[2] + d), a2);
-    a3 = _mm256_fmadd_ps(qv, load8(rows[3] + d), a3);
-    a4 = _mm256_fmadd_ps(qv, load8(rows[4] + d), a4);
-    a5 = _mm256_fmadd_ps(qv, load8(rows[5] + d), a5);
-    a6 = _mm256_fmadd_ps(qv, load8(rows[6] + d), a6);
-    a7 = _mm256_fmadd_ps(qv, load8(rows[7] + d), a7);
-  }
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // [a0..a3 lo | a0..a3 hi]
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-  const __m128 s0 = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(t0), _mm256_extractf128_ps(t0, 1)), scale);
-  const __m128 s1 = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(t1), _mm256_extractf128_ps(t1, 1)), scale);
-  _mm_storeu_ps(out, s0);
-  _mm_storeu_ps(out + 4, s1);
-  mx = _mm_max_ps(mx, _mm_max_ps(s0, s1));
-}
-
-// q . k for NH query heads of one KV head (rows q, q + qs, ...) and 4 keys at once, for a bf16 / INT8 / FP8
-// cache: each key's 8 elements are decoded once for all NH heads (dot8, head by head, would decode them once
-// per head). 4 NH sums across lanes, times the scale, into out[h * os ..][0..4), and each head's maximum into
-// mx[h]. NH <= 3: 4 NH accumulators, NH q vectors and one key vector fill the 16 registers.
-template <int NH, typename R>
-static inline void dot4_heads(const float* q, int64_t qs, const R* const* rows, int64_t D, __m128 scale, float* out,
-                              int64_t os, __m128* mx) {
-  static_assert(NH >= 1 && NH <= 3, "dot4_heads: 1 to 3 heads");
-  __m256 a[NH][4];
+// q . k for NH query heads of one KV head (rows q, q + qs, ...) and NK keys at once (NK % 4 == 0): NH NK FMA
+// chains over D (D % 8 == 0), each key's 8 elements decoded once for all NH heads; then each head's sums across
+// lanes, 4 keys at a time by a transpose of adds (one horizontal sum per key cost more than the dots), times the
+// scale, into out[h * os ..][0..NK), and each head's maximum into mx[h]. The last step adds the two 128-bit
+// halves rather than permuting them across lanes: vperm2f128 is 8 uops on Zen 1. NH NK accumulators, NH q
+// vectors and one key vector fit in the 16 registers: 1 head x 8 keys (float32 rows, head by head) or 2-3
+// heads x 4 keys (bf16 / INT8 / FP8 rows, whose decoding grouping shares).
+template <int NH, int NK, typename R>  // rows of float32, or read in place: bf16, INT8 codes, FP8 bits
+static inline void dot_heads(const float* q, int64_t qs, const R* const* rows, int64_t D, __m128 scale, float* out,
+                             int64_t os, __m128* mx) {
+  static_assert(NK % 4 == 0 && NH * NK + NH + 1 <= 16, "dot_heads: NH x NK accumulators must fit the registers");
+  __m256 a[NH][NK];
 #pragma GCC unroll 3
-  for (int h = 0; h < NH; ++h) a[h][0] = a[h][1] = a[h][2] = a[h][3] = _mm256_setzero_ps();
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 8
+    for (int k = 0; k < NK; ++k) a[h][k] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
     __m256 qv[NH];
 #pragma GCC unroll 3
     for (int h = 0; h < NH; ++h) qv[h] = _mm256_loadu_ps(q + h * qs + d);
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
+#pragma GCC unroll 8
+    for (int k = 0; k < NK; ++k) {
       const __m256 kv = load8(rows[k] + d);
 #pragma GCC unroll 3
       for (int h = 0; h < NH; ++h) a[h][k] = _mm256_fmadd_ps(qv[h], kv, a[h][k]);
     }
   }
 #pragma GCC unroll 3
-  for (int h = 0; h < NH; ++h) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
-    const __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)), scale);
-    _mm_storeu_ps(out + h * os, s);
-    mx[h] = _mm_max_ps(mx[h], s);
-  }
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 2
+    for (int k = 0; k < NK; k += 4) {
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[h][k], a[h][k + 1]), _mm256_hadd_ps(a[h][k + 2], a[h][k + 3]));
+      const __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)), scale);
+      _mm_storeu_ps(out + h * os + k, s);  // t: [keys k..k+3, low halves | high halves]
+      mx[h] = _mm_max_ps(mx[h], s);
+    }
 }
 
-// out[h][d0 .. d0 + 32) (+)= sum_j p[h][j] * rows[j][d0 ..] for NH heads (p[h] = p + h * ps, out[h] = out +
-// h * os), for a bf16 / INT8 / FP8 cache: each value row's 4 vectors are decoded once for all NH heads
-// (pv_chunk, head by head, would decode them once per head). NH <= 3: 4 NH accumulators, NH weights and
-// one value vector in 16 registers.
-template <int NH, typename R>
-static inline void pv4_heads(const float* p, int64_t ps, const R* const* rows, int64_t L, int64_t d0, float* out,
-                             int64_t os, bool add) {
-  static_assert(NH >= 1 && NH <= 3, "pv4_heads: 1 to 3 heads");
-  __m256 acc[NH][4];
+// out[h][d0 .. d0 + 8 NV) (+)= sum_j p[h][j] * rows[j][d0 ..] for NH heads (p[h] = p + h * ps, out[h] = out + h * os):
+// NH NV accumulators held in registers over the context, each value vector decoded once for all NH heads.
+// 1 head x up to 8 vectors (float32 rows, head by head), or 2-3 heads x 4 (bf16 / INT8 / FP8 rows).
+template <int NH, int NV, typename R>
+static inline void pv_heads(const float* p, int64_t ps, const R* const* rows, int64_t L, int64_t d0, float* out,
+                            int64_t os, bool add) {
+  static_assert(NH * NV + NH + 1 <= 16, "pv_heads: NH x NV accumulators must fit the registers");
+  __m256 acc[NH][NV];
 #pragma GCC unroll 3
   for (int h = 0; h < NH; ++h)
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) acc[h][v] = add ? _mm256_loadu_ps(out + h * os + d0 + 8 * v) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[h][v] = add ? _mm256_loadu_ps(out + h * os + d0 + 8 * v) : _mm256_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
     __m256 pj[NH];
 #pragma GCC unroll 3
     for (int h = 0; h < NH; ++h) pj[h] = _mm256_broadcast_ss(p + h * ps + j);
     const R* r = rows[j] + d0;
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) {
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
       const __m256 x = load8(r + 8 * v);
 #pragma GCC unroll 3
       for (int h = 0; h < NH; ++h) acc[h][v] = _mm256_fmadd_ps(pj[h], x, acc[h][v]);
@@ -463,8 +442,8 @@ static inline void pv4_heads(const float* p, int64_t ps, const R* const* rows, i
   }
 #pragma GCC unroll 3
   for (int h = 0; h < NH; ++h)
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out + h * os + d0 + 8 * v, acc[h][v]);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + h * os + d0 + 8 * v, acc[h][v]);
 }
 
 static inline float hmax4(__m128 v) {
@@ -472,35 +451,35 @@ static inline float hmax4(__m128 v) {
   return _mm_cvtss_f32(_mm_max_ss(v, _mm_shuffle_ps(v, v, 1)));
 }
 
-// out[d0 .. d0 + 8NV) = sum_j p[j] * rows[j][d0 ..]: NV accumulators held in registers over the context.
-template <int NV, typename R>
-static inline void pv_chunk(const float* p, const R* const* rows, int64_t L, int64_t d0, float* out, bool add) {
-  __m256 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = add ? _mm256_loadu_ps(out + d0 + 8 * v) : _mm256_setzero_ps();
-  for (int64_t j = 0; j < L; ++j) {
-    const __m256 pj = _mm256_broadcast_ss(p + j);
-    const R* r = rows[j] + d0;
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(pj, load8(r + 8 * v), acc[v]);
-  }
-  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + d0 + 8 * v, acc[v]);
-}
 #endif
+
+// sr[j] = (q . rows[j]) * scale for the keys j .. j1 one at a time (the tails the vector passes leave, and
+// every key on the portable build), raising m to the largest
+template <typename R>
+static void dot_tail(const float* q, const R* const* rows, int64_t j, int64_t j1, int64_t D, float scale, float* sr,
+                     float& m) {
+  for (; j < j1; ++j) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * as_float(rows[j][d]);
+    sr[j] = dot * scale;
+    m = std::max(m, sr[j]);
+  }
+}
 
 // out [D] = sum_j p[j] * rows[j] over L rows (add: out += that).
 template <typename R>
 static void weighted_rows(const float* p, const R* const* rows, int64_t L, int64_t D, float* out, bool add) {
   int64_t d0 = 0;
 #ifdef QTK_AVX2
-  for (; d0 + 64 <= D; d0 += 64) pv_chunk<8>(p, rows, L, d0, out, add);
+  for (; d0 + 64 <= D; d0 += 64) pv_heads<1, 8>(p, 0, rows, L, d0, out, 0, add);
   switch ((D - d0) / 8) {
-    case 1: pv_chunk<1>(p, rows, L, d0, out, add); break;
-    case 2: pv_chunk<2>(p, rows, L, d0, out, add); break;
-    case 3: pv_chunk<3>(p, rows, L, d0, out, add); break;
-    case 4: pv_chunk<4>(p, rows, L, d0, out, add); break;
-    case 5: pv_chunk<5>(p, rows, L, d0, out, add); break;
-    case 6: pv_chunk<6>(p, rows, L, d0, out, add); break;
-    case 7: pv_chunk<7>(p, rows, L, d0, out, add); break;
+    case 1: pv_heads<1, 1>(p, 0, rows, L, d0, out, 0, add); break;
+    case 2: pv_heads<1, 2>(p, 0, rows, L, d0, out, 0, add); break;
+    case 3: pv_heads<1, 3>(p, 0, rows, L, d0, out, 0, add); break;
+    case 4: pv_heads<1, 4>(p, 0, rows, L, d0, out, 0, add); break;
+    case 5: pv_heads<1, 5>(p, 0, rows, L, d0, out, 0, add); break;
+    case 6: pv_heads<1, 6>(p, 0, rows, L, d0, out, 0, add); break;
+    case 7: pv_heads<1, 7>(p, 0, rows, L, d0, out, 0, add); break;
     default: break;
   }
   d0 += (D - d0) / 8 * 8;
@@ -517,7 +496,7 @@ static void weighted_rows(const float* p, const R* const* rows, int64_t L, int64
 // each head re-read them from L2 and ran 3x slower (a 2-core Zen 4, 16 sequences x 1024 keys).
 constexpr int64_t DECODE_TILE = 64;
 
-// How many of the `left` query heads of a KV head the AVX2 passes take at once (dot4_heads, pv4_heads):
+// How many of the `left` query heads of a KV head the AVX2 passes take at once (dot_heads, pv_heads):
 // 3, or 2 where 4 are left (2 + 2 rather than 3 + 1); 1 means the head-by-head path.
 constexpr int64_t heads_at_once(int64_t left) { return left == 4 ? 2 : std::min<int64_t>(3, left); }
 
@@ -536,7 +515,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const kv_t<KIND>* kc = static_cast<const kv_t<KIND>*>(k_cache.data_ptr());
   const kv_t<KIND>* vc = static_cast<const kv_t<KIND>*>(v_cache.data_ptr());
   float* op = out.data_ptr<float>();
-  // bf16, INT8 and FP8 rows are decoded in registers, once per 2-3 query heads (dot4_heads, pv4_heads):
+  // bf16, INT8 and FP8 rows are decoded in registers, once per 2-3 query heads (dot_heads, pv_heads):
   // head by head, the decoding cost more than the bytes it saves (16 sequences x 1024 keys, 2 Zen 1 cores,
   // the step's attention: bf16 72-75 ms that way, 49 grouped, float32 61-64). Float32 rows go head by
   // head, 8 keys at once: over a cache out of CPU cache, 4 keys at once for 3 heads kept fewer lines in
@@ -586,18 +565,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             int64_t j = j0;
             for (; j + 4 <= j1; j += 4)
               if (nh == 3)
-                dot4_heads<3>(qr, qs1, &krow[j], D, sc, sr + j, L, mv);
+                dot_heads<3, 4>(qr, qs1, &krow[j], D, sc, sr + j, L, mv);
               else
-                dot4_heads<2>(qr, qs1, &krow[j], D, sc, sr + j, L, mv);
+                dot_heads<2, 4>(qr, qs1, &krow[j], D, sc, sr + j, L, mv);
             for (int64_t e = 0; e < nh; ++e) {
-              float& m = smax[g - g0 + e];
-              m = hmax4(mv[e]);
-              for (int64_t jj = j; jj < j1; ++jj) {
-                float dot = 0.f;
-                for (int64_t d = 0; d < D; ++d) dot += qr[e * qs1 + d] * as_float(krow[jj][d]);
-                sr[e * L + jj] = dot * kscale;
-                m = std::max(m, sr[e * L + jj]);
-              }
+              smax[g - g0 + e] = hmax4(mv[e]);
+              dot_tail(qr + e * qs1, krow.data(), j, j1, D, kscale, sr + e * L, smax[g - g0 + e]);
             }
           }
 #endif
@@ -609,16 +582,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #ifdef QTK_AVX2
           if (D % 8 == 0) {
             __m128 mv = _mm_set1_ps(m);
-            for (; j + 8 <= j1; j += 8) dot8(qr, &krow[j], D, _mm_set1_ps(kscale), sr + j, mv);
+            for (; j + 8 <= j1; j += 8) dot_heads<1, 8>(qr, 0, &krow[j], D, _mm_set1_ps(kscale), sr + j, 0, &mv);
             m = hmax4(mv);
           }
 #endif
-          for (; j < j1; ++j) {
-            float dot = 0.f;
-            for (int64_t d = 0; d < D; ++d) dot += qr[d] * as_float(krow[j][d]);
-            sr[j] = dot * kscale;
-            m = std::max(m, sr[j]);
-          }
+          dot_tail(qr, krow.data(), j, j1, D, kscale, sr, m);
         }
       }
       for (int64_t g = g0; g < g1; ++g) {  // softmax: exp(s - max); vscale / their sum in smax's place
@@ -640,10 +608,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           for (int64_t nh; (nh = heads_at_once(g1 - g)) > 1; g += nh)
             for (int64_t d0 = 0; d0 < D; d0 += 32)
               if (nh == 3)
-                pv4_heads<3>(scores.data() + (g - g0) * L + j0, L, vrow.data() + j0, n, d0,
+                pv_heads<3, 4>(scores.data() + (g - g0) * L + j0, L, vrow.data() + j0, n, d0,
                              op + (b * H + h * G + g) * D, D, j0 > 0);
               else
-                pv4_heads<2>(scores.data() + (g - g0) * L + j0, L, vrow.data() + j0, n, d0,
+                pv_heads<2, 4>(scores.data() + (g - g0) * L + j0, L, vrow.data() + j0, n, d0,
                              op + (b * H + h * G + g) * D, D, j0 > 0);
 #endif
         for (; g < g1; ++g)
