@@ -342,20 +342,87 @@ def test_incremental_detokenization_is_the_whole_decode_and_never_half_a_charact
     """Random token ids of the bundled byte-level BPE tokenizer (multi-byte characters split over
     several tokens included): the pieces add up to the full decode, and no piece ends inside a
     character."""
-    from qtk.runtime.detokenizer import IncrementalDetokenizer
+    from qtk.runtime.detokenizer import IncrementalDetokenizer, fast_backend
 
     g = torch.Generator().manual_seed(0)
     text = "Grüße, 東京 👋 naïve café — ok"
+    backend = fast_backend(tokenizer)
+    assert backend is not None  # the bundled tokenizer decodes in Rust (tokenizers' DecodeStream)
     for trial in range(20):
         prompt = tokenizer(text).input_ids[: trial % 5 + 1]
         out = tokenizer(text[trial % 7:]).input_ids + torch.randint(0, len(tokenizer), (30,), generator=g).tolist()
-        detok = IncrementalDetokenizer(tokenizer, prompt)
-        ids, pieces = list(prompt), []
+        out += [tokenizer.eos_token_id, len(tokenizer) + 5]  # a special token, an id past the vocabulary
+        if trial % 2:
+            out += tokenizer("👋", add_special_tokens=False).input_ids[:1]  # ends inside a character
+        skip = trial % 3 != 0
+        detoks = [IncrementalDetokenizer(tokenizer, prompt, skip), IncrementalDetokenizer(tokenizer, prompt, skip, backend)]
+        ids, pieces = list(prompt), [[], []]
         for i, t in enumerate(out):
             ids.append(t)
-            pieces.append(detok.step(ids, final=i == len(out) - 1))
-        assert "".join(pieces) == tokenizer.decode(out, skip_special_tokens=True)
-        assert not any(p.endswith("\ufffd") for p in pieces[:-1])
+            for d, p in zip(detoks, pieces):
+                p.append(d.step(ids, final=i == len(out) - 1))
+        assert pieces[0] == pieces[1]  # the Rust stream gives the same pieces as transformers' decode
+        assert "".join(pieces[1]) == tokenizer.decode(out, skip_special_tokens=skip)
+        assert not any(p.endswith("\ufffd") for p in pieces[1][:-1])
+        assert pieces[1][-1].endswith("\ufffd") == bool(trial % 2)  # the unfinished one, emitted at the end
+
+
+@pytest.mark.parametrize("primed_by", ["ids", "steps"])
+def test_detokenizer_streams_with_the_prompt_as_context(primed_by, monkeypatch):
+    """A SentencePiece-style decoder drops the space of a text's first word: the first generated word's
+    space shows only in the context of the prompt's last tokens, on both paths (the stream primed with
+    them as tokenizers >= 0.22 takes them, or by feeding them, as before)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.decoders import DecodeStream
+    from transformers import PreTrainedTokenizerFast
+
+    from qtk.runtime import detokenizer
+    from qtk.runtime.detokenizer import IncrementalDetokenizer, fast_backend
+
+    if primed_by == "steps":
+        def older_stream(skip_special_tokens=False, **kwargs):
+            if kwargs:
+                raise TypeError("DecodeStream() takes no ids")
+            return DecodeStream(skip_special_tokens=skip_special_tokens)
+        monkeypatch.setattr(detokenizer, "_decode_stream", lambda: older_stream)
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2, "!": 3}, unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert tok.decode([2]) == "world" and fast_backend(tok) is not None
+    for fast in (None, fast_backend(tok)):
+        detok, ids = IncrementalDetokenizer(tok, [1], backend=fast), [1]
+        pieces = [detok.step(ids := ids + [t]) for t in (2, 3, 2)]
+        assert pieces == [" world", "!", " world"]
+
+
+def test_detokenizer_decodes_through_transformers_where_its_decode_adds_something(tokenizer):
+    """clean_up_tokenization_spaces rewrites the backend's text (" ." -> "."), so such a tokenizer keeps the
+    transformers decode."""
+    import copy
+
+    from qtk.runtime.detokenizer import fast_backend
+
+    tidy = copy.copy(tokenizer)
+    tidy.clean_up_tokenization_spaces = True
+    assert fast_backend(tokenizer) is not None and fast_backend(tidy) is None
+
+
+def test_a_snapshot_copies_every_field_and_shares_no_list():
+    import dataclasses
+
+    from qtk.runtime.output_processor import CompletionOutput, RequestOutput
+
+    done = CompletionOutput(1, "text", [4, 5], "stop", [{4: -0.5}])
+    out = RequestOutput("r", [1, 2, 3], [done], [None, {2: -1.0}], 0.25, "an error")
+    assert all(getattr(out, f.name) != f.default for f in dataclasses.fields(out) if f.default is not dataclasses.MISSING)
+    assert all(getattr(done, f.name) != f.default for f in dataclasses.fields(done) if f.default is not dataclasses.MISSING)
+    snap = out.snapshot()
+    assert dataclasses.asdict(snap) == dataclasses.asdict(out)  # a field the snapshot missed would be its default
+    done.token_ids.append(6)
+    done.logprobs.append({6: -0.1})
+    out.outputs.append(CompletionOutput(2, "", []))
+    assert snap.outputs[0].token_ids == [4, 5] and len(snap.outputs[0].logprobs) == 1 and len(snap.outputs) == 1
 
 
 def test_stop_strings_cut_the_text_exactly(tiny_dir):

@@ -6,22 +6,64 @@ window without the new tokens, ids[prefix_offset:read_offset]; the new text is t
 window whose text ends in U+FFFD is a multi-byte character still being spelled out by byte
 tokens: nothing is emitted until it completes. Starting the window a few tokens back lets the
 tokenizer's joining rules (spaces, merges) see their context.
+
+For a fast tokenizer whose decode is its Rust backend's alone (fast_backend), the same algorithm
+runs in the backend (tokenizers' DecodeStream, as vLLM v1's fast detokenizer): 2 us a token against
+22 for two transformers decodes, which was most of an engine step's host time at 64 sequences.
 """
 from __future__ import annotations
+
+import functools
 
 CONTEXT = 5  # tokens of context before the first new one
 
 
+@functools.cache
+def _decode_stream():
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # tokenizers < 0.21
+        return None
+    return DecodeStream
+
+
+def fast_backend(tokenizer):
+    """The tokenizers.Tokenizer that decodes exactly as tokenizer.decode does, or None: a fast
+    tokenizer that adds nothing of its own to the backend's decode (no clean_up_tokenization_spaces)
+    and whose special tokens (the ones skip_special_tokens drops) the backend marks special too."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if _decode_stream() is None or backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    return backend if set(getattr(tokenizer, "all_special_ids", ())) <= special else None
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True, backend=None):
+        """backend: fast_backend(tokenizer), to decode in it (None: through tokenizer.decode)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.prefix_offset = max(len(prompt_ids) - CONTEXT, 0)
         self.read_offset = len(prompt_ids)
+        self.fed = len(prompt_ids)  # tokens the stream has seen
+        self.backend, self.stream = backend, None
+        if backend is not None:
+            self.stream = _primed_stream(backend, prompt_ids[self.prefix_offset:], skip_special_tokens)
 
     def step(self, ids: list[int], final: bool = False) -> str:
         """The text that the tokens after read_offset add (ids: the whole sequence so far); final:
         the sequence ends here, so an unfinished character is emitted as it is."""
+        if self.stream is not None:
+            pieces = [self.stream.step(self.backend, t) for t in ids[self.fed:]]
+            self.fed = len(ids)
+            text = "".join(p for p in pieces if p)
+            if text:  # the stream emitted: its window moved as the one below would have
+                self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+                return text
+            if not final:
+                return ""  # (an unfinished character; or nothing new, as a skipped special token)
         decode = self.tokenizer.decode
         prefix = decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special_tokens)
         full = decode(ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
@@ -29,6 +71,18 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         return full[len(prefix):]
+
+
+def _primed_stream(backend, context: list[int], skip_special_tokens: bool):
+    """A DecodeStream that has seen `context` (the prompt's last tokens, whose text it does not emit)."""
+    stream_type = _decode_stream()
+    try:
+        return stream_type(ids=context, skip_special_tokens=skip_special_tokens)
+    except TypeError:  # tokenizers < 0.22: no ids; feed them, and drop their text
+        stream = stream_type(skip_special_tokens=skip_special_tokens)
+        for t in context:
+            stream.step(backend, t)
+        return stream
 
 
 def find_stop(text: str, stops: tuple[str, ...], new: int) -> tuple[int, str] | None:

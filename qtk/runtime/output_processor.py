@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from .detokenizer import IncrementalDetokenizer, find_stop, held_back
+from .detokenizer import IncrementalDetokenizer, fast_backend, find_stop, held_back
 from .sequence import Sequence
 from .structured_outputs import short
 
@@ -41,15 +41,18 @@ class RequestOutput:
         return self.error is not None or all(o.finish_reason is not None for o in self.outputs)
 
     def snapshot(self) -> RequestOutput:
-        """A copy the engine will not change afterwards (lists copied, entries shared)."""
-        outs = [replace(o, token_ids=list(o.token_ids), logprobs=None if o.logprobs is None else list(o.logprobs))
-                for o in self.outputs]
-        return replace(self, outputs=outs)
+        """A copy the engine will not change afterwards (lists copied, entries shared). Built field by
+        field: dataclasses.replace took 3x as long, for every request at every step."""
+        outs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason,
+                                 None if o.logprobs is None else list(o.logprobs)) for o in self.outputs]
+        return RequestOutput(self.request_id, self.prompt_token_ids, outs, self.prompt_logprobs, self.queue_time,
+                             self.error)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
         self.tokenizer = tokenizer
+        self._backend = fast_backend(tokenizer)  # decoding in Rust where it gives the same text
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.requests: dict[str, tuple[RequestOutput, list[Sequence]]] = {}
@@ -61,7 +64,7 @@ class OutputProcessor:
     def add(self, out: RequestOutput, seqs: list[Sequence]) -> None:
         for s in seqs:
             self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer, out.prompt_token_ids,
-                                                           s.params.skip_special_tokens)
+                                                           s.params.skip_special_tokens, self._backend)
         self.requests[out.request_id] = (out, seqs)
 
     def pop(self, request_id: str) -> list[Sequence]:
