@@ -299,3 +299,23 @@ def test_quality_table_reuses_a_checkpoint_only_if_calibrated_as_the_table_says(
     (out / "qtk_report.json").write_text(json.dumps({"calibration_samples": 0}))  # a recipe without data
     runs.clear()
     assert qt.quantize("gptq", [], 64, False) == out and runs == []
+
+
+def test_cpu_core_peak_compiles_runs_and_records_every_figure(tmp_path, capsys, monkeypatch):
+    """benchmarks/cpu_core_peak.py: its micro-kernels build with g++ and each gives a positive rate into the JSON;
+    without g++ it says what to install and exits 2."""
+    import shutil
+
+    import torch
+
+    peak = load_script("cpu_core_peak")
+    if shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("needs g++ and an AVX2 CPU")
+    monkeypatch.setattr("sys.argv", ["cpu_core_peak.py", "--out", str(tmp_path)])
+    assert peak.main() == 0
+    (written,) = tmp_path.glob("cpu-core-peak-*.json")
+    figures = json.loads(written.read_text())
+    assert all(figures[k] > 0 for k in ("fma_registers", "fma_6x16_tile", "attention_tiles", "int8_maddubs_6x16"))
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "g++" else real_which(name))
+    assert peak.main() == 2 and "needs g++" in capsys.readouterr().err
