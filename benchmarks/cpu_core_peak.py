@@ -1,7 +1,7 @@
 """One core's arithmetic peaks on an AVX2 CPU, from micro-kernels whose operands sit in registers or L1:
 what qtk's float32 kernels can reach at best, and whether int8 arithmetic would beat them on this CPU.
 
-    python benchmarks/cpu_core_peak.py [--out benchmarks/results]
+    python benchmarks/cpu_core_peak.py [--reps 100000] [--out benchmarks/results]
 
 Compiles a small C++ file with g++ (-O3 -mavx2 -mfma) and times, on one thread, best of 5:
   fma_registers      12 independent FMA chains on registers: the float32 peak (GFLOP/s, 2 per lane)
@@ -40,6 +40,7 @@ SOURCE = r"""
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 
 alignas(64) float W[256 * 16];
 alignas(64) float X[6 * 256];
@@ -137,20 +138,20 @@ double best_seconds(F&& f) {
   return best;
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const int reps = argc > 1 ? std::atoi(argv[1]) : 100000;
   for (int i = 0; i < 256 * 16; ++i) W[i] = 1e-3f * (i % 7);
   for (int i = 0; i < 6 * 256; ++i) X[i] = 1e-3f * (i % 5);
   for (int i = 0; i < 256 * 64; ++i) W8[i] = static_cast<int8_t>(i % 7 - 3);
   for (int i = 0; i < 6 * 1024; ++i) X8[i] = static_cast<uint8_t>(i % 11);
   for (int i = 0; i < D * BK; ++i) { KP[i] = 1e-3f * (i % 7); VP[i] = 1e-4f * (i % 3); }
   for (int i = 0; i < MR * D; ++i) Q[i] = 1e-3f * (i % 5);
-  const int reps = 100000;
-  const double regs = best_seconds([] { fma_registers(1 << 22); });
-  const double tile = best_seconds([] { for (int i = 0; i < reps; ++i) fma_tile(256); });
-  const double attn = best_seconds([] { for (int i = 0; i < reps; ++i) attention_tiles(); });
-  const double i8 = best_seconds([] { for (int i = 0; i < reps; ++i) int8_tile(256); });
+  const double regs = best_seconds([&] { fma_registers(reps * 40); });
+  const double tile = best_seconds([&] { for (int i = 0; i < reps; ++i) fma_tile(256); });
+  const double attn = best_seconds([&] { for (int i = 0; i < reps; ++i) attention_tiles(); });
+  const double i8 = best_seconds([&] { for (int i = 0; i < reps; ++i) int8_tile(256); });
   std::printf("{\"fma_registers\": %.2f, \"fma_6x16_tile\": %.2f, \"attention_tiles\": %.2f, \"int8_maddubs_6x16\": %.2f}\n",
-              2.0 * 12 * 8 * (1 << 22) / regs / 1e9, 2.0 * 6 * 16 * 256 * reps / tile / 1e9,
+              2.0 * 12 * 8 * 40.0 * reps / regs / 1e9, 2.0 * 6 * 16 * 256 * reps / tile / 1e9,
               4.0 * MR * BK * D * reps / attn / 1e9, 2.0 * 6 * 16 * 4 * 256 * reps / i8 / 1e9);
 }
 """
@@ -158,6 +159,7 @@ int main() {
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=100000, help="calls of each micro-kernel per timing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     if shutil.which("g++") is None:
@@ -170,8 +172,9 @@ def main() -> int:
         src, exe = Path(tmp) / "peak.cpp", Path(tmp) / "peak"
         src.write_text(SOURCE)
         subprocess.run(["g++", "-O3", "-mavx2", "-mfma", "-o", str(exe), str(src)], check=True)
-        figures = json.loads(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        figures = json.loads(subprocess.run([str(exe), str(args.reps)], check=True, capture_output=True,
+                                            text=True).stdout)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
     result = {"cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(), "commit": commit,
               "date": datetime.date.today().isoformat(), "unit": "G op/s, one core (a multiply-add is 2)", **figures}
     print(json.dumps(result, indent=1))

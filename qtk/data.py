@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import lzma
+import types
 from pathlib import Path
 
 import torch
@@ -26,16 +26,23 @@ SPLITS = ("calibration", "evaluation")
 
 
 @functools.cache
-def builtin_topics() -> dict[str, str]:
-    """The built-in corpus: {topic name: text}."""
-    with lzma.open(corpus_file(), "rt", encoding="utf-8") as f:
-        return json.load(f)
+def builtin_topics() -> types.MappingProxyType:
+    """The built-in corpus: {topic name: text}, read-only (one copy, shared by every caller)."""
+    import lzma  # (here: a Python built without liblzma still imports qtk.data)
+
+    path = corpus_file()
+    try:
+        with lzma.open(path, "rt", encoding="utf-8") as f:
+            return types.MappingProxyType(json.load(f))
+    except (OSError, lzma.LZMAError, ValueError) as e:
+        raise DataSourceError(f"the built-in corpus {path} could not be read ({e}); reinstall qtk, or give "
+                              "--dataset FILE") from e
 
 
 def builtin_texts(split: str) -> list[str]:
-    topics = builtin_topics()
     if split not in SPLITS:
         raise InputError(f"split must be one of {SPLITS}, got {split!r}")
+    topics = builtin_topics()
     names = sorted(topics)
     keep = [n for i, n in enumerate(names) if (i % 4 == 0) == (split == "evaluation")]
     return [topics[n] for n in keep]

@@ -311,7 +311,7 @@ def test_cpu_core_peak_compiles_runs_and_records_every_figure(tmp_path, capsys, 
     peak = load_script("cpu_core_peak")
     if shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("needs g++ and an AVX2 CPU")
-    monkeypatch.setattr("sys.argv", ["cpu_core_peak.py", "--out", str(tmp_path)])
+    monkeypatch.setattr("sys.argv", ["cpu_core_peak.py", "--reps", "200", "--out", str(tmp_path)])
     assert peak.main() == 0
     (written,) = tmp_path.glob("cpu-core-peak-*.json")
     figures = json.loads(written.read_text())

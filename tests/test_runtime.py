@@ -396,6 +396,30 @@ def test_detokenizer_streams_with_the_prompt_as_context(primed_by, monkeypatch):
         assert pieces == [" world", "!", " world"]
 
 
+def test_detokenizer_streams_what_transformers_decodes_with_byte_fallback_tokens():
+    """A Llama-style decoder (byte-fallback tokens, fused): a byte that is no character makes the Rust stream
+    refuse the next text ("Invalid prefix": vLLM's issue 17448), and a prompt that ends inside a character
+    would make it emit the prompt's own text. Both go through transformers' decode, the same pieces."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from qtk.runtime.detokenizer import IncrementalDetokenizer, fast_backend
+
+    vocab = ["<unk>", "\u2581Hi", "<0x41>", "<0x80>", "b", "<0xF0>", "<0x9F>", "<0x91>", "<0x8B>", "\u2581there"]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert fast_backend(tok) is not None
+    for prompt, out in (([1], [2, 3, 4, 9]),          # "A", a lone continuation byte, "b", " there"
+                        ([1, 5, 6], [7, 8, 9, 2])):  # the prompt ends inside a 4-byte character
+        pieces = []
+        for fast in (None, fast_backend(tok)):
+            detok, ids = IncrementalDetokenizer(tok, prompt, backend=fast), list(prompt)
+            pieces.append([detok.step(ids := ids + [t], final=i == len(out) - 1) for i, t in enumerate(out)])
+        assert pieces[0] == pieces[1]
+
+
 def test_detokenizer_decodes_through_transformers_where_its_decode_adds_something(tokenizer):
     """clean_up_tokenization_spaces rewrites the backend's text (" ." -> "."), so such a tokenizer keeps the
     transformers decode."""
@@ -406,6 +430,14 @@ def test_detokenizer_decodes_through_transformers_where_its_decode_adds_somethin
     tidy = copy.copy(tokenizer)
     tidy.clean_up_tokenization_spaces = True
     assert fast_backend(tokenizer) is not None and fast_backend(tidy) is None
+
+    class Rewrites(type(tokenizer)):  # a subclass with a decode of its own (as CPM's)
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).replace(" ", "")
+
+    rewrites = copy.copy(tokenizer)
+    rewrites.__class__ = Rewrites
+    assert fast_backend(rewrites) is None
 
 
 def test_a_snapshot_copies_every_field_and_shares_no_list():

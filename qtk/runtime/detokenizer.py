@@ -27,12 +27,26 @@ def _decode_stream():
     return DecodeStream
 
 
+def _fast_tokenizer_base():
+    """transformers' base class of tokenizers backed by tokenizers.Tokenizer (renamed in transformers 5)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        return TokenizersBackend
+    except ImportError:
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast
+
+
 def fast_backend(tokenizer):
-    """The tokenizers.Tokenizer that decodes exactly as tokenizer.decode does, or None: a fast
-    tokenizer that adds nothing of its own to the backend's decode (no clean_up_tokenization_spaces)
-    and whose special tokens (the ones skip_special_tokens drops) the backend marks special too."""
+    """The tokenizers.Tokenizer that decodes exactly as tokenizer.decode does, or None. Conservative:
+    a fast tokenizer whose class keeps the base class's decode (a subclass may rewrite the text, as
+    CPM's does), with no clean_up_tokenization_spaces, and whose special tokens (the ones
+    skip_special_tokens drops) the backend marks special too."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if _decode_stream() is None or backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+        return None
+    base, cls = _fast_tokenizer_base(), type(tokenizer)
+    if not isinstance(tokenizer, base) or cls.decode is not base.decode or cls._decode is not base._decode:
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
@@ -49,21 +63,29 @@ class IncrementalDetokenizer:
         self.read_offset = len(prompt_ids)
         self.fed = len(prompt_ids)  # tokens the stream has seen
         self.backend, self.stream = backend, None
-        if backend is not None:
-            self.stream = _primed_stream(backend, prompt_ids[self.prefix_offset:], skip_special_tokens)
+        context = prompt_ids[self.prefix_offset:]
+        # a prompt that ends inside a character: the stream would emit the prompt's own text with it
+        if backend is not None and not backend.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            self.stream = _primed_stream(backend, context, skip_special_tokens)
 
     def step(self, ids: list[int], final: bool = False) -> str:
         """The text that the tokens after read_offset add (ids: the whole sequence so far); final:
         the sequence ends here, so an unfinished character is emitted as it is."""
         if self.stream is not None:
-            pieces = [self.stream.step(self.backend, t) for t in ids[self.fed:]]
-            self.fed = len(ids)
-            text = "".join(p for p in pieces if p)
-            if text:  # the stream emitted: its window moved as the one below would have
-                self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-                return text
-            if not final:
-                return ""  # (an unfinished character; or nothing new, as a skipped special token)
+            try:
+                pieces = [self.stream.step(self.backend, t) for t in ids[self.fed:]]
+            except Exception:  # noqa: BLE001 (the stream insists that each text extends the last, which
+                # byte-fallback decoders break, vLLM's issue 17448): this sequence goes on the path below,
+                # whose offsets are still those of the last emission
+                self.stream = None
+            else:
+                self.fed = len(ids)
+                text = "".join(p for p in pieces if p)
+                if text:  # the stream emitted: its window moved as the one below would have
+                    self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+                    return text
+                if not final:
+                    return ""  # (an unfinished character; or nothing new, as a skipped special token)
         decode = self.tokenizer.decode
         prefix = decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special_tokens)
         full = decode(ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)

@@ -43,10 +43,10 @@ class RequestOutput:
     def snapshot(self) -> RequestOutput:
         """A copy the engine will not change afterwards (lists copied, entries shared). Built field by
         field: dataclasses.replace took 3x as long, for every request at every step."""
-        outs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason,
-                                 None if o.logprobs is None else list(o.logprobs)) for o in self.outputs]
-        return RequestOutput(self.request_id, self.prompt_token_ids, outs, self.prompt_logprobs, self.queue_time,
-                             self.error)
+        outs = [CompletionOutput(index=o.index, text=o.text, token_ids=list(o.token_ids), finish_reason=o.finish_reason,
+                                 logprobs=None if o.logprobs is None else list(o.logprobs)) for o in self.outputs]
+        return RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, outputs=outs,
+                             prompt_logprobs=self.prompt_logprobs, queue_time=self.queue_time, error=self.error)
 
 
 class OutputProcessor:
