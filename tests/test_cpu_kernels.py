@@ -425,16 +425,19 @@ def test_silu_and_mul(lib):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
-@pytest.mark.parametrize("lens,D", [([1, 5, 17, 40], 32), ([37], 36), ([9, 40], 72)])
-def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D):
+@pytest.mark.parametrize("lens,D,H", [([1, 5, 17, 40], 32, 6), ([37], 36, 6), ([9, 40], 72, 6), ([3, 70], 64, 8),
+                                      ([70], 64, 10), ([33, 70], 64, 2)])
+def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D, H):
     """store_kv_ writes the bytes attention.write_kv writes; paged_decode_attention gives what the
-    torch decode gives, over random block tables, context lengths and GQA, per-head scales; head
-    sizes in and out of whole vectors, and one sequence (its query heads split over threads); with
-    a sliding window (shorter and longer than contexts), score soft-capping and attention sinks."""
+    torch decode gives, over random block tables, context lengths and GQA (1 to 5 query heads per KV
+    head: 2 and 3 at a time, and one by one), per-head scales; head sizes in and out of whole vectors,
+    contexts longer than a tile and than the rows asked for ahead, and one sequence (its query heads
+    split over threads); with a sliding window (shorter and longer than contexts), score soft-capping
+    and attention sinks."""
     from qtk.runtime.attention import NO_TERMS, AttentionMetadata, KVCache, ScoreTerms, _bytes, _decode, write_kv
 
     g = torch.Generator().manual_seed(0)
-    KV, H, bs, blocks = 2, 6, 4, 40
+    KV, bs, blocks = 2, 4, 40
     quant = kv_dtype not in (torch.float32, torch.bfloat16)  # bf16: a float cache at half the bytes, no scales
     scales = (torch.rand(KV, 1, 1, generator=g) + 0.5, torch.rand(KV, 1, 1, generator=g) + 0.5) if quant else (None, None)
     make = lambda: KVCache(torch.zeros(KV, blocks * bs, D, dtype=kv_dtype), torch.zeros(KV, blocks * bs, D, dtype=kv_dtype),
@@ -447,7 +450,7 @@ def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D):
     lib.store_kv_(_bytes(ours.k), _bytes(ours.v), k, v, slots, *flat)
     assert torch.equal(_bytes(ours.k), _bytes(ref.k)) and torch.equal(_bytes(ours.v), _bytes(ref.v))
     lens = torch.tensor(lens)
-    B, width = len(lens), 10
+    B, width = len(lens), 20
     tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in lens])
     mask = torch.arange(width * bs)[None, :] < lens[:, None]
     meta = AttentionMetadata(slots[:B], torch.arange(B), tables, mask, [], bs, lens)

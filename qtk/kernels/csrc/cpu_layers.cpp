@@ -378,17 +378,28 @@ inline __m256 load8(const uint8_t* p) {
   return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(x, em), em)));  // NaN: all ones
 }
 
+// Ask for a cache row's lines (D elements) in L1 ahead of its use: the decode's passes stream the context
+// from memory, a sequence's blocks anywhere in the pool, and they compute between loads (so the hardware
+// prefetchers, which stop at each 4 KB page, fell behind).
+template <typename R>
+static inline void prefetch_row(const R* row, int64_t D) {
+  for (int64_t c = 0; c < D * int64_t(sizeof(R)); c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, _MM_HINT_T0);
+}
+
 // q . k for NH query heads of one KV head (rows q, q + qs, ...) and NK keys at once (NK % 4 == 0): NH NK FMA
 // chains over D (D % 8 == 0), each key's 8 elements decoded once for all NH heads; then each head's sums across
 // lanes, 4 keys at a time by a transpose of adds (one horizontal sum per key cost more than the dots), times the
 // scale, into out[h * os ..][0..NK), and each head's maximum into mx[h]. The last step adds the two 128-bit
 // halves rather than permuting them across lanes: vperm2f128 is 8 uops on Zen 1. NH NK accumulators, NH q
-// vectors and one key vector fit in the 16 registers: 1 head x 8 keys (float32 rows, head by head) or 2-3
-// heads x 4 keys (bf16 / INT8 / FP8 rows, whose decoding grouping shares).
+// vectors and one key vector fit in the 16 registers: 2-3 heads x 4 keys (a KV head's query heads, each key
+// vector loaded and decoded once for them all) or 1 head x 8 keys (a query head left over, or alone).
+// pf: the rows whose lines to ask for while these compute (each key's, some keys ahead), or null.
 template <int NH, int NK, typename R>  // rows of float32, or read in place: bf16, INT8 codes, FP8 bits
 static inline void dot_heads(const float* q, int64_t qs, const R* const* rows, int64_t D, __m128 scale, float* out,
-                             int64_t os, __m128* mx) {
+                             int64_t os, __m128* mx, const R* const* pf) {
   static_assert(NK % 4 == 0 && NH * NK + NH + 1 <= 16, "dot_heads: NH x NK accumulators must fit the registers");
+  if (pf)
+    for (int k = 0; k < NK; ++k) prefetch_row(pf[k], D);
   __m256 a[NH][NK];
 #pragma GCC unroll 3
   for (int h = 0; h < NH; ++h)
@@ -418,10 +429,10 @@ static inline void dot_heads(const float* q, int64_t qs, const R* const* rows, i
 
 // out[h][d0 .. d0 + 8 NV) (+)= sum_j p[h][j] * rows[j][d0 ..] for NH heads (p[h] = p + h * ps, out[h] = out + h * os):
 // NH NV accumulators held in registers over the context, each value vector decoded once for all NH heads.
-// 1 head x up to 8 vectors (float32 rows, head by head), or 2-3 heads x 4 (bf16 / INT8 / FP8 rows).
+// 1 head x up to 8 vectors (head by head), or 2-3 heads x 4. pf: as dot_heads', rows of D elements, or null.
 template <int NH, int NV, typename R>
 static inline void pv_heads(const float* p, int64_t ps, const R* const* rows, int64_t L, int64_t d0, float* out,
-                            int64_t os, bool add) {
+                            int64_t os, bool add, const R* const* pf, int64_t D) {
   static_assert(NH * NV + NH + 1 <= 16, "pv_heads: NH x NV accumulators must fit the registers");
   __m256 acc[NH][NV];
 #pragma GCC unroll 3
@@ -432,6 +443,7 @@ static inline void pv_heads(const float* p, int64_t ps, const R* const* rows, in
     __m256 pj[NH];
 #pragma GCC unroll 3
     for (int h = 0; h < NH; ++h) pj[h] = _mm256_broadcast_ss(p + h * ps + j);
+    if (pf) prefetch_row(pf[j], D);
     const R* r = rows[j] + d0;
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
@@ -466,20 +478,21 @@ static void dot_tail(const float* q, const R* const* rows, int64_t j, int64_t j1
   }
 }
 
-// out [D] = sum_j p[j] * rows[j] over L rows (add: out += that).
+// out [D] = sum_j p[j] * rows[j] over L rows (add: out += that); pf as pv_heads'.
 template <typename R>
-static void weighted_rows(const float* p, const R* const* rows, int64_t L, int64_t D, float* out, bool add) {
+static void weighted_rows(const float* p, const R* const* rows, int64_t L, int64_t D, float* out, bool add,
+                          const R* const* pf = nullptr) {
   int64_t d0 = 0;
 #ifdef QTK_AVX2
-  for (; d0 + 64 <= D; d0 += 64) pv_heads<1, 8>(p, 0, rows, L, d0, out, 0, add);
+  for (; d0 + 64 <= D; d0 += 64) pv_heads<1, 8>(p, 0, rows, L, d0, out, 0, add, d0 == 0 ? pf : nullptr, D);
   switch ((D - d0) / 8) {
-    case 1: pv_heads<1, 1>(p, 0, rows, L, d0, out, 0, add); break;
-    case 2: pv_heads<1, 2>(p, 0, rows, L, d0, out, 0, add); break;
-    case 3: pv_heads<1, 3>(p, 0, rows, L, d0, out, 0, add); break;
-    case 4: pv_heads<1, 4>(p, 0, rows, L, d0, out, 0, add); break;
-    case 5: pv_heads<1, 5>(p, 0, rows, L, d0, out, 0, add); break;
-    case 6: pv_heads<1, 6>(p, 0, rows, L, d0, out, 0, add); break;
-    case 7: pv_heads<1, 7>(p, 0, rows, L, d0, out, 0, add); break;
+    case 1: pv_heads<1, 1>(p, 0, rows, L, d0, out, 0, add, d0 == 0 ? pf : nullptr, D); break;
+    case 2: pv_heads<1, 2>(p, 0, rows, L, d0, out, 0, add, d0 == 0 ? pf : nullptr, D); break;
+    case 3: pv_heads<1, 3>(p, 0, rows, L, d0, out, 0, add, d0 == 0 ? pf : nullptr, D); break;
+    case 4: pv_heads<1, 4>(p, 0, rows, L, d0, out, 0, add, d0 == 0 ? pf : nullptr, D); break;
+    case 5: pv_heads<1, 5>(p, 0, rows, L, d0, out, 0, add, d0 == 0 ? pf : nullptr, D); break;
+    case 6: pv_heads<1, 6>(p, 0, rows, L, d0, out, 0, add, d0 == 0 ? pf : nullptr, D); break;
+    case 7: pv_heads<1, 7>(p, 0, rows, L, d0, out, 0, add, d0 == 0 ? pf : nullptr, D); break;
     default: break;
   }
   d0 += (D - d0) / 8 * 8;
@@ -495,6 +508,10 @@ static void weighted_rows(const float* p, const R* const* rows, int64_t L, int64
 // stay in L1 while every query head of the group reads them; head by head over the whole context,
 // each head re-read them from L2 and ran 3x slower (a 2-core Zen 4, 16 sequences x 1024 keys).
 constexpr int64_t DECODE_TILE = 64;
+// How many keys ahead the passes ask for rows (prefetch_row): the 2-3 query heads of a KV head compute
+// ~100 cycles per 4 keys. 16 sequences x 1040 keys x 30 layers, float32, 2 Zen 1 cores: 69.6 ms without,
+// 56.9 at 16 keys ahead, 55.4 at 32, 57-58 at 64 and 128.
+constexpr int64_t DECODE_AHEAD = 32;
 
 // How many of the `left` query heads of a KV head the AVX2 passes take at once (dot_heads, pv_heads):
 // 3, or 2 where 4 are left (2 + 2 rather than 3 + 1); 1 means the head-by-head path.
@@ -515,13 +532,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const kv_t<KIND>* kc = static_cast<const kv_t<KIND>*>(k_cache.data_ptr());
   const kv_t<KIND>* vc = static_cast<const kv_t<KIND>*>(v_cache.data_ptr());
   float* op = out.data_ptr<float>();
-  // bf16, INT8 and FP8 rows are decoded in registers, once per 2-3 query heads (dot_heads, pv_heads):
-  // head by head, the decoding cost more than the bytes it saves (16 sequences x 1024 keys, 2 Zen 1 cores,
-  // the step's attention: bf16 72-75 ms that way, 49 grouped, float32 61-64). Float32 rows go head by
-  // head, 8 keys at once: over a cache out of CPU cache, 4 keys at once for 3 heads kept fewer lines in
-  // flight and took 1.15-1.2x as long.
-  constexpr bool GROUPED = KIND == Kv::I8 || KIND == Kv::F8 || KIND == Kv::BF16;
-  (void)GROUPED;  // the portable build has no grouped passes
+  // Rows are read (bf16, INT8 and FP8 decoded in registers) once per 2-3 query heads (dot_heads,
+  // pv_heads), and asked for DECODE_AHEAD keys ahead. Head by head, decoding cost more than the bytes it
+  // saves (16 sequences x 1024 keys, 2 Zen 1 cores, the step's attention: bf16 72-75 ms that way, 49
+  // grouped). Float32 rows went head by head, 8 keys at once, until the passes prefetched: grouped, 4
+  // keys at once kept fewer lines in flight and took 1.15-1.2x as long; grouped and prefetched, 0.8x.
   int64_t work = 0;  // keys and values to read: a tiny step runs on the calling thread
   for (int64_t b = 0; b < B; ++b) work += ln[b] * KV * D;
   const int64_t splits = B * KV < 2 * at::get_num_threads() ? G : 1;
@@ -537,8 +552,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t first = window > 0 && n > window ? n - window : 0, L = n - first;  // the keys it sees
       const kv_t<KIND>* kh = kc + h * S * D;
       const kv_t<KIND>* vh = vc + h * S * D;
-      krow.resize(L);  // the context's rows, through the block table
-      vrow.resize(L);
+      krow.resize(L + DECODE_AHEAD);  // the context's rows, through the block table, then the rows to
+      vrow.resize(L + DECODE_AHEAD);  // ask for past its end: the first values, after the last keys
       for (int64_t blk = first / bs; blk * bs < n; ++blk) {
         const int64_t base = tb[b * W + blk] * bs;
         TORCH_CHECK(base >= 0 && base + bs <= S, "paged_decode_attention: block table points outside the cache");
@@ -546,6 +561,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           krow[blk * bs + o - first] = kh + (base + o) * D;
           vrow[blk * bs + o - first] = vh + (base + o) * D;
         }
+      }
+      for (int64_t j = L; j < L + DECODE_AHEAD; ++j) {
+        krow[j] = vrow[std::min(j - L, L - 1)];
+        vrow[j] = vrow[L - 1];
       }
       scores.resize(ng * L);
       smax.assign(ng, -INFINITY);
@@ -555,7 +574,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t j1 = std::min(L, j0 + DECODE_TILE);
         int64_t g = g0;
 #ifdef QTK_AVX2
-        if (GROUPED && D % 8 == 0)  // 2 or 3 heads at a time, each key row decoded once for them all
+        if (D % 8 == 0)  // 2 or 3 heads at a time, each key row decoded once for them all
           for (int64_t nh; (nh = heads_at_once(g1 - g)) > 1; g += nh) {
             const float* qr = qp + b * qs0 + (h * G + g) * qs1;
             float* sr = scores.data() + (g - g0) * L;
@@ -565,9 +584,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             int64_t j = j0;
             for (; j + 4 <= j1; j += 4)
               if (nh == 3)
-                dot_heads<3, 4>(qr, qs1, &krow[j], D, sc, sr + j, L, mv);
+                dot_heads<3, 4>(qr, qs1, &krow[j], D, sc, sr + j, L, mv, &krow[j + DECODE_AHEAD]);
               else
-                dot_heads<2, 4>(qr, qs1, &krow[j], D, sc, sr + j, L, mv);
+                dot_heads<2, 4>(qr, qs1, &krow[j], D, sc, sr + j, L, mv, &krow[j + DECODE_AHEAD]);
             for (int64_t e = 0; e < nh; ++e) {
               smax[g - g0 + e] = hmax4(mv[e]);
               dot_tail(qr + e * qs1, krow.data(), j, j1, D, kscale, sr + e * L, smax[g - g0 + e]);
@@ -582,7 +601,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #ifdef QTK_AVX2
           if (D % 8 == 0) {
             __m128 mv = _mm_set1_ps(m);
-            for (; j + 8 <= j1; j += 8) dot_heads<1, 8>(qr, 0, &krow[j], D, _mm_set1_ps(kscale), sr + j, 0, &mv);
+            for (; j + 8 <= j1; j += 8)  // the rows' first reader asks for the next ones
+              dot_heads<1, 8>(qr, 0, &krow[j], D, _mm_set1_ps(kscale), sr + j, 0, &mv,
+                              g == g0 ? &krow[j + DECODE_AHEAD] : nullptr);
             m = hmax4(mv);
           }
 #endif
@@ -604,19 +625,21 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t n = std::min(DECODE_TILE, L - j0);
         int64_t g = g0;
 #ifdef QTK_AVX2
-        if (GROUPED && D % 32 == 0)  // 2 or 3 heads at a time, each value row decoded once for them all
+        if (D % 32 == 0)  // 2 or 3 heads at a time, each value row decoded once for them all
           for (int64_t nh; (nh = heads_at_once(g1 - g)) > 1; g += nh)
             for (int64_t d0 = 0; d0 < D; d0 += 32)
               if (nh == 3)
                 pv_heads<3, 4>(scores.data() + (g - g0) * L + j0, L, vrow.data() + j0, n, d0,
-                             op + (b * H + h * G + g) * D, D, j0 > 0);
+                               op + (b * H + h * G + g) * D, D, j0 > 0,
+                               d0 == 0 ? vrow.data() + j0 + DECODE_AHEAD : nullptr, D);
               else
                 pv_heads<2, 4>(scores.data() + (g - g0) * L + j0, L, vrow.data() + j0, n, d0,
-                             op + (b * H + h * G + g) * D, D, j0 > 0);
+                               op + (b * H + h * G + g) * D, D, j0 > 0,
+                               d0 == 0 ? vrow.data() + j0 + DECODE_AHEAD : nullptr, D);
 #endif
         for (; g < g1; ++g)
           weighted_rows(scores.data() + (g - g0) * L + j0, vrow.data() + j0, n, D, op + (b * H + h * G + g) * D,
-                        j0 > 0);
+                        j0 > 0, g == g0 ? vrow.data() + j0 + DECODE_AHEAD : nullptr);
       }
       for (int64_t g = g0; g < g1; ++g) {  // then divided by the sum, once per output row rather than per key
         float* o = op + (b * H + h * G + g) * D;
