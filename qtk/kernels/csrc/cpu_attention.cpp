@@ -737,6 +737,8 @@ void pack_block8(const kv_t<KIND>* kh, const kv_t<KIND>* vh, const int64_t* slot
 // null: all), the softmax, O = alpha O + P V
 void tile_pass8(const float* q, const float* kp, const float* vp, int64_t D, int64_t nc, const uint64_t* seen, float* m,
                 float* alpha, float* lsum, float* s, float* o) {
+  __m256 top[MR];  // each row's largest score, kept as the scores are stored
+  for (int r = 0; r < MR; ++r) top[r] = _mm256_set1_ps(-INFINITY);
   for (int64_t c = 0; c < nc; ++c) {  // S = Q K^T, 16 keys at a time
     __m256 acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -750,21 +752,25 @@ void tile_pass8(const float* q, const float* kp, const float* vp, int64_t D, int
       }
     }
     for (int r = 0; r < MR; ++r)
-      for (int v = 0; v < 2; ++v)
-        _mm256_storeu_ps(s + r * BK + 16 * c + 8 * v,
-                         seen ? keep8(acc[r][v], static_cast<uint32_t>(seen[r] >> (16 * c + 8 * v)) & 0xFF) : acc[r][v]);
+      for (int v = 0; v < 2; ++v) {
+        const __m256 x = seen ? keep8(acc[r][v], static_cast<uint32_t>(seen[r] >> (16 * c + 8 * v)) & 0xFF) : acc[r][v];
+        _mm256_storeu_ps(s + r * BK + 16 * c + 8 * v, x);
+        top[r] = _mm256_max_ps(top[r], x);
+      }
   }
+  alignas(32) float shift[8] = {}, step[8] = {};  // the rows' new maxima (0 for a row that has seen nothing
+  for (int r = 0; r < MR; ++r) {                  // yet: its weights are 0), and the old ones less those
+    const float mx = std::max(m[r], reduce8(top[r], true));
+    shift[r] = mx == -INFINITY ? 0.f : mx;
+    step[r] = m[r] - shift[r];
+    m[r] = mx;
+  }
+  _mm_storeu_ps(alpha, _mm256_castps256_ps128(exp2_8(_mm256_load_ps(step))));  // 2^0 is exactly 1
   bool rescale = false;
   for (int r = 0; r < MR; ++r) {  // the online softmax in base 2, P over S
     float* sr = s + r * BK;
-    __m256 top = _mm256_loadu_ps(sr);
-    for (int64_t v = 1; v < 2 * nc; ++v) top = _mm256_max_ps(top, _mm256_loadu_ps(sr + 8 * v));
-    const float mx = std::max(m[r], reduce8(top, true));
-    const float shift = mx == -INFINITY ? 0.f : mx;  // a row that has seen nothing yet: its weights are 0
-    alpha[r] = std::exp2(m[r] - shift);
-    m[r] = mx;
     rescale |= alpha[r] != 1.f;
-    const __m256 b = _mm256_set1_ps(shift);
+    const __m256 b = _mm256_set1_ps(shift[r]);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t v = 0; v < 2 * nc; ++v) {
       const __m256 e = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(sr + 8 * v), b));
