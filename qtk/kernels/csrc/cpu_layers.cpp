@@ -509,8 +509,8 @@ static void weighted_rows(const float* p, const R* const* rows, int64_t L, int64
 // each head re-read them from L2 and ran 3x slower (a 2-core Zen 4, 16 sequences x 1024 keys).
 constexpr int64_t DECODE_TILE = 64;
 // How many keys ahead the passes ask for rows (prefetch_row): the 2-3 query heads of a KV head compute
-// ~100 cycles per 4 keys. 16 sequences x 1040 keys x 30 layers, float32, 2 Zen 1 cores: 69.6 ms without,
-// 56.9 at 16 keys ahead, 55.4 at 32, 57-58 at 64 and 128.
+// ~100 cycles per 4 keys. 16 sequences x 1040 keys x 30 layers, float32, 2 Zen 1 cores: 64.0 ms asking
+// for none (69.6 head by head), 56.9 at 16 keys ahead, 55.4 at 32, 57-58 at 64 and 128.
 constexpr int64_t DECODE_AHEAD = 32;
 
 // How many of the `left` query heads of a KV head the AVX2 passes take at once (dot_heads, pv_heads):
