@@ -427,13 +427,23 @@ def test_silu_and_mul(lib):
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("lens,D,H", [([1, 5, 17, 40], 32, 6), ([37], 36, 6), ([9, 40], 72, 6), ([3, 70], 64, 8),
                                       ([70], 64, 10), ([33, 70], 64, 2)])
-def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D, H):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D, H, threads):
     """store_kv_ writes the bytes attention.write_kv writes; paged_decode_attention gives what the
     torch decode gives, over random block tables, context lengths and GQA (1 to 5 query heads per KV
     head: 2 and 3 at a time, and one by one), per-head scales; head sizes in and out of whole vectors,
-    contexts longer than a tile and than the rows asked for ahead, and one sequence (its query heads
-    split over threads); with a sliding window (shorter and longer than contexts), score soft-capping
-    and attention sinks."""
+    contexts longer than a tile and than the rows asked for ahead, and one sequence on 2 threads (its
+    query heads split into work items of one head each); with a sliding window (shorter and longer
+    than contexts), score soft-capping and attention sinks."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D, H)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _store_and_decode_match_the_torch_path(lib, kv_dtype, lens, D, H):
     from qtk.runtime.attention import NO_TERMS, AttentionMetadata, KVCache, ScoreTerms, _bytes, _decode, write_kv
 
     g = torch.Generator().manual_seed(0)

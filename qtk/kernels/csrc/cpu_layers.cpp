@@ -382,8 +382,10 @@ inline __m256 load8(const uint8_t* p) {
 // from memory, a sequence's blocks anywhere in the pool, and they compute between loads (so the hardware
 // prefetchers, which stop at each 4 KB page, fell behind).
 template <typename R>
-static inline void prefetch_row(const R* row, int64_t D) {
-  for (int64_t c = 0; c < D * int64_t(sizeof(R)); c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, _MM_HINT_T0);
+static inline void prefetch_row(const R* row, int64_t D) {  // every 64-byte line the row touches
+  const uintptr_t end = reinterpret_cast<uintptr_t>(row + D);
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(row) & ~uintptr_t(63); a < end; a += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
 }
 
 // q . k for NH query heads of one KV head (rows q, q + qs, ...) and NK keys at once (NK % 4 == 0): NH NK FMA
@@ -533,10 +535,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const kv_t<KIND>* vc = static_cast<const kv_t<KIND>*>(v_cache.data_ptr());
   float* op = out.data_ptr<float>();
   // Rows are read (bf16, INT8 and FP8 decoded in registers) once per 2-3 query heads (dot_heads,
-  // pv_heads), and asked for DECODE_AHEAD keys ahead. Head by head, decoding cost more than the bytes it
-  // saves (16 sequences x 1024 keys, 2 Zen 1 cores, the step's attention: bf16 72-75 ms that way, 49
-  // grouped). Float32 rows went head by head, 8 keys at once, until the passes prefetched: grouped, 4
-  // keys at once kept fewer lines in flight and took 1.15-1.2x as long; grouped and prefetched, 0.8x.
+  // pv_heads), and asked for DECODE_AHEAD keys ahead by the first group or head that reads them (g == g0).
+  // Head by head, decoding cost more than the bytes it saves (16 sequences x 1024 keys, 2 Zen 1 cores,
+  // the step's attention: bf16 72-75 ms that way, 49 grouped). Float32 rows went head by head, 8 keys at
+  // once, until the passes prefetched: grouped, 4 keys at once kept fewer lines in flight and took
+  // 1.15-1.2x as long; grouped and prefetched, 0.8x.
   int64_t work = 0;  // keys and values to read: a tiny step runs on the calling thread
   for (int64_t b = 0; b < B; ++b) work += ln[b] * KV * D;
   const int64_t splits = B * KV < 2 * at::get_num_threads() ? G : 1;
@@ -584,9 +587,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             int64_t j = j0;
             for (; j + 4 <= j1; j += 4)
               if (nh == 3)
-                dot_heads<3, 4>(qr, qs1, &krow[j], D, sc, sr + j, L, mv, &krow[j + DECODE_AHEAD]);
+                dot_heads<3, 4>(qr, qs1, &krow[j], D, sc, sr + j, L, mv, g == g0 ? &krow[j + DECODE_AHEAD] : nullptr);
               else
-                dot_heads<2, 4>(qr, qs1, &krow[j], D, sc, sr + j, L, mv, &krow[j + DECODE_AHEAD]);
+                dot_heads<2, 4>(qr, qs1, &krow[j], D, sc, sr + j, L, mv, g == g0 ? &krow[j + DECODE_AHEAD] : nullptr);
             for (int64_t e = 0; e < nh; ++e) {
               smax[g - g0 + e] = hmax4(mv[e]);
               dot_tail(qr + e * qs1, krow.data(), j, j1, D, kscale, sr + e * L, smax[g - g0 + e]);
@@ -631,11 +634,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
               if (nh == 3)
                 pv_heads<3, 4>(scores.data() + (g - g0) * L + j0, L, vrow.data() + j0, n, d0,
                                op + (b * H + h * G + g) * D, D, j0 > 0,
-                               d0 == 0 ? vrow.data() + j0 + DECODE_AHEAD : nullptr, D);
+                               g == g0 && d0 == 0 ? vrow.data() + j0 + DECODE_AHEAD : nullptr, D);
               else
                 pv_heads<2, 4>(scores.data() + (g - g0) * L + j0, L, vrow.data() + j0, n, d0,
                                op + (b * H + h * G + g) * D, D, j0 > 0,
-                               d0 == 0 ? vrow.data() + j0 + DECODE_AHEAD : nullptr, D);
+                               g == g0 && d0 == 0 ? vrow.data() + j0 + DECODE_AHEAD : nullptr, D);
 #endif
         for (; g < g1; ++g)
           weighted_rows(scores.data() + (g - g0) * L + j0, vrow.data() + j0, n, D, op + (b * H + h * G + g) * D,
