@@ -669,6 +669,33 @@ def test_prefill_attention_matches_the_torch_path(bf16, build, kv_dtype, n, L, H
         assert ((got - unwindowed).norm() / unwindowed.norm()).item() > 0.1
 
 
+@pytest.mark.parametrize("bf16,build", [(True, "avx512"), (False, "avx512"), (False, "avx2")],
+                         ids=["bf16", "float32", "float32-avx2"])
+@pytest.mark.parametrize("rise", [0.0, 3.0, 7.5, 12.0, 40.0, 70.0])
+def test_prefill_attention_as_the_maximum_rises(bf16, build, rise):
+    """Scores that climb by `rise` (base 2) from one block of 64 keys to the next: the kernel's running maximum
+    stays put while a row's maximum passes it by at most 8 (its weights then reach 2^8) and moves, O rescaled,
+    past that; either way the torch path's result, over a bf16 cache, from the query the kernel sees (q * scale
+    * log2 e, in bf16 for the bf16 math). Scores reach 2 x rise: the float32 bound grows with them."""
+    from qtk.runtime.attention import KVCache, PrefillChunk, _bytes, _prefill, write_kv
+
+    lib = bf16_attention_lib(bf16, build)
+    g = torch.Generator().manual_seed(int(rise * 10))
+    n, L, H, KV, D = 40, 192, 4, 2, 64  # three blocks; the queries are the last 40 positions
+    scale, log2e = D ** -0.5, 1.4426950408889634
+    k = torch.randn(L, KV, D, generator=g) * 0.3
+    k[:, :, 0] = (torch.arange(L) // 64).float()[:, None] * rise / log2e / scale  # q . k * scale: rise per block
+    q = torch.randn(n, H, D, generator=g) * 0.3
+    q[:, :, 0] = 1.0
+    cache = KVCache(torch.zeros(KV, L, D, dtype=torch.bfloat16), torch.zeros(KV, L, D, dtype=torch.bfloat16), None, None)
+    write_kv(cache, k, torch.randn(L, KV, D, generator=g), torch.arange(L))
+    seen = (q * scale * log2e).bfloat16().float() / (scale * log2e) if bf16 else q
+    want = _prefill(seen, cache, PrefillChunk(0, n, torch.arange(L)), scale, None)
+    got = lib.prefill_attention(q, _bytes(cache.k), _bytes(cache.v), torch.arange(L), 0, scale, bf16=bf16)
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < (8e-3 if bf16 else 2e-6 * (1 + 2 * rise / 8)), err
+
+
 @pytest.mark.parametrize("build", ["avx512", "avx2"])
 def test_prefill_attention_refuses_mismatched_operands(build):
     lib = bf16_attention_lib(False, build)
@@ -894,6 +921,31 @@ def test_glu_ops_take_bf16_rows(lib, op):
     step = want.float().abs() * 2 ** -7
     assert ((got.float() - want.float()).abs() <= step).all()
     assert (got == want).float().mean() > 0.99
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="CPU without AVX-512 + VNNI")
+def test_element_wise_ops_on_16_lanes_equal_the_8_lane_ones():
+    """The avx512 build runs the GLUs and the norms' row loops on 16 lanes, with the avx2 build's math lane by
+    lane: the GLUs' same bits, float32 and bf16, in whole vectors of 16 and in the 8-lane and scalar tails; the
+    residual's same sums; the norms within float32 rounding (the compiler sums a row's squares in 16 lanes
+    there, in 8 here)."""
+    wide, narrow = cpu.library("avx512"), cpu.library("avx2")
+    if wide is None or narrow is None:
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 2 * 700, generator=g) * 4  # 700 = 43 x 16 + 8 + 4
+    x[0, :8] = torch.tensor([-200.0, -88.0, -30.0, -1e-30, 0.0, 1e-30, 30.0, 200.0])
+    for op in ("silu_and_mul", "gelu_tanh_and_mul"):
+        for rows in (x, x.bfloat16()):
+            assert torch.equal(getattr(wide, op)(rows), getattr(narrow, op)(rows)), (op, rows.dtype)
+    w, res, a = torch.randn(700, generator=g), torch.randn(9, 700, generator=g), torch.randn(9, 700, generator=g)
+    close = lambda a, b, bf16: rel_err(a.float(), b.float()) < (2 ** -8 if bf16 else 1e-6)  # noqa: E731
+    for bf16_out in (False, True):
+        assert close(wide.rms_norm(res, w, 1e-5, bf16_out), narrow.rms_norm(res, w, 1e-5, bf16_out), bf16_out)
+        for added in (a, a.bfloat16()):
+            r1, r2 = res.clone(), res.clone()
+            y1, y2 = wide.add_rms_norm_(r1, added, w, 1e-5, bf16_out), narrow.add_rms_norm_(r2, added, w, 1e-5, bf16_out)
+            assert torch.equal(r1, r2) and close(y1, y2, bf16_out)
 
 
 def test_fused_forward_equals_the_torch_forward():

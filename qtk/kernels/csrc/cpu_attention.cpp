@@ -82,6 +82,7 @@ constexpr int64_t BK = 64;  // keys per block: 4 vectors of 16 scores (AVX-512),
 constexpr int64_t BQ = 32;  // query positions per work item
 constexpr int64_t MR = 4;   // query rows per register tile (row_max4 reduces exactly 4)
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLazy = 8.f;  // log2 of the largest weight before m moves
 
 struct Problem {
   int64_t n, H, KV, D, keys, window;  // keys = L; query i sits at key keys - n + i
@@ -318,10 +319,34 @@ QTK_INLINE __m128 row_max4(const __m512 (&s)[MR][4]) {
 
 // The online softmax of a register tile's scores (the first NC vectors of each row; the rest are -inf), in base 2: m = max(m, rowmax S), alpha = 2^(m_old - m),
 // l = alpha l + sum 2^(S - m) (kept as 16 lanes a row: summed once, at the end), P = 2^(S - m) as words
-// [MR][BK/PER]. Returns whether some row's alpha is not 1 (its O must be rescaled).
+// [MR][BK/PER]; m moves only when some row's maximum passes it by more than kLazy (below). Returns whether
+// some row's alpha is not 1 (its O must be rescaled).
 template <bool BF, int NC>
 QTK_INLINE bool softmax_tile(const __m512 (&s)[MR][4], float* m, float* alpha, float* lsum, uint32_t* p) {
+  constexpr int64_t PW = BK / Math<BF>::PER;
+  // P = 2^(S - shift) and l += (alpha) sum P, per row; alpha: null (every row's alpha is 1) or alpha[r]
+  auto weights = [&](const float* sh, const float* al) __attribute__((always_inline)) {
+    for (int r = 0; r < MR; ++r) {
+      const __m512 b = _mm512_set1_ps(sh[r]);
+      __m512 e[4];
+      for (int c = 0; c < 4; ++c) e[c] = c < NC ? exp2_16<Math<BF>::EXP_DEGREE>(_mm512_sub_ps(s[r][c], b)) : _mm512_setzero_ps();
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
+      const __m512 l = _mm512_loadu_ps(lsum + 16 * r);
+      _mm512_storeu_ps(lsum + 16 * r, al ? _mm512_fmadd_ps(l, _mm512_set1_ps(al[r]), sum) : _mm512_add_ps(l, sum));
+      Math<BF>::put32(p + r * PW, e[0], e[1]);
+      Math<BF>::put32(p + r * PW + 32 / Math<BF>::PER, e[2], e[3]);
+    }
+  };
   const __m128 old = _mm_loadu_ps(m), top = _mm_max_ps(old, row_max4(s));
+  // Lazy rescaling (FlashAttention-4): while no row's maximum passes its running m by more than kLazy, the
+  // weights are taken against m as it stands (at most 2^kLazy, exact enough in bf16 and float32), m and O stay.
+  // The branch is predicted: the weights then wait for the scores only, not for the maxima.
+  const __mmask8 keep = _mm_cmp_ps_mask(top, _mm_add_ps(old, _mm_set1_ps(kLazy)), _CMP_LE_OQ) &
+                        _mm_cmp_ps_mask(old, _mm_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+  if (keep == 0xF) {
+    weights(m, nullptr);
+    return false;
+  }
   // a row that has seen nothing yet (all -inf, a window's first keys) shifts by 0: its weights are 0
   const __m128 shift = _mm_mask_mov_ps(top, _mm_cmp_ps_mask(top, _mm_set1_ps(-INFINITY), _CMP_EQ_OQ), _mm_setzero_ps());
   const __m128 al = _mm512_castps512_ps128(exp2_16<Math<BF>::EXP_DEGREE>(_mm512_zextps128_ps512(_mm_sub_ps(old, shift))));
@@ -329,16 +354,7 @@ QTK_INLINE bool softmax_tile(const __m512 (&s)[MR][4], float* m, float* alpha, f
   _mm_storeu_ps(alpha, al);
   alignas(16) float sh[4];
   _mm_store_ps(sh, shift);
-  constexpr int64_t PW = BK / Math<BF>::PER;
-  for (int r = 0; r < MR; ++r) {
-    const __m512 b = _mm512_set1_ps(sh[r]);
-    __m512 e[4];
-    for (int c = 0; c < 4; ++c) e[c] = c < NC ? exp2_16<Math<BF>::EXP_DEGREE>(_mm512_sub_ps(s[r][c], b)) : _mm512_setzero_ps();
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
-    _mm512_storeu_ps(lsum + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(lsum + 16 * r), _mm512_set1_ps(alpha[r]), sum));
-    Math<BF>::put32(p + r * PW, e[0], e[1]);
-    Math<BF>::put32(p + r * PW + 32 / Math<BF>::PER, e[2], e[3]);
-  }
+  weights(sh, alpha);
   return _mm_cmp_ps_mask(al, _mm_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
 }
 
