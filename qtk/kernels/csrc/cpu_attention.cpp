@@ -774,18 +774,26 @@ void tile_pass8(const float* q, const float* kp, const float* vp, int64_t D, int
         top[r] = _mm256_max_ps(top[r], x);
       }
   }
-  alignas(32) float shift[8] = {}, step[8] = {};  // the rows' new maxima (0 for a row that has seen nothing
-  for (int r = 0; r < MR; ++r) {                  // yet: its weights are 0), and the old ones less those
-    const float mx = std::max(m[r], reduce8(top[r], true));
-    shift[r] = mx == -INFINITY ? 0.f : mx;
-    step[r] = m[r] - shift[r];
-    m[r] = mx;
+  float top_r[MR];  // the rows' new maxima; keep: each row's passes its running m by at most kLazy (softmax_tile)
+  bool keep = true;
+  for (int r = 0; r < MR; ++r) {
+    top_r[r] = std::max(m[r], reduce8(top[r], true));
+    keep &= m[r] != -INFINITY && top_r[r] <= m[r] + kLazy;
   }
-  _mm_storeu_ps(alpha, _mm256_castps256_ps128(exp2_8(_mm256_load_ps(step))));  // 2^0 is exactly 1
+  alignas(32) float shift[8] = {}, step[8] = {};  // the weights' shifts: the running maxima where kept, else the new
+  if (keep) {                                     // ones (0 for a row that has seen nothing yet: its weights are 0)
+    for (int r = 0; r < MR; ++r) shift[r] = m[r];
+  } else {
+    for (int r = 0; r < MR; ++r) {
+      shift[r] = top_r[r] == -INFINITY ? 0.f : top_r[r];
+      step[r] = m[r] - shift[r];
+      m[r] = top_r[r];
+    }
+    _mm_storeu_ps(alpha, _mm256_castps256_ps128(exp2_8(_mm256_load_ps(step))));  // 2^0 is exactly 1
+  }
   bool rescale = false;
   for (int r = 0; r < MR; ++r) {  // the online softmax in base 2, P over S
     float* sr = s + r * BK;
-    rescale |= alpha[r] != 1.f;
     const __m256 b = _mm256_set1_ps(shift[r]);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t v = 0; v < 2 * nc; ++v) {
@@ -793,7 +801,13 @@ void tile_pass8(const float* q, const float* kp, const float* vp, int64_t D, int
       _mm256_storeu_ps(sr + 8 * v, e);
       sum = _mm256_add_ps(sum, e);
     }
-    _mm256_storeu_ps(lsum + 8 * r, _mm256_fmadd_ps(_mm256_loadu_ps(lsum + 8 * r), _mm256_set1_ps(alpha[r]), sum));
+    const __m256 l = _mm256_loadu_ps(lsum + 8 * r);
+    if (keep) {
+      _mm256_storeu_ps(lsum + 8 * r, _mm256_add_ps(l, sum));
+    } else {
+      rescale |= alpha[r] != 1.f;
+      _mm256_storeu_ps(lsum + 8 * r, _mm256_fmadd_ps(l, _mm256_set1_ps(alpha[r]), sum));
+    }
   }
   for (int64_t d0 = 0; d0 < D; d0 += 16) {  // O = alpha O + P V, 16 dims at a time
     __m256 acc[MR][2];
