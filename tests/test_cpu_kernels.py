@@ -673,10 +673,10 @@ def test_prefill_attention_matches_the_torch_path(bf16, build, kv_dtype, n, L, H
                          ids=["bf16", "float32", "float32-avx2"])
 @pytest.mark.parametrize("rise", [0.0, 3.0, 7.5, 12.0, 40.0, 70.0])
 def test_prefill_attention_as_the_maximum_rises(bf16, build, rise):
-    """Scores that climb by `rise` (base 2) from one block of 64 keys to the next: the kernel's running maximum
-    stays put while a row's maximum passes it by at most 8 (its weights then reach 2^8) and moves, O rescaled,
-    past that; either way the torch path's result, over a bf16 cache, from the query the kernel sees (q * scale
-    * log2 e, in bf16 for the bf16 math). Scores reach 2 x rise: the float32 bound grows with them."""
+    """Scores that climb by `rise` (base 2) from one block of 64 keys to the next, so that the online softmax's
+    running maximum moves and O is rescaled by up to 2^-70 (a kernel that kept the first block's maximum would
+    overflow at 2^140): the torch path's result, over a bf16 cache, from the query the kernel sees (q * scale *
+    log2 e, in bf16 for the bf16 math). Scores reach 2 x rise: the float32 bound grows with them."""
     from qtk.runtime.attention import KVCache, PrefillChunk, _bytes, _prefill, write_kv
 
     lib = bf16_attention_lib(bf16, build)

@@ -82,7 +82,6 @@ constexpr int64_t BK = 64;  // keys per block: 4 vectors of 16 scores (AVX-512),
 constexpr int64_t BQ = 32;  // query positions per work item
 constexpr int64_t MR = 4;   // query rows per register tile (row_max4 reduces exactly 4)
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLazy = 8.f;  // log2 of the largest weight before m moves
 
 struct Problem {
   int64_t n, H, KV, D, keys, window;  // keys = L; query i sits at key keys - n + i
@@ -319,34 +318,10 @@ QTK_INLINE __m128 row_max4(const __m512 (&s)[MR][4]) {
 
 // The online softmax of a register tile's scores (the first NC vectors of each row; the rest are -inf), in base 2: m = max(m, rowmax S), alpha = 2^(m_old - m),
 // l = alpha l + sum 2^(S - m) (kept as 16 lanes a row: summed once, at the end), P = 2^(S - m) as words
-// [MR][BK/PER]; m moves only when some row's maximum passes it by more than kLazy (below). Returns whether
-// some row's alpha is not 1 (its O must be rescaled).
+// [MR][BK/PER]. Returns whether some row's alpha is not 1 (its O must be rescaled).
 template <bool BF, int NC>
 QTK_INLINE bool softmax_tile(const __m512 (&s)[MR][4], float* m, float* alpha, float* lsum, uint32_t* p) {
-  constexpr int64_t PW = BK / Math<BF>::PER;
-  // P = 2^(S - shift) and l += (alpha) sum P, per row; alpha: null (every row's alpha is 1) or alpha[r]
-  auto weights = [&](const float* sh, const float* al) __attribute__((always_inline)) {
-    for (int r = 0; r < MR; ++r) {
-      const __m512 b = _mm512_set1_ps(sh[r]);
-      __m512 e[4];
-      for (int c = 0; c < 4; ++c) e[c] = c < NC ? exp2_16<Math<BF>::EXP_DEGREE>(_mm512_sub_ps(s[r][c], b)) : _mm512_setzero_ps();
-      const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
-      const __m512 l = _mm512_loadu_ps(lsum + 16 * r);
-      _mm512_storeu_ps(lsum + 16 * r, al ? _mm512_fmadd_ps(l, _mm512_set1_ps(al[r]), sum) : _mm512_add_ps(l, sum));
-      Math<BF>::put32(p + r * PW, e[0], e[1]);
-      Math<BF>::put32(p + r * PW + 32 / Math<BF>::PER, e[2], e[3]);
-    }
-  };
   const __m128 old = _mm_loadu_ps(m), top = _mm_max_ps(old, row_max4(s));
-  // Lazy rescaling (FlashAttention-4): while no row's maximum passes its running m by more than kLazy, the
-  // weights are taken against m as it stands (at most 2^kLazy, exact enough in bf16 and float32), m and O stay.
-  // The branch is predicted: the weights then wait for the scores only, not for the maxima.
-  const __mmask8 keep = _mm_cmp_ps_mask(top, _mm_add_ps(old, _mm_set1_ps(kLazy)), _CMP_LE_OQ) &
-                        _mm_cmp_ps_mask(old, _mm_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-  if (keep == 0xF) {
-    weights(m, nullptr);
-    return false;
-  }
   // a row that has seen nothing yet (all -inf, a window's first keys) shifts by 0: its weights are 0
   const __m128 shift = _mm_mask_mov_ps(top, _mm_cmp_ps_mask(top, _mm_set1_ps(-INFINITY), _CMP_EQ_OQ), _mm_setzero_ps());
   const __m128 al = _mm512_castps512_ps128(exp2_16<Math<BF>::EXP_DEGREE>(_mm512_zextps128_ps512(_mm_sub_ps(old, shift))));
@@ -354,7 +329,16 @@ QTK_INLINE bool softmax_tile(const __m512 (&s)[MR][4], float* m, float* alpha, f
   _mm_storeu_ps(alpha, al);
   alignas(16) float sh[4];
   _mm_store_ps(sh, shift);
-  weights(sh, alpha);
+  constexpr int64_t PW = BK / Math<BF>::PER;
+  for (int r = 0; r < MR; ++r) {
+    const __m512 b = _mm512_set1_ps(sh[r]);
+    __m512 e[4];
+    for (int c = 0; c < 4; ++c) e[c] = c < NC ? exp2_16<Math<BF>::EXP_DEGREE>(_mm512_sub_ps(s[r][c], b)) : _mm512_setzero_ps();
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
+    _mm512_storeu_ps(lsum + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(lsum + 16 * r), _mm512_set1_ps(alpha[r]), sum));
+    Math<BF>::put32(p + r * PW, e[0], e[1]);
+    Math<BF>::put32(p + r * PW + 32 / Math<BF>::PER, e[2], e[3]);
+  }
   return _mm_cmp_ps_mask(al, _mm_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
 }
 
@@ -774,26 +758,18 @@ void tile_pass8(const float* q, const float* kp, const float* vp, int64_t D, int
         top[r] = _mm256_max_ps(top[r], x);
       }
   }
-  float top_r[MR];  // the rows' new maxima; keep: each row's passes its running m by at most kLazy (softmax_tile)
-  bool keep = true;
-  for (int r = 0; r < MR; ++r) {
-    top_r[r] = std::max(m[r], reduce8(top[r], true));
-    keep &= m[r] != -INFINITY && top_r[r] <= m[r] + kLazy;
+  alignas(32) float shift[8] = {}, step[8] = {};  // the rows' new maxima (0 for a row that has seen nothing
+  for (int r = 0; r < MR; ++r) {                  // yet: its weights are 0), and the old ones less those
+    const float mx = std::max(m[r], reduce8(top[r], true));
+    shift[r] = mx == -INFINITY ? 0.f : mx;
+    step[r] = m[r] - shift[r];
+    m[r] = mx;
   }
-  alignas(32) float shift[8] = {}, step[8] = {};  // the weights' shifts: the running maxima where kept, else the new
-  if (keep) {                                     // ones (0 for a row that has seen nothing yet: its weights are 0)
-    for (int r = 0; r < MR; ++r) shift[r] = m[r];
-  } else {
-    for (int r = 0; r < MR; ++r) {
-      shift[r] = top_r[r] == -INFINITY ? 0.f : top_r[r];
-      step[r] = m[r] - shift[r];
-      m[r] = top_r[r];
-    }
-    _mm_storeu_ps(alpha, _mm256_castps256_ps128(exp2_8(_mm256_load_ps(step))));  // 2^0 is exactly 1
-  }
+  _mm_storeu_ps(alpha, _mm256_castps256_ps128(exp2_8(_mm256_load_ps(step))));  // 2^0 is exactly 1
   bool rescale = false;
   for (int r = 0; r < MR; ++r) {  // the online softmax in base 2, P over S
     float* sr = s + r * BK;
+    rescale |= alpha[r] != 1.f;
     const __m256 b = _mm256_set1_ps(shift[r]);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t v = 0; v < 2 * nc; ++v) {
@@ -801,13 +777,7 @@ void tile_pass8(const float* q, const float* kp, const float* vp, int64_t D, int
       _mm256_storeu_ps(sr + 8 * v, e);
       sum = _mm256_add_ps(sum, e);
     }
-    const __m256 l = _mm256_loadu_ps(lsum + 8 * r);
-    if (keep) {
-      _mm256_storeu_ps(lsum + 8 * r, _mm256_add_ps(l, sum));
-    } else {
-      rescale |= alpha[r] != 1.f;
-      _mm256_storeu_ps(lsum + 8 * r, _mm256_fmadd_ps(l, _mm256_set1_ps(alpha[r]), sum));
-    }
+    _mm256_storeu_ps(lsum + 8 * r, _mm256_fmadd_ps(_mm256_loadu_ps(lsum + 8 * r), _mm256_set1_ps(alpha[r]), sum));
   }
   for (int64_t d0 = 0; d0 < D; d0 += 16) {  // O = alpha O + P V, 16 dims at a time
     __m256 acc[MR][2];
