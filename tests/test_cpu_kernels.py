@@ -820,7 +820,7 @@ def test_bf16_linear_refuses_mismatched_operands():
 
 @pytest.mark.parametrize("bits,group,asym", [(4, 32, True), (4, 8, False), (4, None, True), (8, 64, True),
                                              (8, None, False), (8, 2, True)])
-@pytest.mark.parametrize("M", [1, 11, 12, 13, 40])  # row tiles of 12 and remainders
+@pytest.mark.parametrize("M", [1, 7, 8, 9, 13, 40])  # row tiles of 8 (QR) and every remainder kind
 def test_woq_bf16_linear_is_the_float32_sum_of_x_in_bf16_times_the_codes(bits, group, asym, M):
     """woq_bf16_linear: x rounded to bf16 times the dequantized weight, float32 sums (the codes less their
     zeros exact in bf16, the scale once per group), plus the bias; bf16 x alike; bf16_out rounds y to bf16;
@@ -851,7 +851,8 @@ def test_woq_bf16_linear_is_the_float32_sum_of_x_in_bf16_times_the_codes(bits, g
 @pytest.mark.parametrize("threads", [1, 2])
 def test_woq_bf16_linear_blocks_long_rows_the_same(threads):
     """K = 4096: a thread decodes its column tiles in groups (64 KB a tile: 4 at once, an odd one left over)
-    and multiplies each group by x in chunks of 2 row tiles; the sums are those of one unblocked pass."""
+    and multiplies each group by x in chunks of 32 rows (4 row tiles of 8, then 4 rows); the sums are those of
+    one unblocked pass."""
     lib = bf16_attention_lib()
     n, k, M = 200, 4096, 100
     codes, scale, zero = random_layer(n, k, 128, 4, True, seed=5)

@@ -188,11 +188,13 @@ static void transpose_pairs(const at::Tensor& x, uint32_t* xt) {
 // transposed copy cost 9% of a layer in scattered stores.
 // Blocking, per thread: its column tiles are decoded in groups of up to DECODED_BYTES (each tile once per
 // call), and each group is multiplied by x in chunks of XT_CHUNK_BYTES, so both stay in L2. Tiles go in
-// pairs (qtile: 6 rows x 32 columns), each broadcast of x feeding two vdpbf16ps, the group sums and totals
-// all in registers: 0.95-1.0 of oneDNN's bf16 matmul on bf16 weights in cache (2-core Zen 4, 256-1024
-// rows, SmolLM2's shapes), against 0.87 for 12 rows x 16 columns and 0.93 for 12 x 32 with the totals
-// in L1.
-constexpr int QR = 6;  // rows of the micro-kernel (qtile): 6 x 32 columns, its sums in registers
+// pairs (qtile: 8 rows x 32 columns), each broadcast of x feeding two vdpbf16ps. Its 16 group sums stay in
+// registers; of its 16 totals, touched once per group, the compiler keeps what the 32 registers leave room
+// for. Zen 5, whose two 512-bit units each start a vdpbf16ps a cycle, needs the 16 sums in flight: SmolLM2's
+// four layer shapes, int4 g64, 256-1024 rows, 945-949 GFLOP/s (92% of the bf16 peak) against 831-851 with
+// 6 rows (12 sums, the Zen 4 choice, where 6 rows gave 0.95-1.0 of oneDNN's bf16 matmul: against 0.87 for
+// 12 rows x 16 columns and 0.93 for 12 x 32 with the totals in L1), 910-916 with 12 rows.
+constexpr int QR = 8;  // rows of the micro-kernel (qtile): 8 x 32 columns
 constexpr int64_t DECODED_BYTES = 256 * 1024;   // a thread's decoded tiles at once: a quarter of the L2
 constexpr int64_t XT_CHUNK_BYTES = 256 * 1024;  // x per pass over them: a quarter of the L2 (2-core Zen 4, 128-512 rows: 1.2-1.5x faster than all of x per tile)
 
@@ -275,15 +277,15 @@ static void qtile(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const 
   const int64_t gp = a.gsize / 2, ld = a.ld;
   const uint32_t* x = a.x + m0 * a.ld;
   __m512 c0[MR], c1[MR];
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
     __m512 g0[MR], g1[MR];
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) g0[r] = g1[r] = _mm512_setzero_ps();
     for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
       const __m512bh v0 = (__m512bh)_mm512_load_si512(w0 + p * 16), v1 = (__m512bh)_mm512_load_si512(w1 + p * 16);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ld + p]));
         g0[r] = _mm512_dpbf16_ps(g0[r], v0, xv);
@@ -291,7 +293,7 @@ static void qtile(const QArgs& a, const uint32_t* w0, const uint32_t* w1, const 
       }
     }
     const __m512 t0 = _mm512_load_ps(s0 + g * 16), t1 = _mm512_load_ps(s1 + g * 16);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       c0[r] = _mm512_fmadd_ps(g0[r], t0, c0[r]);
       c1[r] = _mm512_fmadd_ps(g1[r], t1, c1[r]);
