@@ -16,7 +16,7 @@ copied into the build, so checkouts of one version share it):
              where the CPU also has AVX512-BF16 (checked at run time), the bf16 kernels: layers for a
              decode batch, and a bf16 checkpoint's weight-only int4 / int8 layers for many rows
              (cpu_bf16_linear.cpp), prefill and decode attention (cpu_attention.cpp); the float32
-             prefill attention on 16 lanes
+             prefill attention and the fused element-wise ops (GLUs, norms: cpu_layers.cpp) on 16 lanes
     avx2     -mavx2 -mfma: other CPUs whose torch capability is AVX2 or AVX512 (Skylake-SP); the float32
              prefill attention on 8 lanes
     generic  portable C++ loops (-O3, whatever the compiler vectorizes): any other CPU

@@ -280,7 +280,7 @@ void act_and_mul_rows(const at::Tensor& x, at::Tensor& y) {
       T* yr = y.data_ptr<T>() + t * I;
       const int64_t a = std::max(i0 - t * I, int64_t(0)), b = std::min(i1 - t * I, I);
       int64_t i = a;
-#ifdef QTK_AVX512  // 1.7x (float32) to 2.5x (bf16) the 8-lane loop's speed on Zen 5
+#ifdef QTK_AVX512  // 1.85x (float32) and 2.1x (bf16) the 8-lane loop's speed on Zen 5 (512 rows x 1536)
       for (; i + 16 <= b; i += 16) {
         const __m512 gv = load16(g + i);
         const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), glu_z16<ACT>(gv)))));
