@@ -297,6 +297,77 @@ def test_w8a8_kernel_inputs(lib):
         cpu.w8a8_linear(torch.randn(2, 64), w, None, torch.randn(47), lib)
 
 
+@pytest.mark.parametrize("static", [None, 0.02])
+def test_w8a8_layer_on_rows_quantized_before(lib, static):
+    """w8a8_quantize writes the codes + 128 and the scales of quantize_activation (per token, or the static
+    scale), padded with 128 to a multiple of 4; w8a8_linear_quantized on them gives w8a8_linear's y to the bit."""
+    g = torch.Generator().manual_seed(2)
+    st = None if static is None else torch.tensor([static])
+    for n, k in ((64, 576), (53, 33)):
+        w = cpu.pack_w8a8(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, 1, generator=g) * 1e-3)
+        bias = torch.randn(n, generator=g)
+        for m in (1, 7, 300):
+            x = torch.randn(m, k, generator=g) * 3
+            xq, sx = lib.w8a8_quantize(x, st)
+            q, s = reference.act_quant_ref(x, torch.int8, st)
+            k4 = (k + 3) // 4 * 4
+            assert xq.dtype == torch.uint8 and xq.shape == (m, k4) and torch.equal(sx, s.reshape(-1).expand(m))
+            assert torch.equal(xq[:, :k].int() - 128, q.int()) and bool((xq[:, k:] == 128).all())
+            for b in (None, bias):
+                y = lib.w8a8_linear_quantized(xq, sx, w.codes, w.colsum, w.scales, b, w.n)
+                assert torch.equal(y, cpu.w8a8_linear(x, w, st, b, lib))
+    with pytest.raises(RuntimeError, match=r"xq must be contiguous uint8 \[M, 36\]"):
+        lib.w8a8_linear_quantized(xq[:, :32].contiguous(), sx, w.codes, w.colsum, w.scales, None, w.n)
+    with pytest.raises(RuntimeError, match=r"sx must be contiguous float32 \[300\]"):
+        lib.w8a8_linear_quantized(xq, sx[:5], w.codes, w.colsum, w.scales, None, w.n)
+    with pytest.raises(RuntimeError, match="a static input scale must be one float32"):
+        lib.w8a8_quantize(x, torch.tensor([0.1, 0.2]))
+
+
+@pytest.mark.parametrize("static", [None, 0.05])
+def test_norms_and_glus_that_quantize_their_rows(lib, static):
+    """rms_norm_quant, add_rms_norm_quant_ and the GLUs' _quant ops write what w8a8_quantize makes of the
+    float32 rows of rms_norm, add_rms_norm_ and the GLUs (the same codes and scales, to the bit), and
+    add_rms_norm_quant_ leaves the residual stream as add_rms_norm_ does; widths with 16-, 8-lane and scalar
+    parts, and not a multiple of 4."""
+    g = torch.Generator().manual_seed(3)
+    st = None if static is None else torch.tensor([static])
+    for rows, h in ((1, 576), (7, 130), (300, 45)):
+        x, a, w = torch.randn(rows, h, generator=g), torch.randn(rows, h, generator=g), torch.rand(h, generator=g) + 0.5
+        got = lib.rms_norm_quant(x, w, 1e-5, st)
+        want = lib.w8a8_quantize(lib.rms_norm(x, w, 1e-5, False), st)
+        assert all(torch.equal(u, v) for u, v in zip(got, want))
+        r1, r2 = x.clone(), x.clone()
+        got = lib.add_rms_norm_quant_(r1, a, w, 1e-5, st)
+        want = lib.w8a8_quantize(lib.add_rms_norm_(r2, a, w, 1e-5, False), st)
+        assert torch.equal(r1, r2) and all(torch.equal(u, v) for u, v in zip(got, want))
+        for op in ("silu_and_mul", "gelu_tanh_and_mul"):
+            y = torch.randn(rows, 2 * h, generator=g) * 3
+            got = getattr(lib, f"{op}_quant")(y, st)
+            want = lib.w8a8_quantize(getattr(lib, op)(y), st)
+            assert all(torch.equal(u, v) for u, v in zip(got, want)), (op, rows, h)
+    with pytest.raises(RuntimeError, match="even number of columns"):
+        lib.silu_and_mul_quant(torch.randn(2, 7), None)
+    with pytest.raises(RuntimeError, match="x and residual differ in shape"):
+        lib.add_rms_norm_quant_(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-5, None)
+
+
+def test_glu_results_do_not_depend_on_the_threads(lib):
+    """The GLUs share rows out in spans of 16 elements, so every element takes the same vector path whatever
+    the split (the scalar tail's std::exp differs from the vector exp in the last bits): 1 thread and 2
+    give the same bits, rows whose width is not a multiple of 16 included."""
+    x = torch.randn(5, 2 * 1000, generator=torch.Generator().manual_seed(4)) * 3
+    threads = torch.get_num_threads()
+    try:
+        out = {}
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            out[t] = [lib.silu_and_mul(x), lib.gelu_tanh_and_mul(x), lib.silu_and_mul(x.bfloat16())]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(u, v) for u, v in zip(out[1], out[2]))
+
+
 @pytest.mark.parametrize("scheme,group", [("w4a16", 64), ("w4a16_asym", 32), ("w8a16", None), ("w4a16", -1),
                                           ("w4a16", 8), ("w4a16_asym", 24), ("w8a16", 20)])
 def test_quant_linear_runs_the_kernel(scheme, group, monkeypatch):

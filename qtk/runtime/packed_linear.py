@@ -284,6 +284,17 @@ class W8A8Linear(KernelLinear):
         w, s, bias, op = r.w, r.input_scale, r.bias, r.lib.w8a8_linear
         return lambda x: op(x, w.codes, w.colsum, w.scales, s, bias, w.n)
 
+    def quantized_input(self):
+        """(static scale or None, f) where the op before this layer can hand it its input already quantized
+        (cpu_act_quant.h's rows: per token, or with the static scale; the fused norms and GLUs of
+        cpu_layers.cpp): f((xq, sx)) = the kernel on those rows, the same y as direct() on the float32 rows;
+        None for dynamic per-tensor scales (the whole input's maximum comes first)."""
+        r = self.runtime
+        if r.input_scale is None and not r.per_token:
+            return None
+        w, bias, op = r.w, r.bias, r.lib.w8a8_linear_quantized
+        return r.input_scale, lambda xq: op(xq[0], xq[1], w.codes, w.colsum, w.scales, bias, w.n)
+
     weights = "int8 W8A8"
 
     def extra_repr(self) -> str:

@@ -12,6 +12,11 @@
 //                                      (HF's rotate_half layout: pairs (i, i + D/2)); cos, sin [T, D]
 //   silu_and_mul(x)                    x [T, 2I] -> silu(x[:, :I]) * x[:, I:]  (float32, or bf16 in and out)
 //   gelu_tanh_and_mul(x)               x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:]  (Gemma's GeGLU)
+//   rms_norm_quant(x, w, eps, static_scale), add_rms_norm_quant_(residual, x, w, eps, static_scale),
+//   silu_and_mul_quant(x, static_scale), gelu_tanh_and_mul_quant(x, static_scale)
+//                                      the same on float32 rows, the result quantized for a W8A8 layer
+//                                      (cpu_act_quant.h) as each row is written: (xq, sx) for
+//                                      w8a8_linear_quantized, as w8a8_quantize of the float32 result
 //   store_kv_(k_cache, v_cache, k, v, slots, k_scale, v_scale)
 //                                      k, v [T, kv_heads, D] into caches [kv_heads, slots, D] at
 //                                      slots [T]; float32, or INT8 / FP8 e4m3 (uint8 bits) with
@@ -40,10 +45,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -62,6 +70,8 @@
 #define QTK_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 namespace {
+
+#include "cpu_act_quant.h"  // W8A8's quantized rows: quantize_row, row_buffer, empty_quantized, static_scale_of
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, name,
@@ -268,35 +278,80 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
   return y;
 }
 
+// rms_norm and add_rms_norm_ with their output rows quantized for a W8A8 layer as they are written (quantize_row
+// on the float32 row rms_norm writes): the same codes and scales as w8a8_quantize(rms_norm(...)), without the
+// float32 rows in memory. -> (xq uint8 [T, K4], sx float32 [T])
+std::tuple<at::Tensor, at::Tensor> norm_quant(at::Tensor* residual, const at::Tensor& x, const at::Tensor& w, double eps,
+                                              const std::optional<at::Tensor>& static_scale, const char* name) {
+  const at::Tensor& r = residual ? *residual : x;
+  check_rows(r, name);
+  const int64_t T = r.size(0), H = r.size(1), H4 = quant_width(H);
+  if (residual) {
+    check_rows(x, name);
+    TORCH_CHECK(x.size(0) == T && x.size(1) == H, name, ": x and residual differ in shape");
+  }
+  TORCH_CHECK(w.numel() == H && w.scalar_type() == at::kFloat && w.is_contiguous(), name, ": weight must be float32 [", H, "]");
+  float st = 0.f;
+  const bool is_static = static_scale_of(static_scale, name, &st);
+  auto [xq, sx] = empty_quantized(T, H);
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    float* row = row_buffer(H);
+    for (int64_t t = t0; t < t1; ++t) {
+      float* rr = r.data_ptr<float>() + t * r.stride(0);
+      if (residual) add_row(rr, x.data_ptr<float>() + t * x.stride(0), H);
+      scale_row(rr, wp, rms_inv(rr, H, eps), H, row);
+      sx.data_ptr<float>()[t] = quantize_row(row, H, H4, is_static ? &st : nullptr, xq.data_ptr<uint8_t>() + t * H4);
+    }
+  });
+  return {xq, sx};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant(const at::Tensor& x, const at::Tensor& w, double eps,
+                                                  const std::optional<at::Tensor>& static_scale) {
+  return norm_quant(nullptr, x, w, eps, static_scale, "rms_norm_quant");
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_quant_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w,
+                                                       double eps, const std::optional<at::Tensor>& static_scale) {
+  return norm_quant(&residual, x, w, eps, static_scale, "add_rms_norm_quant_");
+}
+
+// y[a .. b) = act(g) * u over one row's [a, b) (a a multiple of 16: every element then takes the same path,
+// 16 or 8 lanes, whatever the split, so a row's results do not depend on how rows are shared out)
 template <Glu ACT, typename T>
-void act_and_mul_rows(const at::Tensor& x, at::Tensor& y) {
-  const int64_t rows = x.size(0), I = x.size(1) / 2;
-  at::parallel_for(0, rows * I, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t t = i0 / I; t <= (i1 - 1) / I; ++t) {
-      const T* g = x.data_ptr<T>() + t * x.stride(0);
-      const T* u = g + I;
-      T* yr = y.data_ptr<T>() + t * I;
-      const int64_t a = std::max(i0 - t * I, int64_t(0)), b = std::min(i1 - t * I, I);
-      int64_t i = a;
+inline void glu_span(const T* g, const T* u, T* yr, int64_t a, int64_t b) {
+  int64_t i = a;
 #ifdef QTK_AVX512  // 1.85x (float32) and 2.1x (bf16) the 8-lane loop's speed on Zen 5 (512 rows x 1536)
-      for (; i + 16 <= b; i += 16) {
-        const __m512 gv = load16(g + i);
-        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), glu_z16<ACT>(gv)))));
-        store16(yr + i, _mm512_mul_ps(s, load16(u + i)));
-      }
+  for (; i + 16 <= b; i += 16) {
+    const __m512 gv = load16(g + i);
+    const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), glu_z16<ACT>(gv)))));
+    store16(yr + i, _mm512_mul_ps(s, load16(u + i)));
+  }
 #endif
 #ifdef QTK_AVX2  // scalar std::exp took 8 us of a 1536-wide row, a quarter of the down projection's time
-      const __m256 one = _mm256_set1_ps(1.f);
-      for (; i + 8 <= b; i += 8) {
-        const __m256 gv = load8(g + i);
-        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), glu_z8<ACT>(gv)))));
-        store8(yr + i, _mm256_mul_ps(s, load8(u + i)));
-      }
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= b; i += 8) {
+    const __m256 gv = load8(g + i);
+    const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), glu_z8<ACT>(gv)))));
+    store8(yr + i, _mm256_mul_ps(s, load8(u + i)));
+  }
 #endif
-      for (; i < b; ++i) {
-        const float gi = g[i];
-        yr[i] = static_cast<T>(gi / (1.f + std::exp(-glu_z<ACT>(gi))) * static_cast<float>(u[i]));
-      }
+  for (; i < b; ++i) {
+    const float gi = g[i];
+    yr[i] = static_cast<T>(gi / (1.f + std::exp(-glu_z<ACT>(gi))) * static_cast<float>(u[i]));
+  }
+}
+
+// Over rows x [T, 2I] -> y [T, I], shared out in spans of 16 elements (256 a work item at least)
+template <Glu ACT, typename T>
+void act_and_mul_rows(const at::Tensor& x, at::Tensor& y) {
+  const int64_t rows = x.size(0), I = x.size(1) / 2, spans = (I + 15) / 16;
+  at::parallel_for(0, rows * spans, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t t = i0 / spans; t <= (i1 - 1) / spans; ++t) {
+      const T* g = x.data_ptr<T>() + t * x.stride(0);
+      const int64_t a = std::max(i0 - t * spans, int64_t(0)) * 16, b = std::min((i1 - t * spans) * 16, I);
+      glu_span<ACT, T>(g, g + I, y.data_ptr<T>() + t * I, a, b);
     }
   });
 }
@@ -317,6 +372,36 @@ at::Tensor act_and_mul(const at::Tensor& x, const char* name) {
 
 at::Tensor silu_and_mul(const at::Tensor& x) { return act_and_mul<Glu::SILU>(x, "silu_and_mul"); }
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x) { return act_and_mul<Glu::GELU_TANH>(x, "gelu_tanh_and_mul"); }
+
+// silu_and_mul / gelu_tanh_and_mul of float32 rows with the result quantized for a W8A8 layer as each row is
+// written (quantize_row on the row act_and_mul writes): the same codes and scales as
+// w8a8_quantize(silu_and_mul(x)), without the float32 rows in memory. -> (xq uint8 [T, I4], sx float32 [T])
+template <Glu ACT>
+std::tuple<at::Tensor, at::Tensor> act_and_mul_quant(const at::Tensor& x, const std::optional<at::Tensor>& static_scale,
+                                                     const char* name) {
+  check_rows(x, name);
+  TORCH_CHECK(x.size(1) % 2 == 0, name, ": x must have an even number of columns");
+  float st = 0.f;
+  const bool is_static = static_scale_of(static_scale, name, &st);
+  const int64_t rows = x.size(0), I = x.size(1) / 2, I4 = quant_width(I);
+  auto [xq, sx] = empty_quantized(rows, I);
+  at::parallel_for(0, rows, 1, [&](int64_t t0, int64_t t1) {
+    float* row = row_buffer(I);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = x.data_ptr<float>() + t * x.stride(0);
+      glu_span<ACT, float>(g, g + I, row, 0, I);
+      sx.data_ptr<float>()[t] = quantize_row(row, I, I4, is_static ? &st : nullptr, xq.data_ptr<uint8_t>() + t * I4);
+    }
+  });
+  return {xq, sx};
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor& x, const std::optional<at::Tensor>& static_scale) {
+  return act_and_mul_quant<Glu::SILU>(x, static_scale, "silu_and_mul_quant");
+}
+std::tuple<at::Tensor, at::Tensor> gelu_tanh_and_mul_quant(const at::Tensor& x, const std::optional<at::Tensor>& static_scale) {
+  return act_and_mul_quant<Glu::GELU_TANH>(x, static_scale, "gelu_tanh_and_mul_quant");
+}
 
 // exp over an array in place; returns the sum. AVX2: Cephes' expf polynomial (relative error ~2e-7,
 // as std::exp for a softmax's purposes), 8 at a time.
@@ -893,6 +978,11 @@ void bind_layers(pybind11::module_& m) {
   m.def("rope_", &rope_, nogil);
   m.def("silu_and_mul", &silu_and_mul, nogil);
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, nogil);
+  m.def("rms_norm_quant", &rms_norm_quant, nogil, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("static_scale"));
+  m.def("add_rms_norm_quant_", &add_rms_norm_quant_, nogil, py::arg("residual"), py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("static_scale"));
+  m.def("silu_and_mul_quant", &silu_and_mul_quant, nogil, py::arg("x"), py::arg("static_scale"));
+  m.def("gelu_tanh_and_mul_quant", &gelu_tanh_and_mul_quant, nogil, py::arg("x"), py::arg("static_scale"));
   m.def("store_kv_", &store_kv_, nogil);
   m.def("paged_decode_attention", &paged_decode_attention, nogil, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("lens"), py::arg("block_size"), py::arg("scale"), py::arg("k_scale"),

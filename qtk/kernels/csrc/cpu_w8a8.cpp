@@ -9,6 +9,13 @@
 // VPDPBUSD multiplies unsigned by signed bytes, so x is stored as u = q + 128 and each sum loses
 // 128 * sum_k q_w[n, k] (colsum, computed once at pack time): sum_k u q_w - colsum = sum_k q_x q_w.
 //
+//
+//   w8a8_linear(x, codes, colsum, scales, static_scale, bias, n) -> y   x float32 [..., K], quantized in the call
+//   w8a8_quantize(x, static_scale) -> (xq, sx)                          x's rows quantized (cpu_act_quant.h)
+//   w8a8_linear_quantized(xq, sx, codes, colsum, scales, bias, n) -> y  on rows quantized before the call: by
+//       w8a8_quantize, or by the norm or GLU that wrote them (cpu_layers.cpp's *_quant ops), which saves the
+//       float32 rows' round trip through memory and this call's pass over them; y the same to the bit
+//
 // Layout (built once per layer by qtk.kernels.cpu.pack_w8a8):
 //   codes   int8   [N16/16, K4/4, 16, 4]  4 consecutive k of one column per dword, 16 columns per 64-byte
 //                                         row; N padded to N16 (a multiple of 16) and K to K4 (of 4) with 0
@@ -29,10 +36,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <tuple>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define QTK_VNNI 1
 #endif
 
@@ -41,6 +52,8 @@
 #endif
 
 namespace {
+
+#include "cpu_act_quant.h"  // quantize_row, quant_width, static_scale_of, empty_quantized
 
 constexpr int64_t COLS = 16;  // columns per block (one register of int32 sums)
 constexpr int TB = 4;         // blocks per tile: 64 columns
@@ -54,43 +67,6 @@ struct W8A8Args {
   const int8_t* codes; const int32_t* colsum; const float* scales; const float* bias;
   float* y;  // [M, N]
 };
-
-// Row m of x as u = round(x / s) + 128 (clamped to 0..255) into q [K4] (padding 128: q_x = 0), and s.
-static float quantize_row(const float* x, int64_t K, int64_t K4, const float* static_scale, uint8_t* q) {
-  float s;
-  if (static_scale) {
-    s = *static_scale;
-  } else {
-    float amax = 0.f;
-    int64_t k = 0;
-#ifdef QTK_VNNI
-    __m512 m = _mm512_setzero_ps();
-    for (; k + 16 <= K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    amax = _mm512_reduce_max_ps(m);
-#endif
-    for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
-    s = amax / 127.f;  // qtk.quant.quantize_activation: absmax / qmax in float32, eps where not > 0
-    if (!(s > 0.f)) s = FLT_EPSILON;
-  }
-  int64_t k = 0;
-#ifdef QTK_VNNI
-  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
-  const __m512i off = _mm512_set1_epi32(128);
-  for (; k + 16 <= K; k += 16) {
-    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), sv),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
-                     _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), off)));
-  }
-#endif
-  for (; k < K; ++k) {
-    const float v = std::min(std::max(std::nearbyint(x[k] / s), -128.f), 127.f);
-    q[k] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
-  }
-  for (; k < K4; ++k) q[k] = 128;
-  return s;
-}
 
 // y[m, c0 .. c0 + cols) from the int32 sums of one block: (acc - colsum) * s_x * s_w + b.
 static inline void epilogue(const W8A8Args& a, int64_t m, int64_t c0, const int32_t* acc) {
@@ -234,40 +210,29 @@ static uint8_t* x_buffer(int64_t bytes) {
   return buf.data();
 }
 
-at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& colsum,
-                       const at::Tensor& scales, const std::optional<at::Tensor>& static_scale,
-                       const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "w8a8_linear: x must be float32 on CPU");
-  const int64_t K = x_in.size(-1), K4 = (K + 3) / 4 * 4;
+// The layer's tensors checked against K (x's width); returns N16, the padded columns
+int64_t check_layer(const char* name, int64_t K, const at::Tensor& codes, const at::Tensor& colsum,
+                    const at::Tensor& scales, const std::optional<at::Tensor>& bias, int64_t n) {
+  const int64_t K4 = quant_width(K);
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
                   codes.size(1) * 4 == K4 && codes.size(2) == COLS && codes.size(3) == 4,
-              "w8a8_linear: codes must be contiguous int8 [N/16, ", K4 / 4, ", 16, 4] for K=", K, ", got ",
-              codes.sizes());
+              name, ": codes must be contiguous int8 [N/16, ", K4 / 4, ", 16, 4] for K=", K, ", got ", codes.sizes());
   const int64_t N16 = codes.size(0) * COLS;
-  TORCH_CHECK(n > N16 - COLS && n <= N16, "w8a8_linear: codes hold ", N16, " columns for n=", n);
+  TORCH_CHECK(n > N16 - COLS && n <= N16, name, ": codes hold ", N16, " columns for n=", n);
   TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.numel() == N16 &&
                   scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N16,
-              "w8a8_linear: colsum (int32) and scales (float32) must be contiguous [", N16, "]");
-  TORCH_CHECK(!static_scale || (static_scale->numel() == 1 && static_scale->scalar_type() == at::kFloat),
-              "w8a8_linear: a static input scale must be one float32");
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->numel() == n), "w8a8_linear: bias must be [", n, "]");
-  const at::Tensor x = x_in.dim() == 2 && x_in.is_contiguous() ? x_in : x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  auto out_shape = x_in.sizes().vec();
-  out_shape.back() = n;
-  at::Tensor y = at::detail::empty_cpu(out_shape, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
-  if (M == 0) return y;
+              name, ": colsum (int32) and scales (float32) must be contiguous [", N16, "]");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->numel() == n), name, ": bias must be [", n, "]");
+  return N16;
+}
+
+// y [M, n] = the products of M quantized rows xq [M, K4] (scales sx [M]) with the layer, into y
+void product(const uint8_t* xq, const float* sx, int64_t M, int64_t K4, const at::Tensor& codes, const at::Tensor& colsum,
+             const at::Tensor& scales, const std::optional<at::Tensor>& bias, int64_t n, float* y) {
   const at::Tensor b = !bias ? at::Tensor() : bias->to(at::kFloat).contiguous();
-  const float st = static_scale ? static_scale->to(at::kFloat).item<float>() : 0.f;
-  uint8_t* xq = x_buffer(M * K4);  // every byte written below before it is read
-  std::vector<float> sx(M);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) sx[m] = quantize_row(xp + m * K, K, K4, static_scale ? &st : nullptr, xq + m * K4);
-  });
-  const W8A8Args a{xq, sx.data(), M, K4, n, codes.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(),
-                   scales.data_ptr<float>(), bias ? b.data_ptr<float>() : nullptr, y.data_ptr<float>()};
-  const int64_t nblocks = N16 / COLS, ntiles = (nblocks + TB - 1) / TB;
+  const W8A8Args a{xq, sx, M, K4, n, codes.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(),
+                   scales.data_ptr<float>(), bias ? b.data_ptr<float>() : nullptr, y};
+  const int64_t nblocks = codes.size(0), ntiles = (nblocks + TB - 1) / TB;
   // Work items: a column tile against a band of ROW_BAND rows, tile-major, so that threads split the rows of
   // a tile where the tiles do not divide evenly among them (SmolLM2's 9 tiles of 64 columns on 2 threads:
   // 11% of a 1024-row layer was one thread waiting for the other). Each band reads its tile's weights
@@ -291,7 +256,63 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
       for (int64_t m = m0; m < m1; ++m) tile_portable(a, m, nb0, nblk);
     }
   });
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& colsum,
+                       const at::Tensor& scales, const std::optional<at::Tensor>& static_scale,
+                       const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "w8a8_linear: x must be float32 on CPU");
+  const int64_t K = x_in.size(-1), K4 = quant_width(K);
+  check_layer("w8a8_linear", K, codes, colsum, scales, bias, n);
+  float st = 0.f;
+  const bool is_static = static_scale_of(static_scale, "w8a8_linear", &st);
+  const at::Tensor x = x_in.dim() == 2 && x_in.is_contiguous() ? x_in : x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = n;
+  at::Tensor y = at::detail::empty_cpu(out_shape, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  if (M == 0) return y;
+  uint8_t* xq = x_buffer(M * K4);  // every byte written below before it is read
+  std::vector<float> sx(M);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) sx[m] = quantize_row(xp + m * K, K, K4, is_static ? &st : nullptr, xq + m * K4);
+  });
+  product(xq, sx.data(), M, K4, codes, colsum, scales, bias, n, y.data_ptr<float>());
   return y;
+}
+
+// w8a8_linear on rows quantized before the call (w8a8_quantize, or the fused ops of cpu_layers.cpp that write
+// them): xq uint8 [M, K4], sx float32 [M]. The same y as w8a8_linear on the rows they came from.
+at::Tensor w8a8_linear_quantized(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor& codes,
+                                 const at::Tensor& colsum, const at::Tensor& scales,
+                                 const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(xq.device().is_cpu() && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() &&
+                  xq.size(1) == codes.size(1) * 4,
+              "w8a8_linear_quantized: xq must be contiguous uint8 [M, ", codes.size(1) * 4, "] (quantized rows)");
+  const int64_t M = xq.size(0);
+  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.numel() == M,
+              "w8a8_linear_quantized: sx must be contiguous float32 [", M, "], a scale per row");
+  check_layer("w8a8_linear_quantized", xq.size(1), codes, colsum, scales, bias, n);
+  at::Tensor y = at::detail::empty_cpu({M, n}, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  if (M > 0) product(xq.data_ptr<uint8_t>(), sx.data_ptr<float>(), M, xq.size(1), codes, colsum, scales, bias, n, y.data_ptr<float>());
+  return y;
+}
+
+// x float32 [M, K] -> its quantized rows (xq, sx), per token or with the static scale
+std::tuple<at::Tensor, at::Tensor> w8a8_quantize(const at::Tensor& x, const std::optional<at::Tensor>& static_scale) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "w8a8_quantize: x must be a float32 CPU matrix with contiguous rows");
+  float st = 0.f;
+  const bool is_static = static_scale_of(static_scale, "w8a8_quantize", &st);
+  const int64_t M = x.size(0), K = x.size(1), K4 = quant_width(K);
+  auto [xq, sx] = empty_quantized(M, K);
+  uint8_t* qp = xq.data_ptr<uint8_t>();
+  float* sp = sx.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) sp[m] = quantize_row(x.data_ptr<float>() + m * x.stride(0), K, K4, is_static ? &st : nullptr, qp + m * K4);
+  });
+  return {xq, sx};
 }
 
 bool compiled_vnni() {
@@ -317,7 +338,10 @@ QTK_IMPL(QTK_LIB, CPU, m) { m.impl("w8a8_linear", &w8a8_linear); }
 
 namespace QTK_LIB {
 void bind_w8a8(pybind11::module_& m) {
-  m.def("w8a8_linear", &w8a8_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("w8a8_linear", &w8a8_linear, nogil);
+  m.def("w8a8_linear_quantized", &w8a8_linear_quantized, nogil);
+  m.def("w8a8_quantize", &w8a8_quantize, nogil);
   m.def("compiled_vnni", &compiled_vnni);
 }
 }  // namespace QTK_LIB

@@ -53,6 +53,7 @@ LLAMA_RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Phi3RMSNor
 # the config's MLP activation -> its GLU in torch (act(gate) * up) and the name of qtk's fused CPU op
 GLU = {"silu": (lambda g, u: torch.nn.functional.silu(g) * u, "silu_and_mul"),
        "gelu_pytorch_tanh": (lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u, "gelu_tanh_and_mul")}
+NO_W8A8_INPUTS = (None, None, None)  # a layer whose projections quantize their own input (_w8a8_inputs)
 
 
 def activation(cfg) -> str:
@@ -128,6 +129,8 @@ class NativeModel(nn.Module):
         if moe.install(self.layers, cfg, self.cpu_ops):  # each MoE layer's mlp now a SparseMoE over [T, H]
             self.why_no_graphs = moe.WHY_NO_GRAPHS
         self._plan = None  # per layer, the projections' callables (built at the first fused forward)
+        self._quant_plan = None  # per layer, the W8A8 projections whose input comes quantized (with the plan)
+        self.quantize_in_producers = True  # whether it does (False: each W8A8 layer quantizes its float32 input)
         self._bf16_rows = None  # rows from which a step runs all in bf16 between norms (with the plan)
         self._bf16_attention_rows = None  # rows from which a step's attention is bf16 without it (W8A8, bf16 checkpoint)
         self._step_bf16 = False  # whether the last step did (its logits follow: logits())
@@ -274,6 +277,8 @@ class NativeModel(nn.Module):
         ops = self.cpu_ops
         if self._plan is None:
             self._plan = [self._layer_plan(layer, getattr(ops, self.glu_op)) for layer in self.layers]
+            glu_quant = getattr(ops, f"{self.glu_op}_quant", None)
+            self._quant_plan = [self._w8a8_inputs(layer, glu_quant) for layer in self.layers]
             bf16_rows = [p[-1][0] for p in self._plan if p[-1] is not None]
             self._bf16_rows = max(bf16_rows) if len(bf16_rows) == len(self._plan) and not self.family.sandwich else None
             self._bf16_attention_rows = self._w8a8_bf16_rows()
@@ -290,12 +295,18 @@ class NativeModel(nn.Module):
         attention_bf16 = self._bf16_attention_rows is not None and T >= self._bf16_attention_rows
         self._step_bf16 = bf16
         last = len(self.layers) - 1
-        x = ops.rms_norm(h, *norms[0], bf16)
+        # W8A8 layers whose input the norm or GLU before them writes quantized (none in a bf16 step)
+        quant = self._quant_plan if self.quantize_in_producers and not bf16 else [NO_W8A8_INPUTS] * (last + 1)
+        x = ops.rms_norm(h, *norms[0], bf16) if quant[0][0] is None else ops.rms_norm_quant(h, *norms[0], quant[0][0][0])
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             qkv, q_proj, k_proj, v_proj, o_proj, gate_up, down, many_mlp, bf16_plan = self._plan[i]
+            qkv_q, gate_up_q, down_q = quant[i]
             attn = layer.self_attn
             if bf16:
                 y = bf16_plan[1](x).float()
+                q, k, v = y.view(T, H + 2 * KV, D).split_with_sizes(heads, 1)
+            elif qkv_q is not None:
+                y = qkv_q[1](x)
                 q, k, v = y.view(T, H + 2 * KV, D).split_with_sizes(heads, 1)
             elif qkv is not None:
                 y = qkv(x)
@@ -321,18 +332,43 @@ class NativeModel(nn.Module):
                 x = ops.add_rms_norm_(h, bf16_plan[3](x), *norms[i + 1], i < last)
                 continue
             a = o_proj(o.view(T, H * D))
+            norm = self._post_norms[i]
             if sandwich:
-                x = ops.add_rms_norm_(h, ops.rms_norm(a, *self._post_norms[i]), *self._pre_ff_norms[i])
-            else:
-                x = ops.add_rms_norm_(h, a, *self._post_norms[i])
+                a, norm = ops.rms_norm(a, *norm), self._pre_ff_norms[i]
+            x = ops.add_rms_norm_(h, a, *norm) if gate_up_q is None else ops.add_rms_norm_quant_(h, a, *norm, gate_up_q[0])
             if many:  # prefill chunks: bf16 from gate_up to down
                 m = many_mlp[1](x).float()
+            elif gate_up is None:
+                m = layer.mlp(x)
             else:
-                m = down(glu(gate_up(x))) if gate_up is not None else layer.mlp(x)
+                g = gate_up(x) if gate_up_q is None else gate_up_q[1](x)
+                m = down(glu(g)) if down_q is None else down_q[1](down_q[2](g, down_q[0]))
             if sandwich:
                 m = ops.rms_norm(m, *self._post_ff_norms[i])
-            x = ops.add_rms_norm_(h, m, *norms[i + 1])
+            nxt = quant[i + 1][0] if i < last else None
+            x = ops.add_rms_norm_(h, m, *norms[i + 1]) if nxt is None else ops.add_rms_norm_quant_(h, m, *norms[i + 1], nxt[0])
         return x
+
+    @staticmethod
+    def _w8a8_inputs(layer, glu_quant) -> tuple:
+        """(qkv, gate_up, down) of a layer's W8A8 projections (packed_linear.W8A8Linear) whose input the op
+        before them writes quantized, per token or with their static scale, as vLLM's fused norm + quant and
+        GLU + quant kernels do (cpu_act_quant.h): each (static scale or None, f) (W8A8Linear.quantized_input),
+        down's with the quantizing GLU third, None where not (another kind of layer, q/k/v apart, dynamic per-tensor scales, a GLU without a
+        quantizing op, a MoE). The norms (rms_norm_quant, add_rms_norm_quant_) and the GLU (glu_quant) then
+        quantize each row as they write it: the same codes as the layer's own quantization of their float32
+        rows, without those rows in memory (a float32 [T, I] written, then read back to be quantized)."""
+        from ..packed_linear import W8A8Linear
+
+        def quantized(m):
+            return m.quantized_input() if isinstance(m, W8A8Linear) else None
+
+        attn, mlp = layer.self_attn, layer.mlp
+        gate_up = getattr(mlp, "gate_up_proj", None)
+        if gate_up is None:
+            return quantized(getattr(attn, "qkv_proj", None)), None, None
+        down = quantized(getattr(mlp, "down_proj", None)) if glu_quant is not None else None
+        return quantized(getattr(attn, "qkv_proj", None)), quantized(gate_up), down and (down[0], down[1], glu_quant)
 
     def _w8a8_bf16_rows(self) -> int | None:
         """Rows from which a step of a bf16 checkpoint whose layers are W8A8 (packed_linear.W8A8Linear.bf16)
