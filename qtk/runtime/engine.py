@@ -21,6 +21,7 @@ from ..device import check_device, choose_dtype
 from ..errors import InputError
 from ..kernels import cpu as cpu_kernels
 from .block_manager import BlockManager
+from .host_memory import keep_freed_memory
 from .config import EngineConfig
 from .input_processor import EngineRequest, InputProcessor
 from .model_runner import ModelRunner
@@ -64,6 +65,8 @@ class LLM:
         self.dtype = choose_dtype(c.dtype, c.device, kernels_built=cpu_kernels.built).dtype
         hf_model, self.tokenizer = load_model(c.model, dtype=self.dtype, device=c.device)
         self.model = build(hf_model, c.model_impl)  # NativeModel for its families, else GenericModel (models/__init__.py)
+        if not c.device.startswith("cuda"):
+            keep_freed_memory()  # each step's activations reuse the pages of the one before (host_memory.py)
         limit = getattr(hf_model.config, "max_position_embeddings", None) or 2048
         if c.max_model_len is not None and c.max_model_len > limit:  # positions the model never saw: cut
             log.warning("max_model_len %d is longer than the model's context (max_position_embeddings %d): "
