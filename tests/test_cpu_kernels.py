@@ -731,6 +731,11 @@ def test_prefill_attention_matches_the_torch_path(bf16, build, kv_dtype, n, L, H
     first = _first_key(n, L, window)
     got = lib.prefill_attention(q, _bytes(cache.k), _bytes(cache.v), slots[first:], window or 0, scale, *flat, bf16=bf16)
     assert got.shape == (n, H, D) and got.is_contiguous()
+    step = torch.full((n + 7, H, D), float("nan"))  # out: the chunk's rows of a step's output, written in place
+    back = lib.prefill_attention(q, _bytes(cache.k), _bytes(cache.v), slots[first:], window or 0, scale, *flat,
+                                 bf16=bf16, out=step[5:5 + n])
+    assert back.data_ptr() == step[5].data_ptr() and torch.equal(step[5:5 + n], got)
+    assert step[:5].isnan().all() and step[5 + n:].isnan().all()
     err = ((got - want).norm() / want.norm()).item()
     # bf16: 2^-9 relative per rounding; float32: the exp2 polynomial's 2e-7 and the sums' order; a wrong mask
     # or block is off by O(1)
@@ -784,6 +789,8 @@ def test_prefill_attention_refuses_mismatched_operands(build):
         lib.prefill_attention(q, kc, kc, torch.arange(3), 0, 0.25, torch.ones(1), torch.ones(1), bf16=False)
     with pytest.raises(RuntimeError, match="heads % kv_heads == 0"):
         lib.prefill_attention(torch.randn(3, 3, 16), kc, kc, torch.arange(3), 0, 0.25, bf16=False)
+    with pytest.raises(RuntimeError, match="out must be contiguous float32 of q's shape"):
+        lib.prefill_attention(q, kc, kc, torch.arange(3), 0, 0.25, bf16=False, out=torch.empty(3, 4, 32)[..., :16])
 
 
 @pytest.mark.parametrize("B,H,KV,D,lens,window,softcap,sinks", [

@@ -232,10 +232,10 @@ def _cpu_attention(q, k, v, cache: KVCache, meta: AttentionMetadata, scale: floa
     kernel = _prefill_kernel(ops, q, terms, bf16)
     for p in meta.prefills:
         qp = q[p.start:p.start + p.length]
-        if kernel:
+        if kernel:  # written into the step's output rows
             first = _first_key(p.length, p.slots.numel(), window)
-            out[p.start:p.start + p.length] = ops.prefill_attention(qp, kc, vc, p.slots[first:], window or 0, scale,
-                                                                    *scales, bf16=bf16)
+            ops.prefill_attention(qp, kc, vc, p.slots[first:], window or 0, scale, *scales, bf16=bf16,
+                                  out=out[p.start:p.start + p.length])
         else:
             out[p.start:p.start + p.length] = _prefill(qp, cache, p, scale, window, terms)
     return out

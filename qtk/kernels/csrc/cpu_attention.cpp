@@ -3,13 +3,14 @@
 // (AVX512-BF16) or float32 math: in 16-lane vectors on AVX-512 (what a CPU without bf16 units runs), in
 // 8-lane ones on AVX2 with FMA (the avx2 build: AVX2-only CPUs and Skylake-SP; QTK_ATTN_AVX2 below).
 //
-//   prefill_attention(q, k_cache, v_cache, slots, window, scale, k_scale, v_scale, bf16=True) -> o
+//   prefill_attention(q, k_cache, v_cache, slots, window, scale, k_scale, v_scale, bf16=True, out=None) -> o
 //     q [n, H, D] float32 (heads contiguous, rows at any stride): the chunk's queries; k_cache, v_cache [KV, S, D]: float32, bf16, INT8 or
 //     FP8 e4m3 (as uint8), read at slots [L], the keys in order, the chunk's own n last (query i
 //     sits where key L - n + i does); k_scale, v_scale [1 or KV] for INT8 / FP8;
 //     the query at p sees the keys at p - window < j <= p (window 0: every j <= p);
 //     GQA: query head h reads KV head h / (H / KV), as transformers' repeat_kv.
-//     o [n, H, D] float32.
+//     o [n, H, D] float32: `out` where given (contiguous: the chunk's rows of the step's output, written in place
+//     of a copy), else a new tensor.
 //   prefill_attention_runs(bf16=True)   whether this build and CPU run it in that math
 //
 // Numerics. bf16 math is a bf16 FlashAttention's (vLLM's CPU attention in bf16 rounds the same tensors): q * scale,
@@ -846,7 +847,8 @@ void run8(Problem& P, const at::Tensor& k_cache, const at::Tensor& v_cache, cons
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& slots, int64_t window, double scale,
-                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, bool bf16) {
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, bool bf16,
+                             const std::optional<at::Tensor>& out_opt) {
   TORCH_CHECK(runs(bf16), bf16 ? "prefill_attention: needs AVX-512 with AVX512-BF16 (this build or CPU has not; the torch "
               "path attends here)" : "prefill_attention: needs AVX-512, or AVX2 and FMA (this build or CPU has not; the torch "
               "path attends here)");
@@ -863,7 +865,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0");
   TORCH_CHECK((kind == Kv::F32 || kind == Kv::BF16) == !k_scale.has_value() && k_scale.has_value() == v_scale.has_value(),
               "prefill_attention: scales go with (and only with) an INT8 / FP8 cache");
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  TORCH_CHECK(!out_opt || (out_opt->scalar_type() == at::kFloat && out_opt->sizes() == q.sizes() && out_opt->is_contiguous()),
+              "prefill_attention: out must be contiguous float32 of q's shape ", q.sizes());
+  at::Tensor out = out_opt ? *out_opt : at::empty(q.sizes(), q.options());
 #if defined(QTK_ATTN_AVX512) || defined(QTK_ATTN_AVX2)
   const at::Tensor sl = slots.contiguous();
   const int64_t S = k_cache.size(1);
@@ -934,7 +938,8 @@ void bind_attention(pybind11::module_& m) {
   m.def("prefill_attention_runs", &runs, py::arg("bf16") = true);
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(), py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("window"), py::arg("scale"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("bf16") = true);
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("bf16") = true,
+        py::arg("out") = py::none());
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, py::call_guard<py::gil_scoped_release>(),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
