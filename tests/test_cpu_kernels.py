@@ -304,7 +304,8 @@ def test_w8a8_layer_on_rows_quantized_before(lib, static):
     g = torch.Generator().manual_seed(2)
     st = None if static is None else torch.tensor([static])
     for n, k in ((64, 576), (53, 33)):
-        w = cpu.pack_w8a8(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, 1, generator=g) * 1e-3)
+        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        w = cpu.pack_w8a8(codes, torch.rand(n, 1, generator=g) * 1e-3)
         bias = torch.randn(n, generator=g)
         for m in (1, 7, 300):
             x = torch.randn(m, k, generator=g) * 3

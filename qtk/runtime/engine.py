@@ -21,8 +21,8 @@ from ..device import check_device, choose_dtype
 from ..errors import InputError
 from ..kernels import cpu as cpu_kernels
 from .block_manager import BlockManager
-from .host_memory import keep_freed_memory
 from .config import EngineConfig
+from .host_memory import keep_freed_memory
 from .input_processor import EngineRequest, InputProcessor
 from .model_runner import ModelRunner
 from .models import build

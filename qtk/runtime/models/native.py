@@ -297,7 +297,8 @@ class NativeModel(nn.Module):
         last = len(self.layers) - 1
         # W8A8 layers whose input the norm or GLU before them writes quantized (none in a bf16 step)
         quant = self._quant_plan if self.quantize_in_producers and not bf16 else [NO_W8A8_INPUTS] * (last + 1)
-        x = ops.rms_norm(h, *norms[0], bf16) if quant[0][0] is None else ops.rms_norm_quant(h, *norms[0], quant[0][0][0])
+        first = quant[0][0]
+        x = ops.rms_norm(h, *norms[0], bf16) if first is None else ops.rms_norm_quant(h, *norms[0], first[0])
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             qkv, q_proj, k_proj, v_proj, o_proj, gate_up, down, many_mlp, bf16_plan = self._plan[i]
             qkv_q, gate_up_q, down_q = quant[i]
@@ -335,7 +336,10 @@ class NativeModel(nn.Module):
             norm = self._post_norms[i]
             if sandwich:
                 a, norm = ops.rms_norm(a, *norm), self._pre_ff_norms[i]
-            x = ops.add_rms_norm_(h, a, *norm) if gate_up_q is None else ops.add_rms_norm_quant_(h, a, *norm, gate_up_q[0])
+            if gate_up_q is None:
+                x = ops.add_rms_norm_(h, a, *norm)
+            else:
+                x = ops.add_rms_norm_quant_(h, a, *norm, gate_up_q[0])
             if many:  # prefill chunks: bf16 from gate_up to down
                 m = many_mlp[1](x).float()
             elif gate_up is None:
@@ -345,8 +349,11 @@ class NativeModel(nn.Module):
                 m = down(glu(g)) if down_q is None else down_q[1](down_q[2](g, down_q[0]))
             if sandwich:
                 m = ops.rms_norm(m, *self._post_ff_norms[i])
-            nxt = quant[i + 1][0] if i < last else None
-            x = ops.add_rms_norm_(h, m, *norms[i + 1]) if nxt is None else ops.add_rms_norm_quant_(h, m, *norms[i + 1], nxt[0])
+            nxt = quant[i + 1][0] if i < last else None  # the next layer's qkv
+            if nxt is None:
+                x = ops.add_rms_norm_(h, m, *norms[i + 1])
+            else:
+                x = ops.add_rms_norm_quant_(h, m, *norms[i + 1], nxt[0])
         return x
 
     @staticmethod
@@ -354,10 +361,11 @@ class NativeModel(nn.Module):
         """(qkv, gate_up, down) of a layer's W8A8 projections (packed_linear.W8A8Linear) whose input the op
         before them writes quantized, per token or with their static scale, as vLLM's fused norm + quant and
         GLU + quant kernels do (cpu_act_quant.h): each (static scale or None, f) (W8A8Linear.quantized_input),
-        down's with the quantizing GLU third, None where not (another kind of layer, q/k/v apart, dynamic per-tensor scales, a GLU without a
-        quantizing op, a MoE). The norms (rms_norm_quant, add_rms_norm_quant_) and the GLU (glu_quant) then
-        quantize each row as they write it: the same codes as the layer's own quantization of their float32
-        rows, without those rows in memory (a float32 [T, I] written, then read back to be quantized)."""
+        down's with the quantizing GLU third; None where not (another kind of layer, q/k/v apart, dynamic
+        per-tensor scales, a GLU without a quantizing op, a MoE). The norms (rms_norm_quant,
+        add_rms_norm_quant_) and the GLU (glu_quant) then quantize each row as they write it: the same codes
+        as the layer's own quantization of their float32 rows, without those rows in memory (a float32
+        [T, I] written, then read back to be quantized)."""
         from ..packed_linear import W8A8Linear
 
         def quantized(m):
