@@ -210,6 +210,14 @@ static uint8_t* x_buffer(int64_t bytes) {
   return buf.data();
 }
 
+// M rows of x (ld floats apart) quantized into xq [M, K4] and sx [M], on torch's threads
+void quantize_rows(const float* x, int64_t ld, int64_t M, int64_t K, const float* static_scale, uint8_t* xq, float* sx) {
+  const int64_t K4 = quant_width(K);
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) sx[m] = quantize_row(x + m * ld, K, K4, static_scale, xq + m * K4);
+  });
+}
+
 // The layer's tensors checked against K (x's width); returns N16, the padded columns
 int64_t check_layer(const char* name, int64_t K, const at::Tensor& codes, const at::Tensor& colsum,
                     const at::Tensor& scales, const std::optional<at::Tensor>& bias, int64_t n) {
@@ -274,10 +282,7 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   if (M == 0) return y;
   uint8_t* xq = x_buffer(M * K4);  // every byte written below before it is read
   std::vector<float> sx(M);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) sx[m] = quantize_row(xp + m * K, K, K4, is_static ? &st : nullptr, xq + m * K4);
-  });
+  quantize_rows(x.data_ptr<float>(), K, M, K, is_static ? &st : nullptr, xq, sx.data());
   product(xq, sx.data(), M, K4, codes, colsum, scales, bias, n, y.data_ptr<float>());
   return y;
 }
@@ -305,13 +310,9 @@ std::tuple<at::Tensor, at::Tensor> w8a8_quantize(const at::Tensor& x, const std:
               "w8a8_quantize: x must be a float32 CPU matrix with contiguous rows");
   float st = 0.f;
   const bool is_static = static_scale_of(static_scale, "w8a8_quantize", &st);
-  const int64_t M = x.size(0), K = x.size(1), K4 = quant_width(K);
-  auto [xq, sx] = empty_quantized(M, K);
-  uint8_t* qp = xq.data_ptr<uint8_t>();
-  float* sp = sx.data_ptr<float>();
-  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) sp[m] = quantize_row(x.data_ptr<float>() + m * x.stride(0), K, K4, is_static ? &st : nullptr, qp + m * K4);
-  });
+  auto [xq, sx] = empty_quantized(x.size(0), x.size(1));
+  quantize_rows(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), is_static ? &st : nullptr, xq.data_ptr<uint8_t>(),
+                sx.data_ptr<float>());
   return {xq, sx};
 }
 
