@@ -592,6 +592,24 @@ def test_decode_reads_int8_fp8_and_bf16_codes_exactly(lib, kv_dtype, G):
             assert lib.paged_decode_attention(q, _bytes(kc), _bytes(vc), tables, lens, bs, 1.0, ks, vs).isnan().all()
 
 
+def test_store_kv_rounds_to_bf16_as_torch(lib):
+    """A bf16 cache holds torch's .to(bfloat16) of each value to the bit (ties to even, the largest floats
+    to inf, subnormals, signed zeros, infinities), and NaN where the value is NaN (torch's bits for a NaN
+    vary with its path: c10's scalar conversion gives 0x7FC0, as the kernel does)."""
+    from qtk.runtime.attention import _bytes
+
+    ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -130 * (1 + 2 ** -8)])
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.4028235e38, -3.4028235e38, 1e-45, 1e-40])
+    x = torch.cat([ties, special, torch.randn(64 - ties.numel() - special.numel()) * 1e3])
+    x[-1] = torch.tensor([0x7F80_0001], dtype=torch.int32).view(torch.float32)  # a signalling NaN's bits
+    k = x.view(1, 1, 64).expand(3, 1, 64).contiguous()
+    kc, vc = torch.zeros(1, 4, 64, dtype=torch.bfloat16), torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    lib.store_kv_(kc, vc, k, -k, torch.tensor([2, 0, 3]), None, None)
+    nan = x.isnan()
+    for got, want in ((kc[0, 0], x.to(torch.bfloat16)), (vc[0, 2], (-x).to(torch.bfloat16))):
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)) and got[nan].isnan().all()
+
+
 def test_store_and_decode_refuse_mismatched_operands(lib):
     """Operands that do not match the cache are refused with a message (they were read or written
     out of bounds, or crashed the process); strided slots are stored where they say."""
@@ -605,6 +623,11 @@ def test_store_and_decode_refuse_mismatched_operands(lib):
         lib.store_kv_(cache(), cache(2), k, k, slots, None, None)
     with pytest.raises(RuntimeError, match="k, v must be float32"):
         lib.store_kv_(cache(), cache(), k, k[:1], slots, None, None)
+    for bad in (-1, S):  # refused before any row is stored
+        kc, vc = cache(), cache()
+        with pytest.raises(RuntimeError, match=f"store_kv_: slot {bad} is outside the cache's {S}"):
+            lib.store_kv_(kc, vc, k, k, torch.tensor([0, 1, 2, bad]), None, None)
+        assert not kc.any() and not vc.any()
     bf16 = lambda: cache(dtype=torch.bfloat16)  # noqa: E731
     with pytest.raises(RuntimeError, match="scales go with \\(and only with\\) an INT8 / FP8 cache"):
         lib.store_kv_(bf16(), bf16(), k, k, slots, torch.ones(1), torch.ones(1))
@@ -1079,6 +1102,7 @@ def test_bench_kernels_cpu_records_each_shape(tmp_path, monkeypatch):
     t, q1, qk1 = result["decoder_ms_per_token_m1"], result["rows"][0], result["rows"][2]
     assert t["int4"] == pytest.approx(2 * 2 * q1["us"]["int4"] / 1e3)
     assert t["int4_engine"] == pytest.approx(2 * qk1["us"]["int4"] / 1e3)
-    path = tmp_path / f"kernels-cpu-tiny-{result['capability'].lower()}.json"
+    tag = result["capability"].lower()  # with the build named where QTK_CPU_KERNEL forces another
+    path = tmp_path / f"kernels-cpu-tiny-{tag if tag == result['variant'] else tag + '-' + result['variant'] + '-build'}.json"
     assert json.loads(path.read_text())["rows"] == result["rows"]
     assert "| q | 64 x 16 | 1 |" in summary and result["copy_gbps"] > 0

@@ -871,10 +871,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
 #if defined(QTK_ATTN_AVX512) || defined(QTK_ATTN_AVX2)
   const at::Tensor sl = slots.contiguous();
   const int64_t S = k_cache.size(1);
-  if (sl.numel()) {
-    const auto [lo, hi] = at::aminmax(sl);
-    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < S, "prefill_attention: a slot is outside the cache");
-  }
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t j = 0; j < sl.numel(); ++j) TORCH_CHECK(sp[j] >= 0 && sp[j] < S, "prefill_attention: a slot is outside the cache");
   at::Tensor ks, vs;
   if (k_scale) {
     ks = kv_scale(*k_scale, k_cache.size(0), "prefill_attention");
@@ -884,7 +882,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
             q.data_ptr<float>(), k_scale ? ks.data_ptr<float>() : nullptr, k_scale ? vs.data_ptr<float>() : nullptr,
             k_scale ? ks.numel() : 0, k_scale ? vs.numel() : 0, out.data_ptr<float>(), nullptr, nullptr, 0};
   if (P.n == 0) return out;
-  const int64_t* sp = sl.data_ptr<int64_t>();
 #if defined(QTK_ATTN_AVX512)
   if (bf16) dispatch<true>(kind, P, k_cache, v_cache, sp);
   else dispatch<false>(kind, P, k_cache, v_cache, sp);

@@ -157,21 +157,17 @@ static void row_pairs(const float* xr, int64_t K, uint32_t* row) {
   }
 }
 
-// row m of x (float32 or bf16) as [K/2] words of bf16 pairs: a pointer into x itself (bf16 at an even
-// stride), else converted into `buf`
-static const uint32_t* pairs_of_row(const at::Tensor& x, int64_t m, uint32_t* buf) {
-  if (x.scalar_type() == at::kBFloat16)
-    return reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>() + m * x.stride(0));
-  row_pairs(x.data_ptr<float>() + m * x.stride(0), x.size(1), buf);
-  return buf;
-}
-
-// x [M, K] float32 or bf16 -> [K/2, M] words of bf16 pairs
+// x [M, K] float32 or bf16 -> [K/2, M] words of bf16 pairs: row m read in place where x is bf16 (at an even
+// stride), else converted into a buffer first
 static void transpose_pairs(const at::Tensor& x, uint32_t* xt) {
-  const int64_t M = x.size(0), P = x.size(1) / 2;
+  const int64_t M = x.size(0), K = x.size(1), P = K / 2, ld = x.stride(0);
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  const c10::BFloat16* xb = bf ? x.data_ptr<c10::BFloat16>() : nullptr;
+  const float* xf = bf ? nullptr : x.data_ptr<float>();
   std::vector<uint32_t> buf(P);
   for (int64_t m = 0; m < M; ++m) {
-    const uint32_t* row = pairs_of_row(x, m, buf.data());
+    const uint32_t* row = bf ? reinterpret_cast<const uint32_t*>(xb + m * ld) : buf.data();
+    if (!bf) row_pairs(xf + m * ld, K, buf.data());
     for (int64_t p = 0; p < P; ++p) xt[p * M + m] = row[p];
   }
 }
@@ -344,9 +340,10 @@ static void woq_bf16_tiles(const QArgs& a) {
 
 // x [M, K] float32 -> out [M, K/2] words of bf16 pairs
 static void rows_to_pairs(const at::Tensor& x, uint32_t* out) {
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
+  const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) row_pairs(x.data_ptr<float>() + m * x.stride(0), K, out + m * (K / 2));
+    for (int64_t m = m0; m < m1; ++m) row_pairs(xp + m * ld, K, out + m * (K / 2));
   });
 }
 

@@ -92,12 +92,15 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
   const int64_t T = x.size(0), D = cos.size(1), half = D / 2;
   TORCH_CHECK(cos.size(0) == T && sin.size(0) == T && sin.size(1) == D && D % 2 == 0 && heads * D <= x.size(1),
               "rope_: cos/sin must be [T, D] with ", heads, " heads of D in each row of x");
+  float* xp = x.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t xs = x.stride(0), cs = cos.stride(0), ss = sin.stride(0);
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float* c = cos.data_ptr<float>() + t * cos.stride(0);
-      const float* s = sin.data_ptr<float>() + t * sin.stride(0);
+      const float* c = cp + t * cs;
+      const float* s = sp + t * ss;
       for (int64_t h = 0; h < heads; ++h) {
-        float* a = x.data_ptr<float>() + t * x.stride(0) + h * D;
+        float* a = xp + t * xs + h * D;
         float* b = a + half;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
@@ -243,12 +246,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool b
   TORCH_CHECK(w.numel() == H && w.scalar_type() == at::kFloat && w.is_contiguous(), "rms_norm: weight must be float32 [", H, "]");
   at::Tensor y = at::empty({T, H}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const float* wp = w.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  c10::BFloat16* yb = bf16_out ? y.data_ptr<c10::BFloat16>() : nullptr;
+  float* yf = bf16_out ? nullptr : y.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float* xr = x.data_ptr<float>() + t * x.stride(0);
+      const float* xr = xp + t * xs;
       const float inv = rms_inv(xr, H, eps);
-      if (bf16_out) scale_row(xr, wp, inv, H, y.data_ptr<c10::BFloat16>() + t * H);
-      else scale_row(xr, wp, inv, H, y.data_ptr<float>() + t * H);
+      if (bf16_out) scale_row(xr, wp, inv, H, yb + t * H);
+      else scale_row(xr, wp, inv, H, yf + t * H);
     }
   });
   return y;
@@ -265,14 +272,20 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
   at::Tensor y = at::empty({T, H}, residual.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const float* wp = w.data_ptr<float>();
   const bool xb = x.scalar_type() == at::kBFloat16;
+  float* rp = residual.data_ptr<float>();
+  const c10::BFloat16* xbp = xb ? x.data_ptr<c10::BFloat16>() : nullptr;
+  const float* xfp = xb ? nullptr : x.data_ptr<float>();
+  const int64_t rs = residual.stride(0), xs = x.stride(0);
+  c10::BFloat16* yb = bf16_out ? y.data_ptr<c10::BFloat16>() : nullptr;
+  float* yf = bf16_out ? nullptr : y.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      float* rr = residual.data_ptr<float>() + t * residual.stride(0);
-      if (xb) add_row(rr, x.data_ptr<c10::BFloat16>() + t * x.stride(0), H);
-      else add_row(rr, x.data_ptr<float>() + t * x.stride(0), H);
+      float* rr = rp + t * rs;
+      if (xb) add_row(rr, xbp + t * xs, H);
+      else add_row(rr, xfp + t * xs, H);
       const float inv = rms_inv(rr, H, eps);
-      if (bf16_out) scale_row(rr, wp, inv, H, y.data_ptr<c10::BFloat16>() + t * H);
-      else scale_row(rr, wp, inv, H, y.data_ptr<float>() + t * H);
+      if (bf16_out) scale_row(rr, wp, inv, H, yb + t * H);
+      else scale_row(rr, wp, inv, H, yf + t * H);
     }
   });
   return y;
@@ -295,13 +308,18 @@ std::tuple<at::Tensor, at::Tensor> norm_quant(at::Tensor* residual, const at::Te
   const bool is_static = static_scale_of(static_scale, name, &st);
   auto [xq, sx] = empty_quantized(T, H);
   const float* wp = w.data_ptr<float>();
+  float* rp = r.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const int64_t rs = r.stride(0), xs = x.stride(0);
+  float* sp = sx.data_ptr<float>();
+  uint8_t* qp = xq.data_ptr<uint8_t>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     float* row = row_buffer(H);
     for (int64_t t = t0; t < t1; ++t) {
-      float* rr = r.data_ptr<float>() + t * r.stride(0);
-      if (residual) add_row(rr, x.data_ptr<float>() + t * x.stride(0), H);
+      float* rr = rp + t * rs;
+      if (residual) add_row(rr, xp + t * xs, H);
       scale_row(rr, wp, rms_inv(rr, H, eps), H, row);
-      sx.data_ptr<float>()[t] = quantize_row(row, H, H4, is_static ? &st : nullptr, xq.data_ptr<uint8_t>() + t * H4);
+      sp[t] = quantize_row(row, H, H4, is_static ? &st : nullptr, qp + t * H4);
     }
   });
   return {xq, sx};
@@ -346,12 +364,14 @@ inline void glu_span(const T* g, const T* u, T* yr, int64_t a, int64_t b) {
 // Over rows x [T, 2I] -> y [T, I], shared out in spans of 16 elements (256 a work item at least)
 template <Glu ACT, typename T>
 void act_and_mul_rows(const at::Tensor& x, at::Tensor& y) {
-  const int64_t rows = x.size(0), I = x.size(1) / 2, spans = (I + 15) / 16;
+  const int64_t rows = x.size(0), I = x.size(1) / 2, spans = (I + 15) / 16, xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
   at::parallel_for(0, rows * spans, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t t = i0 / spans; t <= (i1 - 1) / spans; ++t) {
-      const T* g = x.data_ptr<T>() + t * x.stride(0);
+      const T* g = xp + t * xs;
       const int64_t a = std::max(i0 - t * spans, int64_t(0)) * 16, b = std::min((i1 - t * spans) * 16, I);
-      glu_span<ACT, T>(g, g + I, y.data_ptr<T>() + t * I, a, b);
+      glu_span<ACT, T>(g, g + I, yp + t * I, a, b);
     }
   });
 }
@@ -385,12 +405,16 @@ std::tuple<at::Tensor, at::Tensor> act_and_mul_quant(const at::Tensor& x, const 
   const bool is_static = static_scale_of(static_scale, name, &st);
   const int64_t rows = x.size(0), I = x.size(1) / 2, I4 = quant_width(I);
   auto [xq, sx] = empty_quantized(rows, I);
+  const float* xp = x.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  float* sp = sx.data_ptr<float>();
+  uint8_t* qp = xq.data_ptr<uint8_t>();
   at::parallel_for(0, rows, 1, [&](int64_t t0, int64_t t1) {
     float* row = row_buffer(I);
     for (int64_t t = t0; t < t1; ++t) {
-      const float* g = x.data_ptr<float>() + t * x.stride(0);
+      const float* g = xp + t * xs;
       glu_span<ACT, float>(g, g + I, row, 0, I);
-      sx.data_ptr<float>()[t] = quantize_row(row, I, I4, is_static ? &st : nullptr, xq.data_ptr<uint8_t>() + t * I4);
+      sp[t] = quantize_row(row, I, I4, is_static ? &st : nullptr, qp + t * I4);
     }
   });
   return {xq, sx};
@@ -446,6 +470,48 @@ uint8_t float_to_e4m3(float f) {  // round to nearest even, saturating at +-448 
   return sign | static_cast<uint8_t>(code);
 }
 
+// One head's row x [D] into the cache row dst, as the cache stores it: float32 as it is; bf16 rounded to nearest
+// even, as torch's .to(bfloat16) (NaN as 0x7FC0); INT8 and FP8 divided by the scale (as attention.quantize_kv),
+// rounded to nearest, saturated
+template <Kv KIND>
+inline void store_row(const float* x, int64_t D, float scale, kv_t<KIND>* dst) {
+  if constexpr (KIND == Kv::F32) {
+    std::memcpy(dst, x, D * sizeof(float));
+  } else if constexpr (KIND == Kv::BF16) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+      uint32_t u;
+      std::memcpy(&u, x + d, sizeof u);
+      const uint16_t r = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+      dst[d] = (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : r;
+    }
+  } else if constexpr (KIND == Kv::I8) {
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / scale), -128.f, 127.f));
+  } else {
+    for (int64_t d = 0; d < D; ++d) dst[d] = float_to_e4m3(x[d] / scale);
+  }
+}
+
+// k, v [T, KV, D] into the caches [KV, S, D] at slots sl [T] (checked), with the scales ks, vs (undefined: none)
+template <Kv KIND>
+void store_rows(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v, const int64_t* sl,
+                const at::Tensor& ks, const at::Tensor& vs) {
+  const int64_t T = k.size(0), KV = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), v0 = v.stride(0), v1 = v.stride(1);
+  kv_t<KIND>* kc = static_cast<kv_t<KIND>*>(k_cache.data_ptr());
+  kv_t<KIND>* vc = static_cast<kv_t<KIND>*>(v_cache.data_ptr());
+  const float *ksp = ks.defined() ? ks.data_ptr<float>() : nullptr, *vsp = vs.defined() ? vs.data_ptr<float>() : nullptr;
+  const bool k_one = ks.defined() && ks.numel() == 1, v_one = vs.defined() && vs.numel() == 1;
+  at::parallel_for(0, T * KV, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / KV, h = i % KV, off = (h * S + sl[t]) * D;
+      store_row<KIND>(kp + t * k0 + h * k1, D, ksp ? ksp[k_one ? 0 : h] : 1.f, kc + off);
+      store_row<KIND>(vp + t * v0 + h * v1, D, vsp ? vsp[v_one ? 0 : h] : 1.f, vc + off);
+    }
+  });
+}
+
 void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& slots, const std::optional<at::Tensor>& k_scale,
                const std::optional<at::Tensor>& v_scale) {
@@ -464,39 +530,14 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
               "store_kv_: shapes do not match the cache");
   const at::Tensor slots_c = slots.contiguous();
   const int64_t* sl = slots_c.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)  // checked before any row is stored: a bad call leaves the caches as they were
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "store_kv_: slot ", sl[t], " is outside the cache's ", S);
   at::Tensor ks, vs;
   if (k_scale) { ks = kv_scale(*k_scale, KV, "store_kv_"); vs = kv_scale(*v_scale, KV, "store_kv_"); }
-  at::parallel_for(0, T * KV, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / KV, h = i % KV, slot = sl[t];
-      TORCH_CHECK(slot >= 0 && slot < S, "store_kv_: slot out of range");
-      for (int which = 0; which < 2; ++which) {
-        const at::Tensor& src = which ? v : k;
-        at::Tensor& cache = which ? v_cache : k_cache;
-        const float* x = src.data_ptr<float>() + t * src.stride(0) + h * src.stride(1);
-        const int64_t off = (h * S + slot) * D;
-        if (kind == Kv::F32) {
-          std::memcpy(cache.data_ptr<float>() + off, x, D * sizeof(float));
-          continue;
-        }
-        if (kind == Kv::BF16) {  // rounded to nearest even, as torch's .to(bfloat16)
-          c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + off;
-          for (int64_t d = 0; d < D; ++d) dst[d] = c10::BFloat16(x[d]);
-          continue;
-        }
-        const at::Tensor& sc = which ? vs : ks;
-        const float scl = sc.data_ptr<float>()[sc.numel() == 1 ? 0 : h];  // divide, as attention.quantize_kv
-        if (kind == Kv::I8) {
-          int8_t* dst = cache.data_ptr<int8_t>() + off;
-          for (int64_t d = 0; d < D; ++d)
-            dst[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / scl), -128.f, 127.f));
-        } else {
-          uint8_t* dst = cache.data_ptr<uint8_t>() + off;
-          for (int64_t d = 0; d < D; ++d) dst[d] = float_to_e4m3(x[d] / scl);
-        }
-      }
-    }
-  });
+  if (kind == Kv::F32) store_rows<Kv::F32>(k_cache, v_cache, k, v, sl, ks, vs);
+  else if (kind == Kv::BF16) store_rows<Kv::BF16>(k_cache, v_cache, k, v, sl, ks, vs);
+  else if (kind == Kv::I8) store_rows<Kv::I8>(k_cache, v_cache, k, v, sl, ks, vs);
+  else store_rows<Kv::F8>(k_cache, v_cache, k, v, sl, ks, vs);
 }
 
 #ifdef QTK_AVX2
