@@ -25,11 +25,12 @@
 //             K as [D/PER][BK] words (bf16: (k[j][2i], k[j][2i+1])): one 16-lane load is 16 keys' word i;
 //             V as [BK/PER][D] words (bf16: (v[2j][d], v[2j+1][d])): one load is 16 dims of a word of keys.
 //   2. attend for each (KV head, BQ = 32 query positions): rows are (position, head of the group), so
-//             one K/V block serves the whole group. Per key block, per register tile of 4 rows (tile_pass),
-//             over the block's first 16, 32, 48 or 64 keys (the last any of the 4 rows sees):
-//             S = Q K^T (4 x 64 in registers); the causal / window mask (only where the diagonal or the
-//             window's edge crosses); the online softmax in base 2 (log2 e joins the query's scale) on S
-//             in registers: m = max(m, rowmax S) (the 4 rows' maxima in one transposing reduction),
+//             one K/V block serves the whole group. Per key block, per register tile of 4 rows, over the
+//             block's first 16, 32, 48 or 64 keys (the last any of the 4 rows sees), in groups of GT = 4
+//             tiles that take each phase in turn (group_block):
+//             S = Q K^T (4 x 64 in registers, then L1); the causal / window mask (only where the diagonal or
+//             the window's edge crosses); the online softmax in base 2 (log2 e joins the query's scale):
+//             m = max(m, rowmax S) (the 4 rows' maxima in one transposing reduction),
 //             alpha = 2^(m_old - m), l = alpha l + sum 2^(S - m) (16 lanes a row, summed at the end),
 //             P = 2^(S - m) as words; O = alpha O + P V (alpha skipped where the 4 rows' are all 1).
 //             Finally O / l.
@@ -82,6 +83,7 @@ bool runs(bool bf16 = true) {
 constexpr int64_t BK = 64;  // keys per block: 4 vectors of 16 scores (AVX-512), 8 of 8 (AVX2)
 constexpr int64_t BQ = 32;  // query positions per work item
 constexpr int64_t MR = 4;   // query rows per register tile (row_max4 reduces exactly 4)
+constexpr int GT = 4;       // register tiles per group (group_block: each phase over the group's tiles)
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Problem {
@@ -100,13 +102,14 @@ struct Problem {
 
 // A thread's buffers, sized for BQ positions of the group (PER: elements per word)
 struct Scratch {
-  std::vector<uint32_t> q, p;     // q [rows][D / PER] words, p [MR][BK / PER] words
-  std::vector<float> o, lsum, m, alpha;  // o [rows][D], lsum [rows][16], m and alpha [rows]
+  std::vector<uint32_t> q, p;     // q [rows][D / PER] words, p [GT][MR][BK / PER] words
+  std::vector<float> s, o, lsum, m, alpha;  // s [GT][MR][BK], o [rows][D], lsum [rows][16], m and alpha [rows]
 
   Scratch(const Problem& P, int64_t PER) {
     const int64_t padded = (BQ * (P.H / P.KV) + MR - 1) / MR * MR;
     q.resize(padded * P.D / PER);
-    p.resize(MR * BK / PER);
+    p.resize(GT * MR * BK / PER);
+    s.resize(GT * MR * BK);
     o.resize(padded * P.D);
     lsum.resize(padded * 16);
     m.resize(padded);
@@ -369,47 +372,83 @@ QTK_INLINE void pv_tile(const uint32_t* p, const uint32_t* vp, int64_t words, in
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + d0 + 16 * c, acc[r][c]);
 }
 
-// A tile's pass over one key block, its first NC vectors of 16 keys: S = Q K^T, the mask (seen: a bit per key
-// a row sees, or null: all), the softmax, O = alpha O + P V
-template <bool BF, int NC>
-void tile_pass(const uint32_t* q, const uint32_t* kp, const uint32_t* vp, int64_t D, const uint64_t* seen, float* m,
-               float* alpha, float* lsum, uint32_t* p, float* o) {
-  constexpr int64_t PER = Math<BF>::PER;
+// A register tile's S = Q K^T over one key block, its first nc vectors of 16 keys (the rest -inf), masked where
+// seen is given (a bit per key a row sees; null: all), stored to out [MR][BK] floats
+template <bool BF>
+QTK_INLINE void tile_scores(const uint32_t* q, const uint32_t* kp, int64_t W, int64_t nc, const uint64_t* seen, float* out) {
   __m512 s[MR][4];
-  scores<BF, NC>(q, kp, D / PER, s);
+  switch (nc) {
+    case 4: scores<BF, 4>(q, kp, W, s); break;
+    case 3: scores<BF, 3>(q, kp, W, s); break;
+    case 2: scores<BF, 2>(q, kp, W, s); break;
+    default: scores<BF, 1>(q, kp, W, s); break;
+  }
   if (seen)
     for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NC; ++c)
+      for (int c = 0; c < 4; ++c)
         s[r][c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(seen[r] >> (16 * c)), s[r][c]);
-  const bool rescale = softmax_tile<BF, NC>(s, m, alpha, lsum, p);
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + BK * r + 16 * c, s[r][c]);
+}
+
+// The online softmax (softmax_tile) of a tile's stored scores in [MR][BK]
+template <bool BF>
+QTK_INLINE bool tile_softmax(const float* in, int64_t nc, float* m, float* alpha, float* lsum, uint32_t* p) {
+  __m512 s[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) s[r][c] = _mm512_loadu_ps(in + BK * r + 16 * c);
+  switch (nc) {
+    case 4: return softmax_tile<BF, 4>(s, m, alpha, lsum, p);
+    case 3: return softmax_tile<BF, 3>(s, m, alpha, lsum, p);
+    case 2: return softmax_tile<BF, 2>(s, m, alpha, lsum, p);
+    default: return softmax_tile<BF, 1>(s, m, alpha, lsum, p);
+  }
+}
+
+// A tile's O = alpha O + P V over the block's first nc vectors of keys, 64 dims at a time
+template <bool BF>
+QTK_INLINE void tile_pv(const uint32_t* p, const uint32_t* vp, int64_t nc, int64_t D, const float* alpha, bool rescale, float* o) {
+  const int64_t words = 16 * nc / Math<BF>::PER;
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     switch (std::min<int64_t>(4, (D - d0) / 16)) {
-      case 4: pv_tile<BF, 4>(p, vp, 16 * NC / PER, D, d0, alpha, rescale, o); break;
-      case 3: pv_tile<BF, 3>(p, vp, 16 * NC / PER, D, d0, alpha, rescale, o); break;
-      case 2: pv_tile<BF, 2>(p, vp, 16 * NC / PER, D, d0, alpha, rescale, o); break;
-      default: pv_tile<BF, 1>(p, vp, 16 * NC / PER, D, d0, alpha, rescale, o); break;
+      case 4: pv_tile<BF, 4>(p, vp, words, D, d0, alpha, rescale, o); break;
+      case 3: pv_tile<BF, 3>(p, vp, words, D, d0, alpha, rescale, o); break;
+      case 2: pv_tile<BF, 2>(p, vp, words, D, d0, alpha, rescale, o); break;
+      default: pv_tile<BF, 1>(p, vp, words, D, d0, alpha, rescale, o); break;
     }
   }
 }
 
-// Rows r .. r + MR of a work item (positions from i0, rows real ones) against key block b: the keys some row sees
+// Rows r0 .. r0 + GT MR of a work item (positions from i0, `rows` real ones, `padded` in all) against key block
+// b: the keys some row of each tile sees, in three phases over the group's GT register tiles (S = Q K^T and the
+// mask; the softmax; O = alpha O + P V), each phase's tiles independent. Tile by tile, each phase waited on the
+// one before (the scores' last products, the maxima's reduction, P's stores), which the out-of-order window
+// could not cover: the group takes 3-8% off a head's attention at 256-1024 tokens on one Zen 5 core.
 template <bool BF>
-void tile_block(const Problem& P, int64_t h, int64_t i0, int64_t rows, int64_t r, int64_t b, Scratch& T) {
+void group_block(const Problem& P, int64_t h, int64_t i0, int64_t rows, int64_t padded, int64_t r0, int64_t b, Scratch& T) {
+  constexpr int64_t PW = BK / Math<BF>::PER;
   const int64_t D = P.D, W = D / Math<BF>::PER;
-  uint64_t seen[MR];
-  bool all;
-  const int64_t nc = tile_keys(P, i0, rows, r, b, seen, all);
-  if (nc == 0) return;
-  const uint32_t* q = T.q.data() + r * W;
   const uint32_t* kp = P.kp + (h * P.blocks + b) * BK * W;
   const uint32_t* vp = P.vp + (h * P.blocks + b) * BK * W;
-  float *m = T.m.data() + r, *alpha = T.alpha.data() + r, *lsum = T.lsum.data() + 16 * r, *o = T.o.data() + r * D;
-  const uint64_t* mask = all ? nullptr : seen;
-  switch (nc) {
-    case 4: tile_pass<BF, 4>(q, kp, vp, D, mask, m, alpha, lsum, T.p.data(), o); break;
-    case 3: tile_pass<BF, 3>(q, kp, vp, D, mask, m, alpha, lsum, T.p.data(), o); break;
-    case 2: tile_pass<BF, 2>(q, kp, vp, D, mask, m, alpha, lsum, T.p.data(), o); break;
-    default: tile_pass<BF, 1>(q, kp, vp, D, mask, m, alpha, lsum, T.p.data(), o); break;
+  const int tiles = static_cast<int>(std::min<int64_t>(GT, (padded - r0) / MR));
+  int64_t nc[GT];
+  bool rescale[GT];
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t r = r0 + t * MR;
+    uint64_t seen[MR];
+    bool all;
+    nc[t] = tile_keys(P, i0, rows, r, b, seen, all);
+    if (nc[t]) tile_scores<BF>(T.q.data() + r * W, kp, W, nc[t], all ? nullptr : seen, T.s.data() + t * MR * BK);
+  }
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t r = r0 + t * MR;
+    if (nc[t])
+      rescale[t] = tile_softmax<BF>(T.s.data() + t * MR * BK, nc[t], T.m.data() + r, T.alpha.data() + r, T.lsum.data() + 16 * r,
+                                    T.p.data() + t * MR * PW);
+  }
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t r = r0 + t * MR;
+    if (nc[t]) tile_pv<BF>(T.p.data() + t * MR * PW, vp, nc[t], D, T.alpha.data() + r, rescale[t], T.o.data() + r * D);
   }
 }
 
@@ -419,29 +458,36 @@ void attend(const Problem& P, int64_t h, int64_t i0, int64_t i1, Scratch& T) {
   constexpr int64_t PER = Math<BF>::PER;
   const int64_t G = P.H / P.KV, D = P.D, W = D / PER;
   const int64_t rows = (i1 - i0) * G, padded = (rows + MR - 1) / MR * MR;
-  // the queries, scaled (log2 e: the softmax in base 2), as words; padding rows zero
+  // the queries, scaled (log2 e: the softmax in base 2), as words, row (i - i0) G + g for position i and
+  // head g of the group; padding rows zero
   const __m512 qs = _mm512_set1_ps(P.q_scale(h));
-  std::fill(T.q.begin(), T.q.begin() + padded * W, 0u);
+  std::fill(T.q.begin() + rows * W, T.q.begin() + padded * W, 0u);
   alignas(64) uint32_t w[32];
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = P.q + (i0 + r / G) * P.q_row + (h * G + r % G) * D;
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(src + d), qs);
-      const __m512 hi = d + 16 < D ? _mm512_mul_ps(_mm512_loadu_ps(src + d + 16), qs) : _mm512_setzero_ps();
-      Math<BF>::put32(w, lo, hi);
-      std::memcpy(T.q.data() + r * W + d / PER, w, sizeof(uint32_t) * std::min<int64_t>(32, D - d) / PER);
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* src = P.q + i * P.q_row + h * G * D;
+    uint32_t* dst = T.q.data() + (i - i0) * G * W;
+    for (int64_t g = 0; g < G; ++g, src += D, dst += W) {
+      int64_t d = 0;
+      for (; d + 32 <= D; d += 32)
+        Math<BF>::put32(dst + d / PER, _mm512_mul_ps(_mm512_loadu_ps(src + d), qs), _mm512_mul_ps(_mm512_loadu_ps(src + d + 16), qs));
+      if (d < D) {  // D % 32 == 16: the last 16 paired with zeros
+        Math<BF>::put32(w, _mm512_mul_ps(_mm512_loadu_ps(src + d), qs), _mm512_setzero_ps());
+        for (int64_t k = 0; k < 16 / PER; ++k) dst[d / PER + k] = w[k];
+      }
     }
   }
   T.reset(padded, D);
   const auto [b0, b1] = item_blocks(P, i0, i1);
   for (int64_t b = b0; b < b1; ++b)
-    for (int64_t r = 0; r < padded; r += MR) tile_block<BF>(P, h, i0, rows, r, b, T);
+    for (int64_t r = 0; r < padded; r += GT * MR) group_block<BF>(P, h, i0, rows, padded, r, b, T);
   const float vscale = P.v_scale(h);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = P.out + ((i0 + r / G) * P.H + h * G + r % G) * D;
-    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(T.lsum.data() + 16 * r));
-    const __m512 inv = _mm512_set1_ps(l > 0.f ? vscale / l : 0.f);
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(T.o.data() + r * D + d)));
+  for (int64_t i = i0, r = 0; i < i1; ++i) {
+    float* dst = P.out + (i * P.H + h * G) * D;
+    for (int64_t g = 0; g < G; ++g, ++r, dst += D) {
+      const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(T.lsum.data() + 16 * r));
+      const __m512 inv = _mm512_set1_ps(l > 0.f ? vscale / l : 0.f);
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(T.o.data() + r * D + d)));
+    }
   }
 }
 
@@ -807,9 +853,10 @@ void attend8(const Problem& P, int64_t h, int64_t i0, int64_t i1, Scratch& T) {
   float* q = as_f32(T.q.data());  // the queries, scaled; padding rows zero
   std::fill(q + rows * D, q + padded * D, 0.f);
   const __m256 qs = _mm256_set1_ps(P.q_scale(h));
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = P.q + (i0 + r / G) * P.q_row + (h * G + r % G) * D;
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(q + r * D + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), qs));
+  for (int64_t i = i0, r = 0; i < i1; ++i) {  // row (i - i0) G + g: position i, head g of the group
+    const float* src = P.q + i * P.q_row + h * G * D;
+    for (int64_t g = 0; g < G; ++g, ++r, src += D)
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(q + r * D + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), qs));
   }
   T.reset(padded, D);
   const auto [b0, b1] = item_blocks(P, i0, i1);
@@ -825,11 +872,13 @@ void attend8(const Problem& P, int64_t h, int64_t i0, int64_t i1, Scratch& T) {
                  T.lsum.data() + 8 * r, as_f32(T.p.data()), T.o.data() + r * D);
     }
   const float vscale = P.v_scale(h);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = P.out + ((i0 + r / G) * P.H + h * G + r % G) * D;
-    const float l = reduce8(_mm256_loadu_ps(T.lsum.data() + 8 * r), false);
-    const __m256 inv = _mm256_set1_ps(l > 0.f ? vscale / l : 0.f);
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(inv, _mm256_loadu_ps(T.o.data() + r * D + d)));
+  for (int64_t i = i0, r = 0; i < i1; ++i) {
+    float* dst = P.out + (i * P.H + h * G) * D;
+    for (int64_t g = 0; g < G; ++g, ++r, dst += D) {
+      const float l = reduce8(_mm256_loadu_ps(T.lsum.data() + 8 * r), false);
+      const __m256 inv = _mm256_set1_ps(l > 0.f ? vscale / l : 0.f);
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(inv, _mm256_loadu_ps(T.o.data() + r * D + d)));
+    }
   }
 }
 
