@@ -325,6 +325,30 @@ def test_w8a8_layer_on_rows_quantized_before(lib, static):
         lib.w8a8_quantize(x, torch.tensor([0.1, 0.2]))
 
 
+def test_w8a8_gate_up_with_the_glu_in_its_epilogue(lib):
+    """w8a8_linear_glu_quantized of a joined gate_up layer [2I, K] gives the GLU op's h [M, I] of
+    w8a8_linear_quantized's y to the bit (SiLU and tanh GELU, bias or none, from one row to bands of rows
+    split between threads, I a multiple of 32 from one tile up); other widths and activations are refused."""
+    g = torch.Generator().manual_seed(4)
+    for i, k in ((32, 40), (96, 576), (160, 33)):
+        codes = torch.randint(-128, 128, (2 * i, k), dtype=torch.int8, generator=g)
+        w = cpu.pack_w8a8(codes, torch.rand(2 * i, 1, generator=g) * 1e-3)
+        bias = torch.randn(2 * i, generator=g)
+        for m in (1, 7, 300):
+            xq, sx = lib.w8a8_quantize(torch.randn(m, k, generator=g) * 3, None)
+            for b in (None, bias):
+                y = lib.w8a8_linear_quantized(xq, sx, w.codes, w.colsum, w.scales, b, w.n)
+                for act, glu in (("silu", lib.silu_and_mul), ("gelu_tanh", lib.gelu_tanh_and_mul)):
+                    h = lib.w8a8_linear_glu_quantized(xq, sx, w.codes, w.colsum, w.scales, b, w.n, act)
+                    assert h.shape == (m, i) and torch.equal(h, glu(y)), (i, k, m, act, b is None)
+    odd = cpu.pack_w8a8(torch.randint(-128, 128, (96, 40), dtype=torch.int8, generator=g), torch.full((96, 1), 1e-3))
+    xq, sx = lib.w8a8_quantize(torch.randn(3, 40, generator=g), None)
+    with pytest.raises(RuntimeError, match="must be a multiple of 64, got 96"):
+        lib.w8a8_linear_glu_quantized(xq, sx, odd.codes, odd.colsum, odd.scales, None, odd.n, "silu")
+    with pytest.raises(RuntimeError, match="act must be silu or gelu_tanh, got relu"):
+        lib.w8a8_linear_glu_quantized(xq, sx, w.codes, w.colsum, w.scales, None, w.n, "relu")
+
+
 @pytest.mark.parametrize("static", [None, 0.05])
 def test_norms_and_glus_that_quantize_their_rows(lib, static):
     """rms_norm_quant, add_rms_norm_quant_ and the GLUs' _quant ops write what w8a8_quantize makes of the

@@ -662,17 +662,22 @@ def test_w8a8_projections_on_the_vnni_kernel_keep_the_logits(activations):
         assert not hasattr(attn, "qkv_proj") and isinstance(attn.q_proj, W8A8Linear)
     else:
         assert isinstance(attn.qkv_proj, W8A8Linear) and isinstance(mlp.gate_up_proj, W8A8Linear)
-    # the norms and the GLU hand the joined layers their input quantized: the same logits to the bit
+    # the norms and the GLU hand the joined layers their input quantized, gate_up's kernel takes the GLU in
+    # its epilogue (I = 128 here): the same logits to the bit
     prompts = [list(range(30, 41)), list(range(60, 63))]
-    runtime = NativeModel(fused)
-    logits = {}
-    for producers in (True, False):
-        runtime.quantize_in_producers = producers
-        logits[producers] = greedy_through_runtime(fused, prompts, new_tokens=4, runtime=runtime)[1]
-    quantized = [entry is not None for entry in runtime._quant_plan[0]]
+    logits, plans = {}, {}
+    for producers, glu in ((True, True), (True, False), (False, False)):
+        runtime = NativeModel(fused)
+        runtime.quantize_in_producers, runtime.glu_in_products = producers, glu
+        logits[producers, glu] = greedy_through_runtime(fused, prompts, new_tokens=4, runtime=runtime)[1]
+        plans[producers, glu] = runtime._quant_plan[0]
+    quantized = [entry is not None for entry in plans[True, True]]
     assert quantized == ([False] * 3 if activations == "static each" else [True] * 3)
-    for a, b in zip(logits[True].values(), logits[False].values()):
-        assert torch.equal(torch.stack(a), torch.stack(b))
+    if activations != "static each":  # down's input quantized by w8a8_quantize after the GLU kernel, not the GLU op
+        assert plans[True, True][2][2] is not plans[True, False][2][2]
+    for key in ((True, False), (False, False)):
+        for a, b in zip(logits[True, True].values(), logits[key].values()):
+            assert torch.equal(torch.stack(a), torch.stack(b)), key
 
 
 def quantized_projections(model, scheme, input_scale=None):

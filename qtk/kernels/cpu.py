@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_woq.cpp", "cpu_w8a8.cpp", "cpu_layers.cpp",
                                                                  "cpu_attention.cpp", "cpu_bf16_linear.cpp", "cpu_bindings.cpp",
-                                                                 "cpu_kv.h", "cpu_act_quant.h")]
+                                                                 "cpu_kv.h", "cpu_act_quant.h", "cpu_glu.h")]
 OVERRIDE = "QTK_CPU_KERNEL"
 VARIANTS = {
     "avx512": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",

@@ -295,6 +295,18 @@ class W8A8Linear(KernelLinear):
         w, bias, op = r.w, r.bias, r.lib.w8a8_linear_quantized
         return r.input_scale, lambda xq: op(xq[0], xq[1], w.codes, w.colsum, w.scales, bias, w.n)
 
+    def glu_of_quantized(self, act: str):
+        """For a joined gate_up layer (its first half of outputs gate's, the second up's): (static scale or
+        None, f) with f((xq, sx)) = act(gate) * up [T, I] taken in the kernel's epilogue (act "silu" or
+        "gelu_tanh"; csrc/cpu_w8a8.cpp's w8a8_linear_glu_quantized: the bits of the GLU op on this layer's
+        output, without the [T, 2I] output in memory); None where quantized_input() is, or I % 32 != 0."""
+        entry = self.quantized_input()
+        r = self.runtime
+        if entry is None or r.w.n % 64 or not hasattr(r.lib, "w8a8_linear_glu_quantized"):
+            return None
+        w, bias, op = r.w, r.bias, r.lib.w8a8_linear_glu_quantized
+        return entry[0], lambda xq: op(xq[0], xq[1], w.codes, w.colsum, w.scales, bias, w.n, act)
+
     weights = "int8 W8A8"
 
     def extra_repr(self) -> str:
