@@ -331,21 +331,31 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   return y;
 }
 
+// The products of rows quantized before the call (xq uint8 [M, K4], sx float32 [M]), checked, into a new
+// y [M, n] (h [M, n / 2] with a GLU)
+at::Tensor quantized_product(const char* name, const at::Tensor& xq, const at::Tensor& sx, const at::Tensor& codes,
+                             const at::Tensor& colsum, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                             int64_t n, Act act) {
+  TORCH_CHECK(xq.device().is_cpu() && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() &&
+                  xq.size(1) == codes.size(1) * 4,
+              name, ": xq must be contiguous uint8 [M, ", codes.size(1) * 4, "] (quantized rows)");
+  const int64_t M = xq.size(0);
+  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.numel() == M,
+              name, ": sx must be contiguous float32 [", M, "], a scale per row");
+  check_layer(name, xq.size(1), codes, colsum, scales, bias, n);
+  const int64_t width = act == Act::NONE ? n : n / 2;
+  at::Tensor y = at::detail::empty_cpu({M, width}, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  if (M > 0)
+    product(xq.data_ptr<uint8_t>(), sx.data_ptr<float>(), M, xq.size(1), codes, colsum, scales, bias, n, y.data_ptr<float>(), act);
+  return y;
+}
+
 // w8a8_linear on rows quantized before the call (w8a8_quantize, or the fused ops of cpu_layers.cpp that write
 // them): xq uint8 [M, K4], sx float32 [M]. The same y as w8a8_linear on the rows they came from.
 at::Tensor w8a8_linear_quantized(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor& codes,
                                  const at::Tensor& colsum, const at::Tensor& scales,
                                  const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(xq.device().is_cpu() && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() &&
-                  xq.size(1) == codes.size(1) * 4,
-              "w8a8_linear_quantized: xq must be contiguous uint8 [M, ", codes.size(1) * 4, "] (quantized rows)");
-  const int64_t M = xq.size(0);
-  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.numel() == M,
-              "w8a8_linear_quantized: sx must be contiguous float32 [", M, "], a scale per row");
-  check_layer("w8a8_linear_quantized", xq.size(1), codes, colsum, scales, bias, n);
-  at::Tensor y = at::detail::empty_cpu({M, n}, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
-  if (M > 0) product(xq.data_ptr<uint8_t>(), sx.data_ptr<float>(), M, xq.size(1), codes, colsum, scales, bias, n, y.data_ptr<float>());
-  return y;
+  return quantized_product("w8a8_linear_quantized", xq, sx, codes, colsum, scales, bias, n, Act::NONE);
 }
 
 // w8a8_linear_quantized of a joined gate_up layer (n = 2I) with the GLU act ("silu" or "gelu_tanh") in the
@@ -355,18 +365,8 @@ at::Tensor w8a8_linear_glu_quantized(const at::Tensor& xq, const at::Tensor& sx,
                                      const std::optional<at::Tensor>& bias, int64_t n, const std::string& act) {
   TORCH_CHECK(act == "silu" || act == "gelu_tanh", "w8a8_linear_glu_quantized: act must be silu or gelu_tanh, got ", act);
   TORCH_CHECK(n % 64 == 0, "w8a8_linear_glu_quantized: n (gate's and up's columns) must be a multiple of 64, got ", n);
-  TORCH_CHECK(xq.device().is_cpu() && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() &&
-                  xq.size(1) == codes.size(1) * 4,
-              "w8a8_linear_glu_quantized: xq must be contiguous uint8 [M, ", codes.size(1) * 4, "] (quantized rows)");
-  const int64_t M = xq.size(0);
-  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.numel() == M,
-              "w8a8_linear_glu_quantized: sx must be contiguous float32 [", M, "], a scale per row");
-  check_layer("w8a8_linear_glu_quantized", xq.size(1), codes, colsum, scales, bias, n);
-  at::Tensor h = at::detail::empty_cpu({M, n / 2}, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
-  if (M > 0)
-    product(xq.data_ptr<uint8_t>(), sx.data_ptr<float>(), M, xq.size(1), codes, colsum, scales, bias, n, h.data_ptr<float>(),
-            act == "silu" ? Act::SILU : Act::GELU_TANH);
-  return h;
+  return quantized_product("w8a8_linear_glu_quantized", xq, sx, codes, colsum, scales, bias, n,
+                           act == "silu" ? Act::SILU : Act::GELU_TANH);
 }
 
 // x float32 [M, K] -> its quantized rows (xq, sx), per token or with the static scale
