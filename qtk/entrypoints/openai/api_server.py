@@ -486,6 +486,24 @@ async def until_disconnected(request: Request, handler):
     return Response(status_code=499)  # nobody reads it: the client left
 
 
+class Authorize:
+    """The API key, checked before the body is even read. Plain ASGI: a Starlette BaseHTTPMiddleware
+    (`@app.middleware("http")`) hands each chunk of a streamed response from one task to another
+    through a memory stream."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            try:
+                self.server.authorize(Request(scope))
+            except ApiError as e:
+                await JSONResponse(error_body(e.status, e.message), status_code=e.status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
               max_queue: int | None = None, log_requests: str | None = None,
               tool_call_parser: str | None = None, chat_template: str | None = None,
@@ -513,14 +531,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     app = FastAPI(title="qtk", version=__version__)
     app.state.server = server
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):  # before the body is even read
-        if request.url.path.startswith("/v1/"):
-            try:
-                server.authorize(request)
-            except ApiError as e:
-                return JSONResponse(error_body(e.status, e.message), status_code=e.status)
-        return await call_next(request)
+    app.add_middleware(Authorize, server=server)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError):
