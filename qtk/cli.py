@@ -301,7 +301,8 @@ ENGINE_OPTIONS = [  # EngineConfig's fields as flags (vLLM's names: --max-num-se
     click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
                  default=ENGINE_DEFAULTS["max_num_batched_tokens"],
                  help="Tokens per step at most (longer prompts are prefilled in chunks; default: 512 on CPU, "
-                      "where smaller steps bring first tokens sooner, 8192 on CUDA)."),
+                      "where smaller steps bring first tokens sooner, growing by 32 per decoding sequence up to "
+                      "2048; 8192 on CUDA). A value given is fixed."),
     click.option("--max-model-len", type=click.IntRange(min=1), default=ENGINE_DEFAULTS["max_model_len"],
                  help="Context length (default: the model's)."),
     click.option("--kv-cache-memory", type=click.IntRange(min=1), default=ENGINE_DEFAULTS["kv_cache_memory"],

@@ -16,11 +16,14 @@ def fake_next(tokens: list[int]) -> int:
     return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + len(tokens)) % 97
 
 
-def run(prompts, max_tokens, num_blocks=512, block_size=4, budget=64, max_num_seqs=8, check=None, arrive=None):
+def run(prompts, max_tokens, num_blocks=512, block_size=4, budget=64, max_num_seqs=8, check=None, arrive=None,
+        per_decode=0, max_step=0):
     """Drive the scheduler to the end with fake_next as the model; prompt i arrives at step
     arrive[i] (default 0). Returns the generated tokens, the scheduler and the sequences."""
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), bm)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                      prompt_tokens_per_decode=per_decode, max_step_tokens=max_step), bm)
+    budget = max(budget, max_step)
     seqs = [Sequence(p, block_size=block_size) for p in prompts]
     arrive = arrive or [0] * len(seqs)
     steps = 0
@@ -104,6 +107,44 @@ def test_decodes_go_first_and_a_long_prompt_is_chunked_around_them():
     assert out == [expected(p, 40) for p in prompts]
     assert sum(c for c, _ in chunks) == 300 and len(chunks) > 300 // 16
     assert all(c + d <= 16 for c, d in chunks) and any(d == 2 for _, d in chunks)
+
+
+def test_the_budget_grows_with_the_decodes():
+    """With prompt_tokens_per_decode, a step under d decodes spends max(base, per_decode x d) tokens at
+    most, capped: a long prompt arriving behind many decodes gets the chunk that leaves, not the few tokens
+    a fixed budget would; the text is still one-at-a-time decoding's."""
+    chunks = []
+
+    def check(sched, batch, seqs):
+        d = sum(1 for s in batch.seqs if not s.is_prefill)
+        assert batch.total_tokens <= sched.config.budget(d)
+        long_seq = seqs[-1]
+        if long_seq in batch.seqs and long_seq.is_prefill:
+            chunks.append((batch.num_tokens[batch.seqs.index(long_seq)], d))
+
+    prompts = [[i, i + 1] for i in range(6)] + [[7] * 300]
+    out, sched, _ = run(prompts, max_tokens=30, budget=8, per_decode=4, max_step=20, check=check,
+                        arrive=[0] * 6 + [3])
+    assert out == [expected(p, 30) for p in prompts]
+    assert sum(c for c, _ in chunks) == 300
+    assert all(c == min(max(8, 4 * d), 20) - d for c, d in chunks[:-1])  # every chunk but the last is full
+    assert any(d == 6 and c == 14 for c, d in chunks)  # 6 decodes: a 24-token budget capped at 20
+    assert [sched.config.budget(d) for d in (0, 1, 2, 3, 4, 5, 6)] == [8, 8, 8, 12, 16, 20, 20]
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        SchedulerConfig(max_num_batched_tokens=64, prompt_tokens_per_decode=4, max_step_tokens=32)
+
+
+def test_the_engine_grows_its_cpu_budget_only_by_default():
+    """The CPU default: 512 tokens a step, 32 more per decode up to 2048; a max_num_batched_tokens the caller
+    gives is fixed, and CUDA's default too."""
+    from qtk.runtime.config import EngineConfig
+
+    grows = EngineConfig("m").scheduler_config(4096)
+    assert [grows.budget(d) for d in (0, 16, 17, 64, 256)] == [512, 512, 544, 2048, 2048]
+    fixed = EngineConfig("m", max_num_batched_tokens=256).scheduler_config(4096)
+    assert [fixed.budget(d) for d in (0, 64, 256)] == [256, 256, 256]
+    cuda = EngineConfig("m", device="cuda").scheduler_config(4096)
+    assert [cuda.budget(d) for d in (0, 256, 1024)] == [8192, 8192, 8192]
 
 
 def test_max_num_seqs_and_first_come_first_served():

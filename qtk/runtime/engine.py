@@ -30,7 +30,7 @@ from .output_processor import CompletionOutput, OutputProcessor, RequestOutput
 from .packed_linear import kernel_summary
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Batch, Scheduler, SchedulerConfig
+from .scheduler import Batch, Scheduler
 from .sequence import Sequence
 from .structured_outputs import GrammarEngine
 
@@ -75,8 +75,7 @@ class LLM:
         self.runner = ModelRunner.for_engine(self.model, c, self.dtype, self.max_model_len, self.tokenizer)
         self.kv_dtype = self.runner.kv_dtype
         self.block_manager = BlockManager(self.runner.num_blocks, c.block_size, c.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.step_tokens, self.max_model_len),
-                                   self.block_manager)
+        self.scheduler = Scheduler(c.scheduler_config(self.max_model_len), self.block_manager)
         self.vocab_size = hf_model.get_input_embeddings().num_embeddings  # the ids a prompt may hold
         self.max_logprobs = self.vocab_size if c.max_logprobs == -1 else min(c.max_logprobs, self.vocab_size)
         self.eos_token_ids = _eos_ids(hf_model, self.tokenizer)

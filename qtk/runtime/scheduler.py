@@ -1,6 +1,7 @@
 """Iteration-level scheduling (continuous batching with chunked prefill), as in vLLM v1.
 
-Each step spends a token budget (max_num_batched_tokens):
+Each step spends a token budget (max_num_batched_tokens; with prompt_tokens_per_decode, at least that
+many tokens per decoding sequence, up to max_step_tokens):
     1. running sequences that decode: one token each;
     2. running sequences still in their prompt: the next chunk of it;
     3. waiting sequences, first come first served, while the budget, max_num_seqs and the KV pool
@@ -27,11 +28,27 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
+    # A step's budget grows with its decodes: max(max_num_batched_tokens, prompt_tokens_per_decode x the
+    # decoding sequences), at most max_step_tokens. 0: a fixed budget. (Each decode costs a step about as
+    # much as a few prompt tokens, its attention reading its whole context; a fixed small budget under many
+    # decodes leaves prompts a shrinking share of each step and first tokens wait.)
+    prompt_tokens_per_decode: int = 0
+    max_step_tokens: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.prompt_tokens_per_decode < 0 or (self.prompt_tokens_per_decode and
+                                                 self.max_step_tokens < self.max_num_batched_tokens):
+            raise ValueError("prompt_tokens_per_decode must be 0, or positive with max_step_tokens at least "
+                             f"max_num_batched_tokens; got {self.prompt_tokens_per_decode} and "
+                             f"{self.max_step_tokens} (max_num_batched_tokens {self.max_num_batched_tokens})")
+
+    def budget(self, num_decodes: int) -> int:
+        """The token budget of a step whose running sequences include num_decodes decoding ones."""
+        grown = min(self.prompt_tokens_per_decode * num_decodes, self.max_step_tokens)
+        return max(self.max_num_batched_tokens, grown)
 
 
 @dataclass
@@ -77,9 +94,9 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         batch = Batch()
-        budget = self.config.max_num_batched_tokens
         decodes = [s for s in self.running if not s.is_prefill]
         prefills = [s for s in self.running if s.is_prefill]
+        budget = self.config.budget(len(decodes))
         for seq in decodes + prefills:
             if seq.status is not Status.RUNNING:  # preempted earlier in this step
                 continue
