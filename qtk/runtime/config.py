@@ -30,10 +30,11 @@ MODEL_IMPLS = ("auto", "qtk", "transformers")  # vLLM's model_impl, with qtk's n
 # tokens held every first token back ~3 s.)
 CPU_STEP_TOKENS = 512
 # ...and under many decodes, at least CPU_PROMPT_TOKENS_PER_DECODE prompt tokens a step per decoding
-# sequence, up to CPU_MAX_STEP_TOKENS (SchedulerConfig.budget): concurrency 64 keeps a step's decodes near a
-# tenth of its work on 1024-token contexts. vLLM's client, 128 prompts of 1024 tokens at concurrency 64,
-# 2-core Zen 5: median TTFT 7.4 s with a fixed 512 (1.13x vLLM's), 2.3 s with 2048, at the same output tok/s;
-# at concurrency 16 the rule gives 512, whose median TTFT at 256 tokens is half 2048's (356-440 vs 762 ms).
+# sequence, up to CPU_MAX_STEP_TOKENS (SchedulerConfig.budget), so that at concurrency 64 a step's decodes
+# (each reading its whole context) stay near a tenth of its work on 1024-token contexts. vLLM's client, 128
+# prompts of 1024 tokens at concurrency 64, 2-core Zen 5: median TTFT 7.4 s with a fixed 512 (1.13x vLLM's),
+# 2.3 s with a fixed 2048, 2.1-2.2 s with this rule, all at 241-246 output tok/s; at concurrency 16 the rule
+# gives 512, whose median TTFT at 256 tokens is half a fixed 2048's (356-440 against 762 ms).
 CPU_PROMPT_TOKENS_PER_DECODE = 32
 CPU_MAX_STEP_TOKENS = 2048
 
