@@ -46,7 +46,8 @@ class EngineConfig:
     device: str = "cpu"  # cpu or cuda[:N]
     block_size: int = 16  # tokens per KV-cache block
     max_num_seqs: int = 256  # sequences per step at most
-    # tokens per step at most (longer prompts prefill in chunks); None: CPU_STEP_TOKENS on CPU, 8192 on CUDA
+    # tokens per step at most (longer prompts prefill in chunks); None: 8192 on CUDA, and on CPU
+    # CPU_STEP_TOKENS growing with the decodes (scheduler_config)
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # context length (None: the model's)
     kv_cache_memory: int | None = None  # bytes for the KV cache (None: 2 GiB on CPU; CUDA: by utilization)
@@ -93,17 +94,13 @@ class EngineConfig:
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
-    @property
-    def step_tokens(self) -> int:
-        """max_num_batched_tokens, or the device's default."""
-        return self.max_num_batched_tokens or (8192 if self.device.startswith("cuda") else CPU_STEP_TOKENS)
-
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        """The scheduler's limits: max_num_batched_tokens as given, fixed; by default on a CPU, a budget
-        that grows with the step's decodes (CPU_PROMPT_TOKENS_PER_DECODE)."""
-        grows = self.max_num_batched_tokens is None and not self.device.startswith("cuda")
-        return SchedulerConfig(self.max_num_seqs, self.step_tokens, max_model_len,
-                               CPU_PROMPT_TOKENS_PER_DECODE if grows else 0, CPU_MAX_STEP_TOKENS if grows else 0)
+        """The scheduler's limits: max_num_batched_tokens as given, fixed; by default 8192 on CUDA, and on a
+        CPU CPU_STEP_TOKENS growing with the step's decodes (CPU_PROMPT_TOKENS_PER_DECODE)."""
+        if self.max_num_batched_tokens is not None or self.device.startswith("cuda"):
+            return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens or 8192, max_model_len)
+        return SchedulerConfig(self.max_num_seqs, CPU_STEP_TOKENS, max_model_len,
+                               CPU_PROMPT_TOKENS_PER_DECODE, CPU_MAX_STEP_TOKENS)
 
 
 ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig) if f.name != "model")  # what a caller may set
