@@ -160,7 +160,8 @@ def inspect(model, json_out):
               help="With --gates: write report.md, report.json and the pictures here.")
 @click.option("--no-cache", is_flag=True, help="With --gates: recompute the baseline's scores even if cached.")
 @click.option("--task", default="ppl", show_default=True,
-              help="Without --gates: ppl (perplexity), needle (needle in a haystack), json (JSON validity, with and "
+              help="Without --gates: ppl (perplexity), kld (KL divergence from a baseline: a gate, see "
+                   "evals/gates/default.yaml), needle (needle in a haystack), json (JSON validity, with and "
                    "without structured outputs), lm-eval:TASK[,TASK], tasks:FILE.jsonl (your own prompts with "
                    "expected answers: qtk/evals/user_tasks.py) or replay:LOG.jsonl (a request log, replayed "
                    "greedily: qtk/evals/replay.py).")

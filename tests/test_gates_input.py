@@ -446,8 +446,8 @@ def test_cli_gates_output_and_flag_mistakes_exit_2_before_any_model_runs(tmp_pat
 def test_one_task_table_names_the_tasks():
     from qtk.evals.tasks import TASKS_HELP, lookup
 
-    assert TASKS_HELP == "ppl, needle, json, lm-eval:TASK[,TASK], tasks:FILE.jsonl or replay:LOG.jsonl"
-    assert all(lookup(t) is not None for t in ("ppl", "needle", "json", "lm-eval:a,b", "tasks:f", "replay:f"))
+    assert TASKS_HELP == "ppl, kld, needle, json, lm-eval:TASK[,TASK], tasks:FILE.jsonl or replay:LOG.jsonl"
+    assert all(lookup(t) is not None for t in ("ppl", "kld", "needle", "json", "lm-eval:a,b", "tasks:f", "replay:f"))
     assert all(lookup(t) is None for t in ("nope", "ppl:x", "lm-eval", "lm-eval:", "tasks:", "replay"))
 
 

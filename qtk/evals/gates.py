@@ -8,7 +8,7 @@ baseline's. A gates file (YAML; evals/gates/default.yaml is the default, comment
 
     gates:
       ppl:                          # a name of your choosing
-        task: ppl                   # ppl | needle | json | lm-eval:TASK[,TASK] | tasks:FILE.jsonl | replay:LOG.jsonl
+        task: ppl                   # ppl | kld | needle | json | lm-eval:TASK[,TASK] | tasks:FILE.jsonl | replay:LOG.jsonl
         args: {seq_len: 1024, limit: 8}       # the task's options (tasks.py)
         metric: ppl                 # one of the task's metrics (default: its first)
         max_increase_pct: 10        # hard: candidate <= baseline x 1.10 (a lower-is-better metric)
@@ -25,7 +25,8 @@ Hard thresholds: max_increase_pct (lower-is-better metrics only), min_recovery_p
 candidate / baseline for a higher-is-better metric, baseline / candidate for a lower-is-better
 one), min and max (absolute). A gate with a threshold is hard; one with a weight (> 0) also counts
 in the soft score (recovery capped at 100%, so a gain on one metric does not hide a loss on
-another). A metric's direction is known from its name for qtk's tasks and taken from lm-eval's
+another). Each row also carries the standard errors of both values and of the recovery, by a paired
+bootstrap over the task's units (bootstrap.py). A metric's direction is known from its name for qtk's tasks and taken from lm-eval's
 own `higher_is_better` for lm-eval's; a relative threshold or a weight on a metric without one
 (a stderr) is an error, before any model runs where the direction is known then, else once the
 baseline has run.
@@ -44,8 +45,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..assets import eval_data
 from ..errors import InputError, NotFoundError
+from . import bootstrap
 from .gate_args import check_args
 from .tasks import HIGHER, LOWER, TASKS, TASKS_HELP, Gate, lookup, task_needs
 
@@ -274,6 +278,11 @@ class Row:
     passed: bool | None  # None: a soft-only gate (judged in the weighted score)
     weight: float | None = None
     recovery_floor_pct: float | None = None  # the threshold as a recovery, where it is a relative one
+    # standard errors by a paired bootstrap over the task's units (bootstrap.py); None where the
+    # task gave no units for the metric
+    baseline_se: float | None = None
+    candidate_se: float | None = None
+    recovery_se_pct: float | None = None
 
 
 @dataclass
@@ -283,6 +292,7 @@ class Verdict:
     min_score_pct: float | None
     baseline: dict = field(repr=False, default_factory=dict)
     candidate: dict = field(repr=False, default_factory=dict)
+    soft_score_se_pct: float | None = None
 
     @property
     def soft_passed(self) -> bool:
@@ -292,16 +302,36 @@ class Verdict:
     def passed(self) -> bool:
         return all(r.passed is not False for r in self.rows) and self.soft_passed
 
-    def table(self) -> str:
-        head = ["gate", "metric", "baseline", "candidate", "recovery", "threshold", "verdict"]
-        lines = [[r.gate, r.metric, f"{r.baseline:.4g}", f"{r.candidate:.4g}", f"{r.recovery_pct:.1f}%", r.threshold,
+    def cells(self) -> list[list[str]]:
+        """The table's rows as text (the CLI's table and report.md): value ± standard error."""
+        lines = [[r.gate, r.metric, with_se(r.baseline, r.baseline_se), with_se(r.candidate, r.candidate_se),
+                  with_se(r.recovery_pct, r.recovery_se_pct, "%"), r.threshold,
                   {True: "pass", False: "FAIL", None: "soft"}[r.passed]] for r in self.rows]
         if self.soft_score_pct is not None:
-            lines.append(["soft score", "weighted recovery", "", "", f"{self.soft_score_pct:.1f}%",
+            lines.append(["soft score", "weighted recovery", "", "",
+                          with_se(self.soft_score_pct, self.soft_score_se_pct, "%"),
                           f">= {self.min_score_pct:g}%", "pass" if self.soft_passed else "FAIL"])
+        return lines
+
+    def table(self) -> str:
+        head = ["gate", "metric", "baseline", "candidate", "recovery", "threshold", "verdict"]
+        lines = self.cells()
         widths = [max(len(x) for x in col) for col in zip(head, *lines)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*ln) for ln in lines])
+        return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*ln) for ln in lines]
+                         + ["", TABLE_NOTE])
+
+
+TABLE_NOTE = ("± one standard error, by a paired bootstrap over the task's windows, prompts or questions "
+              "(both models resampled alike)")
+
+
+def with_se(value: float, se: float | None, unit: str = "") -> str:
+    """`value ± se` with the value to 4 significant digits (a percentage to 0.1)."""
+    text = f"{value:.1f}{unit}" if unit else f"{value:.4g}"
+    if se is None:
+        return text
+    return text + (f" ± {se:.1f}" if unit else f" ± {se:.2g}")
 
 
 def recovery(baseline: float, candidate: float, lower_is_better: bool) -> float:
@@ -314,13 +344,28 @@ def recovery(baseline: float, candidate: float, lower_is_better: bool) -> float:
     return 100.0 * good / bad
 
 
+def _resampled(g: Gate, metric: str, base: dict, cand: dict, lower: bool):
+    """(baseline, candidate, recovery) on each bootstrap resample of the gate's task's units,
+    the same draws for both models and for every gate of one task; None without units."""
+    ub, uc = base.get("_units", {}).get(metric), cand.get("_units", {}).get(metric)
+    if ub is None or uc is None or len(ub["values"]) != len(uc["values"]) or not ub["values"]:
+        return None
+    idx = bootstrap.draws(len(ub["values"]), f"{g.task} {sorted(g.args.items())}")
+    rb, rc = bootstrap.replicates(ub, idx), bootstrap.replicates(uc, idx)
+    return rb, rc, np.array([recovery(x, y, lower) for x, y in zip(rb, rc)])
+
+
 def verdict(gates: GatesFile, base: dict[str, dict], cand: dict[str, dict]) -> Verdict:
     check_directions(gates, base)
     rows, num, den = [], 0.0, 0.0
+    soft_reps, soft_known = 0.0, True  # the soft score on each resample
     for g in gates.gates:
         metric = _metric(g, base[g.name])
         b, c = float(base[g.name][metric]), float(cand[g.name][metric])
-        rec = recovery(b, c, bool(lower_is_better(g, metric, base[g.name])))
+        lower = bool(lower_is_better(g, metric, base[g.name]))
+        rec = recovery(b, c, lower)
+        reps = _resampled(g, metric, base[g.name], cand[g.name], lower)
+        ses = [bootstrap.stderr(x) for x in reps] if reps is not None else [None] * 3
         checks, words = [], []
         t = g.thresholds
         if "max_increase_pct" in t:
@@ -339,9 +384,12 @@ def verdict(gates: GatesFile, base: dict[str, dict], cand: dict[str, dict]) -> V
         floors = [100.0 / (1 + t["max_increase_pct"] / 100)] if "max_increase_pct" in t else []
         floors += [t["min_recovery_pct"]] if "min_recovery_pct" in t else []
         rows.append(Row(g.name, metric, b, c, rec, "; ".join(words) or f"weight {g.weight:g}", hard,
-                        all(checks) if hard else None, g.weight, max(floors) if floors else None))
+                        all(checks) if hard else None, g.weight, max(floors) if floors else None, *ses))
         if g.weight:
             num += g.weight * min(rec, 100.0)
             den += g.weight
+            soft_known = soft_known and reps is not None
+            soft_reps = soft_reps + g.weight * np.minimum(reps[2], 100.0) if reps is not None else soft_reps
     score = num / den if den else None
-    return Verdict(rows, score, gates.min_score_pct, base, cand)
+    score_se = bootstrap.stderr(soft_reps / den) if den and soft_known else None
+    return Verdict(rows, score, gates.min_score_pct, base, cand, score_se)

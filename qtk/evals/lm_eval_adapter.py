@@ -34,7 +34,7 @@ from typing import get_args, get_type_hints
 import jinja2
 import lm_eval.models  # noqa: F401  (see below)
 from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
+from lm_eval.api.registry import get_metric_aggregation, register_model
 from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
                                   postprocess_generated_text)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
@@ -44,6 +44,7 @@ from ..chat_template import ChatTemplateError, render
 from ..errors import InputError
 from ..runtime.config import ENGINE_OPTIONS, EngineConfig
 from ..version import __version__
+from . import bootstrap
 
 log = logging.getLogger(__name__)
 
@@ -342,15 +343,38 @@ def run_lm_eval(model, tasks: list[str], limit: int | None = None, seed: int = 0
     manager = task_manager(tasks)
     lm = QtkLM(pretrained=model, **engine_args)
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                  num_fewshot=num_fewshot, log_samples=False, random_seed=seed,
+                                  num_fewshot=num_fewshot, log_samples=True, random_seed=seed,
                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
     results = {task: _metrics(values) for task, values in out["results"].items()}
     return {"results": {task: metrics for task, metrics in results.items() if metrics},  # a group has none
             "higher_is_better": {task: dict(values) for task, values in out.get("higher_is_better", {}).items()},
+            "units": {key: u for task, samples in out.get("samples", {}).items()
+                      for key, u in _units(task, samples, out["configs"].get(task, {})).items()},
             "versions": {"lm_eval": lm_eval.__version__, "qtk": __version__,
                          "tasks": dict(out["versions"])},
             "config": {"model": lm.info["pretrained"], "limit": limit, "seed": seed, "num_fewshot": num_fewshot,
                        **engine_args}}
+
+
+def _units(task: str, samples: list[dict], config: dict) -> dict[str, dict]:
+    """{TASK/METRIC[,FILTER]: bootstrap units} from lm-eval's logged samples: each document's
+    value of each metric, in document order, for the metrics whose aggregation the bootstrap
+    knows (mean, bits_per_byte, weighted_perplexity, perplexity; others get no standard error)."""
+    declared = {m["metric"]: m.get("aggregation") for m in config.get("metric_list") or [] if isinstance(m, dict)}
+    by_key: dict[str, tuple[str, list]] = {}
+    for sample in sorted(samples, key=lambda x: x["doc_id"]):
+        for metric in sample.get("metrics", []):
+            agg = declared.get(metric)
+            if not isinstance(agg, str):  # a task's default, or a function given in Python
+                found = agg if callable(agg) else get_metric_aggregation(metric)
+                agg = getattr(found, "__name__", None)
+            if agg not in bootstrap.AGGREGATES or metric not in sample:
+                continue
+            key = f"{task}/{metric}" + ("" if sample["filter"] == "none" else f",{sample['filter']}")
+            value = sample[metric]
+            by_key.setdefault(key, (agg, []))[1].append(
+                [float(x) for x in value] if isinstance(value, (tuple, list)) else float(value))
+    return {key: bootstrap.units(agg, values) for key, (agg, values) in by_key.items()}
 
 
 def _metrics(values: dict) -> dict[str, float]:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from ..chunked_sdpa import chunked_attention
 from ..data import load_texts, token_stream
 from ..errors import InputError
+from . import bootstrap
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,12 @@ class PerplexityResult:
     windows: int
     seq_len: int
     dataset: str
+    window_nll: tuple[float, ...] = ()  # each window's summed NLL (seq_len - 1 tokens scored in each)
+
+    def units(self) -> dict:
+        """Per window (NLL sum, tokens scored), what the bootstrap resamples (bootstrap.py)."""
+        pairs = [[nll, self.seq_len - 1] for nll in self.window_nll]
+        return {"ppl": bootstrap.units("exp_ratio", pairs), "nll": bootstrap.units("ratio", pairs)}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,14 +70,14 @@ def engine_perplexity(llm, windows: torch.Tensor, batch_size: int = 1, progress:
     from ..runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    total_nll, scored = 0.0, 0
+    window_nll = []
     for i in tqdm(range(0, len(windows), batch_size), desc="ppl", unit="win", disable=not progress):
         group = windows[i:i + batch_size].tolist()
         for ids, out in zip(group, llm.generate(group, params)):
-            total_nll -= sum(entry[token] for token, entry in zip(ids[1:], out.prompt_logprobs[1:]))
-            scored += len(ids) - 1
-    mean = total_nll / scored
-    return PerplexityResult(exp_nll(mean), mean, scored, len(windows), windows.shape[1], dataset)
+            window_nll.append(-sum(entry[token] for token, entry in zip(ids[1:], out.prompt_logprobs[1:])))
+    scored = len(windows) * (windows.shape[1] - 1)
+    mean = sum(window_nll) / scored
+    return PerplexityResult(exp_nll(mean), mean, scored, len(windows), windows.shape[1], dataset, tuple(window_nll))
 
 
 @torch.no_grad()

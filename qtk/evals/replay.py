@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..data import jsonl_rows
 from ..errors import InputError
+from . import bootstrap
 from .cases import check_max_tokens, check_messages, check_prompt, prompt_ids
 
 
@@ -81,30 +82,40 @@ def replay(llm, cases: list[dict], max_tokens: int = 128, reference: list[list[i
         return {"agreement": 1.0, "first_divergence": 1.0, "top1_agreement": 1.0, "_responses": responses}
     if len(reference) != len(responses):
         raise InputError("the baseline's responses do not match this request log (rerun with --no-cache)")
-    same = sum(r == b for r, b in zip(responses, reference))
+    same = [int(r == b) for r, b in zip(responses, reference)]
     parts = []
     for r, b in zip(responses, reference):
         first = next((i for i, (x, y) in enumerate(zip(r, b)) if x != y), min(len(r), len(b)))
         parts.append(1.0 if r == b else first / max(1, len(b)))
-    return {"agreement": same / len(responses), "first_divergence": sum(parts) / len(parts),
-            "top1_agreement": top1_agreement(llm, prompts, reference), "_responses": responses}
+    hits = top1_hits(llm, prompts, reference)
+    units = {"agreement": bootstrap.units("mean", same), "first_divergence": bootstrap.units("mean", parts),
+             "top1_agreement": bootstrap.units("ratio", hits)}
+    return {"agreement": sum(same) / len(same), "first_divergence": sum(parts) / len(parts),
+            "top1_agreement": top1_agreement(hits), "_responses": responses, "_units": units}
 
 
-def top1_agreement(llm, prompts: list[list[int]], reference: list[list[int]]) -> float:
-    """Teacher-forced: the engine reads prompt + the baseline's response; the share of response
-    positions where its top-1 is the baseline's token. A response is cut to fit the context with
+def top1_agreement(hits: list[list[int]]) -> float:
+    """The share of response positions where the candidate's top-1 was the baseline's token."""
+    total = sum(n for _, n in hits)
+    return sum(h for h, _ in hits) / total if total else 1.0
+
+
+def top1_hits(llm, prompts: list[list[int]], reference: list[list[int]]) -> list[list[int]]:
+    """Teacher-forced: the engine reads prompt + the baseline's response; per response [positions
+    where its top-1 is the baseline's token, positions]. A response is cut to fit the context with
     the slot the engine keeps for the token it samples (a baseline answer that ran into
     max_model_len would otherwise make the forced prompt too long)."""
     from ..runtime.sampling_params import SamplingParams
 
     pairs = [(p, b[:llm.max_model_len - len(p) - 1]) for p, b in zip(prompts, reference)]
-    pairs = [(p, b) for p, b in pairs if b]
-    outs = llm.generate([p + b for p, b in pairs], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)) \
-        if pairs else []
-    hits = total = 0
-    for (p, b), out in zip(pairs, outs):
+    forced = [k for k, (p, b) in enumerate(pairs) if b]
+    outs = llm.generate([pairs[k][0] + pairs[k][1] for k in forced],
+                        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)) if forced else []
+    hits = [[0, 0] for _ in pairs]
+    for k, out in zip(forced, outs):
+        p, b = pairs[k]
         for i, token in enumerate(b):
             entry = out.prompt_logprobs[len(p) + i]
-            hits += max(entry.items(), key=lambda kv: kv[1])[0] == token
-            total += 1
-    return hits / total if total else 1.0
+            hits[k][0] += max(entry.items(), key=lambda kv: kv[1])[0] == token
+            hits[k][1] += 1
+    return hits

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..atomic import write_file, write_files
 from ..errors import OutputError
-from .gates import Verdict
+from .gates import TABLE_NOTE, Verdict
 
 REPORT_FILES = ("report.json", "metrics.png", "needle.png", "report.md")  # moved into place in this order
 
@@ -72,23 +72,26 @@ def _write_files(out: Path, v: Verdict, baseline: str, candidate: str, gates_pat
     written = [out / "report.json"]
     written[0].write_text(to_json({"passed": v.passed, "baseline": baseline, "candidate": candidate,
                                    "gates": gates_path, "soft_score_pct": v.soft_score_pct,
-                                   "min_score_pct": v.min_score_pct, "rows": [asdict(r) for r in v.rows],
-                                   "baseline_metrics": v.baseline, "candidate_metrics": v.candidate}))
+                                   "min_score_pct": v.min_score_pct, "soft_score_se_pct": v.soft_score_se_pct,
+                                   "rows": [asdict(r) for r in v.rows],
+                                   "baseline_metrics": _reported(v.baseline),
+                                   "candidate_metrics": _reported(v.candidate)}))
     pictures = _pictures(out, v)
     written += pictures
     md = [f"# Quality gates: {'PASS' if v.passed else 'FAIL'}", "",
           f"Candidate `{candidate}` against baseline `{baseline}`, gates `{gates_path}`.", "",
           "| gate | metric | baseline | candidate | recovery | threshold | verdict |", "|---|---|---|---|---|---|---|"]
-    for r in v.rows:
-        md.append(f"| {_cell(r.gate)} | {_cell(r.metric)} | {r.baseline:.4g} | {r.candidate:.4g} | "
-                  f"{r.recovery_pct:.1f}% | {r.threshold} | "
-                  f"{({True: 'pass', False: '**FAIL**', None: 'soft'})[r.passed]} |")
-    if v.soft_score_pct is not None:
-        md.append(f"| soft score | weighted recovery | | | {v.soft_score_pct:.1f}% | >= {v.min_score_pct:g}% | "
-                  f"{'pass' if v.soft_passed else '**FAIL**'} |")
-    md += [""] + [f"![{p.stem}]({p.name})" for p in pictures]
+    for line in v.cells():
+        md.append("| " + " | ".join(_cell(x) for x in line[:-1]) + f" | {line[-1].replace('FAIL', '**FAIL**')} |")
+    md += ["", TABLE_NOTE + ".", ""] + [f"![{p.stem}]({p.name})" for p in pictures]
     (out / "report.md").write_text("\n".join(md) + "\n")
     return written
+
+
+def _reported(metrics: dict[str, dict]) -> dict[str, dict]:
+    """Each gate's metrics as report.json holds them: without the bootstrap's units and the kld
+    task's baseline log-probabilities (data for the computation, not results)."""
+    return {gate: {k: v for k, v in m.items() if k not in ("_units", "_log_probs")} for gate, m in metrics.items()}
 
 
 def _cell(text: str) -> str:

@@ -6,7 +6,9 @@ task once), the baseline's results read from and written to the cache under ~/.c
 content hash, the task and its arguments, the sha256 of every file the task reads (a tasks file,
 a request log, a dataset, a needle filler), the engine settings with the dtype as resolved on this
 machine, the seed and qtk's version. Entries are written whole (a temporary file renamed over
-the entry); one that cannot be read is recomputed, with a warning.
+the entry); one that cannot be read is recomputed, with a warning. A result's tensors (the kld
+task's baseline log-probabilities) go to a safetensors file beside the entry, written first: an
+entry names its tensors file, so a reader never finds the numbers without the tensors.
 """
 from __future__ import annotations
 
@@ -17,13 +19,17 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..atomic import write_file
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..atomic import write_file, write_files
 from ..runtime.config import EngineConfig
 from .tasks import TASKS, Gate, input_files
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 5  # bump when a task's metrics change: cached baselines are recomputed
+CACHE_VERSION = 6  # bump when a task's metrics change: cached baselines are recomputed
 
 
 def run_task(llm, gate: Gate, seed: int = 0, reference: dict | None = None) -> dict:
@@ -103,6 +109,37 @@ def _write_json(path: Path, value: dict) -> None:
     write_file(path, json.dumps(value))
 
 
+def _write_entry(path: Path, metrics: dict) -> None:
+    """A cache entry: its tensors to PATH.safetensors, then the rest to PATH (JSON) naming them."""
+    tensors = {k: v.contiguous() for k, v in metrics.items() if isinstance(v, torch.Tensor)}
+    if tensors:
+        tensor_file = path.with_suffix(".safetensors")
+        with write_files(path.parent, [tensor_file.name]) as staging:
+            save_file(tensors, staging / tensor_file.name)
+    _write_json(path, {**{k: v for k, v in metrics.items() if k not in tensors},
+                       **({"_tensors": sorted(tensors)} if tensors else {})})
+
+
+def _read_entry(path: Path) -> dict | None:
+    """A cache entry with its tensors; None when missing or unreadable (with a warning)."""
+    value = _read_json(path)
+    names = (value or {}).pop("_tensors", [])
+    if not names:
+        return value
+    tensor_file = path.with_suffix(".safetensors")
+    try:
+        tensors = load_file(tensor_file)
+    except (OSError, SafetensorError) as e:
+        log.warning("ignoring the cache entry %s: its tensors %s cannot be read (%s): recomputing it", path,
+                    tensor_file, e)
+        return None
+    if set(names) - set(tensors):
+        log.warning("ignoring the cache entry %s: %s lacks %s: recomputing it", path, tensor_file,
+                    sorted(set(names) - set(tensors)))
+        return None
+    return {**value, **{k: tensors[k] for k in names}}
+
+
 def score_model(engine: EngineConfig, gates: list[Gate], seed: int, label: str, cache: bool,
                 echo=print, reference: dict[str, dict] | None = None) -> dict[str, dict]:
     """{gate name: metrics} for engine.model, each task once (gates sharing a task share its run);
@@ -122,7 +159,7 @@ def score_model(engine: EngineConfig, gates: list[Gate], seed: int, label: str, 
             results[gate.name] = by_task[task_key]
             continue
         path = gates_cache / f"{_cache_key(fingerprint, gate, engine_args, seed)}.json" if cache else None
-        metrics = _read_json(path) if path is not None else None
+        metrics = _read_entry(path) if path is not None else None
         if metrics is not None:
             echo(f"[{label}] {gate.task}: cached ({_brief(metrics)})")
         else:
@@ -136,7 +173,7 @@ def score_model(engine: EngineConfig, gates: list[Gate], seed: int, label: str, 
             metrics = run_task(llm, gate, seed, None if reference is None else reference[gate.name])
             echo(f"[{label}] {gate.task}: {_brief(metrics)} ({time.perf_counter() - t0:.0f} s)")
             if path is not None:
-                _write_json(path, metrics)
+                _write_entry(path, metrics)
         by_task[task_key] = results[gate.name] = metrics
     return results
 

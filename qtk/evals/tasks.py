@@ -16,6 +16,7 @@ from ..data import read_text
 from ..errors import InputError, NotFoundError
 from ..optional import dataset_needs
 from ..runtime.config import EngineConfig
+from . import bootstrap
 from .gate_args import FILE_ARGS, boolean, integer, integers, source
 
 HIGHER, LOWER = False, True  # values of lower_is_better
@@ -61,7 +62,7 @@ def _ppl(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     windows = eval_windows(llm.tokenizer, a.get("dataset", "builtin"), a.get("seq_len", 1024), a.get("limit", 8))
     r = engine_perplexity(llm, windows, batch_size=a.get("batch_size", 4), progress=False,
                           dataset=a.get("dataset", "builtin"))
-    return {"ppl": r.ppl, "nll": r.nll}
+    return {"ppl": r.ppl, "nll": r.nll, "_units": r.units()}
 
 
 def _show_ppl(engine, target, a, seed, echo) -> dict:
@@ -81,6 +82,26 @@ def _ppl_needs(args: dict, where: str) -> dict[str, str]:
     return dataset_needs(args.get("dataset"), f"{where}: dataset")
 
 
+# -- KL divergence from the baseline (kld.py) ----------------------------------------------------
+def _kld(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
+    """The baseline (no reference) keeps its log-probabilities under "_log_probs" (a tensor: the
+    gates' cache stores it beside the numbers); the candidate is compared with them."""
+    from . import kld
+    from .perplexity import eval_windows
+
+    a = gate.args
+    windows = eval_windows(llm.tokenizer, a.get("dataset", "builtin"), a.get("seq_len", 512), a.get("limit", 8))
+    if reference is None:
+        metrics, log_probs = kld.baseline(llm, windows, a.get("batch_size", 1))
+        return {**metrics, "_log_probs": log_probs}
+    return kld.compare(llm, windows, reference["_log_probs"], a.get("batch_size", 1)).metrics()
+
+
+def _show_kld(engine, target, a, seed, echo) -> dict:
+    raise InputError("the kld task compares two models: run it as a gate, qtk eval MODEL --baseline BASE --gates "
+                     "FILE, with a gate of task: kld (evals/gates/default.yaml has one)")
+
+
 # -- needle in a haystack ------------------------------------------------------------------------
 def _needle(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     from .needle import needle
@@ -89,7 +110,11 @@ def _needle(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     filler = a.get("filler", "builtin")
     r = needle(llm, a.get("lengths"), a.get("depths"), a.get("samples", 1), seed,
                None if filler == "builtin" else read_text(Path(filler), "needle filler"))
-    return {"accuracy": r.accuracy, **{f"accuracy@{n}": v for n, v in r.by_length().items()}, "_cells": r.to_dict()}
+    cells = {n: [float(r.cells[n, d]) for d in r.depths] for n in r.lengths}
+    units = {"accuracy": bootstrap.units("mean", [v for n in r.lengths for v in cells[n]]),
+             **{f"accuracy@{n}": bootstrap.units("mean", cells[n]) for n in r.lengths}}
+    return {"accuracy": r.accuracy, **{f"accuracy@{n}": v for n, v in r.by_length().items()}, "_cells": r.to_dict(),
+            "_units": units}
 
 
 def _show_needle(engine, target, a, seed, echo) -> dict:
@@ -111,7 +136,7 @@ def _json(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     a = gate.args
     ds = a.get("dataset", "builtin")
     prompts = load_prompts(None if ds == "builtin" else ds, a.get("limit"))
-    out = {}
+    out, units = {}, {}
     for constrained in ([False, True] if a.get("constrained", False) else [False]):
         r = json_validity(llm, prompts, constrained, a.get("max_tokens", 256))
         prefix = "constrained_" if constrained else ""
@@ -119,7 +144,13 @@ def _json(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
         out[f"{prefix}parse_rate"] = r.overall.parse_rate
         out[f"{prefix}finished_valid_rate"] = r.overall.finished_valid_rate
         out[f"{prefix}truncated_rate"] = r.overall.truncated / max(r.overall.n, 1)
-    return out
+        cut = [x["finish_reason"] == "length" for x in r.answers]
+        units.update({f"{prefix}valid_rate": bootstrap.units("mean", [int(x["valid"]) for x in r.answers]),
+                      f"{prefix}parse_rate": bootstrap.units("mean", [int(x["parsed"]) for x in r.answers]),
+                      f"{prefix}finished_valid_rate": bootstrap.units(
+                          "ratio", [[int(x["valid"] and not c), int(not c)] for x, c in zip(r.answers, cut)]),
+                      f"{prefix}truncated_rate": bootstrap.units("mean", [int(c) for c in cut])})
+    return {**out, "_units": units}
 
 
 def _show_json(engine, target, a, seed, echo) -> dict:
@@ -150,7 +181,7 @@ def _lm_eval(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     metrics = {f"{task}/{m}": v for task, values in res["results"].items() for m, v in values.items()}
     higher = {f"{task}/{m}": h for task, values in res["higher_is_better"].items() for m, h in values.items()
               if isinstance(h, bool)}
-    return {**metrics, "_higher_is_better": higher}
+    return {**metrics, "_higher_is_better": higher, "_units": res["units"]}
 
 
 def _show_lm_eval(engine, target, a, seed, echo) -> dict:
@@ -170,7 +201,9 @@ def _lm_eval_needs(args: dict, where: str) -> dict[str, str]:
 def _user_tasks(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
     from .user_tasks import load_cases, run_cases
 
-    return {"accuracy": run_cases(llm, load_cases(gate.task.split(":", 1)[1], gate.args.get("limit")))["accuracy"]}
+    res = run_cases(llm, load_cases(gate.task.split(":", 1)[1], gate.args.get("limit")))
+    return {"accuracy": res["accuracy"],
+            "_units": {"accuracy": bootstrap.units("mean", [int(x["matched"]) for x in res["answers"]])}}
 
 
 def _show_user_tasks(engine, target, a, seed, echo) -> dict:
@@ -205,6 +238,9 @@ def _show_replay(engine, target, a, seed, echo) -> dict:
 TASKS = {
     "ppl": Task({"seq_len": integer(2), "limit": integer(1), "dataset": source(hub=True), "batch_size": integer(1)},
                 {"ppl": LOWER, "nll": LOWER}, _ppl, _show_ppl, needs=_ppl_needs),
+    "kld": Task({"seq_len": integer(2), "limit": integer(1), "dataset": source(hub=True), "batch_size": integer(1)},
+                {"kld": LOWER, "kld_median": LOWER, "kld_p99": LOWER, "kld_max": LOWER, "top1_agreement": HIGHER},
+                _kld, _show_kld, needs=_ppl_needs),
     "needle": Task({"lengths": integers(16), "depths": integers(0, 100), "samples": integer(1),
                     "filler": source(hub=False)},
                    {"accuracy": HIGHER}, _needle, _show_needle),  # and accuracy@LENGTH

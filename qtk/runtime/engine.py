@@ -16,6 +16,8 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+import torch
+
 from ..chat_template import has_template, prompt_ids
 from ..device import check_device, choose_dtype
 from ..errors import InputError
@@ -160,10 +162,18 @@ class LLM:
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         logits, prompt_hidden = self.runner.run(batch)
         for seq in batch.seqs:
-            if seq.seq_id in prompt_hidden and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
-                # a recompute after preemption repeats positions already recorded: keep the first
+            # a recompute after preemption repeats positions already recorded: keep the first
+            if seq.seq_id in prompt_hidden and seq.params.prompt_logprobs is not None \
+                    and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
                 new = self.runner.prompt_logprobs(seq, prompt_hidden[seq.seq_id], seq.params.prompt_logprobs)
                 seq.prompt_logprobs.extend(new[max(0, len(seq.prompt_logprobs) - seq.num_computed_tokens):])
+            if seq.seq_id in prompt_hidden and seq.prompt_rows is not None:
+                done, pos = sum(len(r) for r in seq.prompt_rows), seq.num_computed_tokens
+                for rows, _ in self.runner.prompt_log_softmax(seq, prompt_hidden[seq.seq_id]):
+                    if pos + len(rows) > done:
+                        seq.prompt_rows.append(rows[max(0, done - pos):].cpu())
+                    pos += len(rows)
+                    done = max(done, pos)
         tokens = self.sampler(logits, sampling) if sampling else []
         for seq, row, token in zip(sampling, logits, tokens):
             if seq.params.logprobs is not None:
@@ -183,10 +193,30 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InputError(f"{len(prompts)} prompts but {len(params)} sampling params: give one, or one per prompt")
+        return self._run_all(zip(prompts, params))
+
+    def prompt_log_probs(self, prompts: list[list[int]]) -> list:
+        """The model's next-token distribution at every position of each prompt but the last:
+        per prompt a tensor [len - 1, vocab] of float32 log-probabilities on the CPU, row i the
+        distribution of token i + 1 given tokens 0..i (what prompt_logprobs reads one entry of;
+        no prefix cache, so every row is computed). All prompts run as one batch."""
+        short = [i for i, p in enumerate(prompts) if len(p) < 2]
+        if short:
+            raise InputError(f"prompt {short[0]} has {len(prompts[short[0]])} token(s): scoring needs at least 2")
+        rows: list[list] = [[] for _ in prompts]
+        self._run_all(((p, SamplingParams(max_tokens=1, temperature=0.0)) for p in prompts), rows)
+        return [torch.cat(r) for r in rows]
+
+    def _run_all(self, requests, prompt_rows: list[list] | None = None) -> list[RequestOutput]:
+        """Add every (prompt, params), step until all finish; outputs in order. With prompt_rows
+        (a list per request), each request's prompt log-softmax rows are appended to its list."""
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params):
+            for k, (p, sp) in enumerate(requests):
                 ids.append(self.add_request(p, sp))
+                if prompt_rows is not None:
+                    for seq in self.output_processor.requests[ids[-1]][1]:
+                        seq.prompt_rows = prompt_rows[k]
         except InputError:  # all or nothing: the prompts taken before the bad one are let go
             for i in ids:
                 self.abort(i)

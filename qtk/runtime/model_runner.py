@@ -234,7 +234,7 @@ class ModelRunner:
     def run(self, batch: Batch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """(logits [number of sampling sequences, vocab] in float32, in batch order;
         seq_id -> final hidden states [n, hidden] of the prompt tokens this step computed, for
-        the sequences that asked for prompt logprobs)."""
+        the sequences that score their prompt: Sequence.scores_prompt)."""
         self.copy_blocks(batch.copies)
         ids, positions, meta, sample_index = self.prepare(batch)
         if self.graphs is not None and not meta.prefills and len(batch.seqs) <= self.graphs.max_batch:
@@ -243,19 +243,24 @@ class ModelRunner:
             hidden = self.model(ids, positions, meta, self.kv_caches)
         prompt_hidden, t = {}, 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            if seq.params.prompt_logprobs is not None and seq.is_prefill:
+            if seq.scores_prompt and seq.is_prefill:
                 prompt_hidden[seq.seq_id] = hidden[t:t + n]
             t += n
         return self.model.logits(hidden[torch.tensor(sample_index, dtype=torch.long, device=self.device)]), prompt_hidden
 
     @torch.inference_mode()
-    def prompt_logprobs(self, seq, hidden: torch.Tensor, top: int, chunk: int = 256) -> list[dict[int, float]]:
+    def prompt_logprobs(self, seq, hidden: torch.Tensor, top: int) -> list[dict[int, float]]:
         """For prompt positions computed from seq.num_computed_tokens on (hidden [n, hidden]): the
-        logprob of each next prompt token (and the top ones), in chunks of `chunk` tokens."""
+        logprob of each next prompt token (and the top ones)."""
+        return [logprob_entry(row, target, top) for lp, targets in self.prompt_log_softmax(seq, hidden)
+                for row, target in zip(lp, targets)]
+
+    @torch.inference_mode()
+    def prompt_log_softmax(self, seq, hidden: torch.Tensor, chunk: int = 256):
+        """(log-softmax rows [m, vocab] float32, the next prompt tokens [m]) for the positions
+        computed from seq.num_computed_tokens on (hidden [n, hidden]), in chunks of `chunk` rows
+        (the last prompt token has no next one)."""
         start = seq.num_computed_tokens
         targets = seq.token_ids[start + 1:min(start + 1 + hidden.shape[0], seq.num_prompt_tokens)]
-        out = []
         for i in range(0, len(targets), chunk):
-            lp = self.model.logits(hidden[i:i + chunk][:len(targets) - i]).log_softmax(-1)
-            out.extend(logprob_entry(row, target, top) for row, target in zip(lp, targets[i:i + chunk]))
-        return out
+            yield self.model.logits(hidden[i:i + chunk][:len(targets) - i]).log_softmax(-1), targets[i:i + chunk]

@@ -108,7 +108,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            looked_up = not seq.block_table and seq.params.prompt_logprobs is None
+            looked_up = not seq.block_table and not seq.scores_prompt
             if looked_up:
                 self.bm.lookup_prefix(seq)  # (a cached prefix has no logits to report)
             n = min(seq.num_uncomputed_tokens, budget)

@@ -44,6 +44,7 @@ class Sequence:
         self.text = ""  # the generated text so far (the engine's detokenizer appends to it)
         self.logprobs: list[dict[int, float]] = []  # per generated token, when params.logprobs is set
         self.prompt_logprobs: list[dict[int, float]] = []  # per prompt token after the first (prompt_logprobs)
+        self.prompt_rows: list | None = None  # [n, vocab] log-softmax chunks of the prompt (LLM.prompt_log_probs)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # first admission (the queue time ends)
         self.grammar = None  # its structured-outputs matcher (params.structured_outputs), fed each token
@@ -62,6 +63,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logits are wanted (prompt logprobs or rows): every position is computed,
+        none taken from the prefix cache."""
+        return self.params.prompt_logprobs is not None or self.prompt_rows is not None
 
     @property
     def is_prefill(self) -> bool:
