@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# CI's quality gate: quantize the bundled model with qtk's default recipe (as scripts/demo.sh
-# does), then gate the checkpoint against the unquantized model with the CI gates
-# (evals/gates/ci.yaml: perplexity, needle in a haystack, structured JSON, sized for a
-# 2-core CPU). Exit 1 when a gate regresses; the report lands in build/ci-gate/report.
+# CI's quality gate: quantize the bundled model with qtk's default recipe, then gate the
+# checkpoint against the unquantized model with the CI gates (evals/gates/ci.yaml: perplexity,
+# KL divergence, needle in a haystack, structured JSON, sized for a 2-core CPU). Exit 1 when a gate regresses; the report lands in build/ci-gate/report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
