@@ -8,6 +8,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from . import optional
 from .errors import InputError
@@ -153,7 +154,9 @@ def inspect(model, json_out):
 
 @main.command("eval")
 @click.argument("model")
-@click.option("--baseline", default=None, help="With --gates: the model MODEL is compared with (e.g. the unquantized one).")
+@click.option("--baseline", default=None,
+              help="The model MODEL is compared with (e.g. the unquantized one): with --gates, gated against it; "
+                   "without, --task runs on both and each metric is printed for both with its standard error.")
 @click.option("--gates", "gates_spec", default=None,
               help="Gate MODEL against --baseline: a gates YAML, or default / ci (qtk's). Exit 0 pass, 1 regressed.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None,
@@ -198,15 +201,23 @@ def eval_(model, baseline, gates_spec, report_dir, no_cache, task, dataset, seq_
     from .evals.report import check_output_file, write_json
     from .evals.tasks import task_needs
 
-    gating = gates_spec is not None or baseline is not None
-    _check_eval_flags(click.get_current_context(), gating)
+    ctx = click.get_current_context()
+    gating, comparing = gates_spec is not None, gates_spec is None and baseline is not None
+    _check_eval_flags(ctx, gating, comparing)
     if json_path:
         check_output_file(Path(json_path))  # before any model runs
     if gating:
         return _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype,
                            json_path)
-    optional.require(optional.model_needs(model),
+    optional.require(optional.model_needs(model, *([baseline] if comparing else [])),
                      task_needs(task, {"dataset": dataset, "constrained": True}, f"--task {task}"))
+    if comparing:
+        given = {p.name for p in ctx.command.params if ctx.get_parameter_source(p.name) is not ParameterSource.DEFAULT}
+        flags = {"dataset": dataset, "filler": dataset, "seq_len": seq_len, "limit": limit, "batch_size": batch_size,
+                 "lengths": _ints(lengths, "--lengths"), "depths": _ints(depths, "--depths")}
+        return _eval_compare(model, baseline, task, {k: v for k, v in flags.items()
+                                                     if k in given or (k == "filler" and "dataset" in given)},
+                             no_cache, seed, device, dtype, kv_cache_dtype, json_path)
     result = _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batch_size, device, dtype,
                         kv_cache_dtype)
     if json_path:
@@ -217,11 +228,10 @@ GATES_ONLY = ("report_dir", "no_cache")  # eval options that apply with --gates 
 TASK_ONLY = ("task", "dataset", "seq_len", "limit", "lengths", "depths", "batch_size")  # ... and without
 
 
-def _check_eval_flags(ctx, gating: bool) -> None:
-    """An option the chosen mode ignores is a mistake (a gates file sets its tasks' options)."""
-    from click.core import ParameterSource
-
-    ignored = TASK_ONLY if gating else GATES_ONLY
+def _check_eval_flags(ctx, gating: bool, comparing: bool) -> None:
+    """An option the chosen mode ignores is a mistake (a gates file sets its tasks' options; a
+    comparison, --task with --baseline, caches the baseline as the gates do)."""
+    ignored = TASK_ONLY if gating else ("report_dir",) if comparing else GATES_ONLY
     given = [p.opts[0] for p in ctx.command.params
              if p.name in ignored and ctx.get_parameter_source(p.name) is not ParameterSource.DEFAULT]
     if given and gating:
@@ -253,6 +263,39 @@ def _eval_task(model, task, dataset, seq_len, limit, lengths, depths, seed, batc
     args = {name: value for name, value in flags.items() if name in found.args}
     engine = EngineConfig(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
     return found.show(engine, task.partition(":")[2] or None, args, seed, click.echo)
+
+
+def _eval_compare(model, baseline, task, args, no_cache, seed, device, dtype, kv_cache_dtype, json_path):
+    """--task on the baseline (cached as the gates cache it) and on MODEL: each metric of both, with
+    standard errors by the paired bootstrap the gates use. The task's options are the flags given;
+    the others take a gates file's defaults (kld: 8 windows of 512 tokens)."""
+    from .evals.gates import compare_metrics
+    from .evals.gate_args import check_args
+    from .evals.report import write_json
+    from .evals.scoring import score_model
+    from .evals.tasks import TASKS, TASKS_HELP, Gate, lookup
+    from .loading import resolve
+
+    found = lookup(task)
+    if found is None:
+        raise InputError(f"unknown --task {task!r}: {TASKS_HELP}")
+    for m in (model, baseline):
+        resolve(m)  # a missing model fails now, before any work
+    kind = task.split(":", 1)[0]
+    args = check_args(f"--task {task}", kind, TASKS[kind].args, {k: v for k, v in args.items() if k in found.args},
+                      Path.cwd())
+    gate = Gate(kind, task, args, None, {}, None)
+    engine = EngineConfig(baseline, dtype=dtype, device=device)
+    base = score_model(engine, [gate], seed, "baseline", cache=not no_cache, echo=click.echo)
+    cand = score_model(replace(engine, model=model, kv_cache_dtype=kv_cache_dtype), [gate], seed, "candidate",
+                       cache=False, echo=click.echo, reference=base)
+    rows = compare_metrics(gate, base[kind], cand[kind])
+    for r in rows:
+        click.echo(f"{r['metric']}: baseline {r['baseline_text']}, candidate {r['candidate_text']}")
+    if json_path:
+        write_json(Path(json_path), {"model": model, "baseline": baseline, "task": task, "args": args,
+                                     "metrics": [{k: v for k, v in r.items() if not k.endswith("_text")}
+                                                 for r in rows]})
 
 
 def _eval_gates(model, baseline, gates_spec, report_dir, no_cache, seed, device, dtype, kv_cache_dtype, json_path):

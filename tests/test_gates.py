@@ -271,7 +271,10 @@ def test_user_tasks_file_and_its_gate(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_replaying_served_traffic_tells_sound_from_broken(checkpoints, tmp_path):
     """A request log in `qtk serve --log-requests`'s format (written by its own RequestLog): a
-    sound checkpoint agrees with the baseline, a broken one does not."""
+    sound checkpoint agrees with the baseline, a broken one does not. Whole responses identical
+    is a coarse measure on 8 requests (RTN w8a16 of the bundled model: 3 of 8 on an Intel Xeon with
+    AMX, more on the AMD CPUs; its KL from the baseline 0.0034, top-1 agreement 0.97): the
+    agreement gate asks for 2 of 8, the top-1 gate does the fine work."""
     from qtk.entrypoints.openai.request_log import RequestLog
 
     log = RequestLog(tmp_path / "traffic.jsonl")
@@ -284,7 +287,7 @@ def test_replaying_served_traffic_tells_sound_from_broken(checkpoints, tmp_path)
               [{"index": 0, "text": "..."}], None)
     gates = tmp_path / "replay.yaml"
     gates.write_text("gates:\n"
-                     "  traffic: {task: 'replay:traffic.jsonl', metric: agreement, min: 0.5}\n"
+                     "  traffic: {task: 'replay:traffic.jsonl', metric: agreement, min: 0.25}\n"
                      "  traffic_top1: {task: 'replay:traffic.jsonl', metric: top1_agreement, min: 0.9}\n")
     sound, broken = checkpoints
     out = tmp_path / "v.json"
@@ -298,7 +301,7 @@ def test_replaying_served_traffic_tells_sound_from_broken(checkpoints, tmp_path)
                                   "--dtype", "float32", "--json", str(out)])
     assert r.exit_code == 1, r.output
     rows = {x["gate"]: x for x in json.loads(out.read_text())["rows"]}
-    assert rows["traffic"]["candidate"] < 0.5 and rows["traffic_top1"]["candidate"] < 0.9
+    assert rows["traffic"]["candidate"] < 0.25 and rows["traffic_top1"]["candidate"] < 0.9
     print(f"\nreplay: sound {sound_says}, broken {({k: round(v['candidate'], 3) for k, v in rows.items()})}")
 
 

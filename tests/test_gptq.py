@@ -61,13 +61,16 @@ def test_output_error_below_rtn(kind, act_order):
 
 @pytest.mark.parametrize("act_order", [False, True])
 def test_lazy_blocks_match_column_by_column(act_order):
-    """Lazy batch updates are exact: block sizes 1, 24 (groups straddle blocks) and 128 agree."""
+    """Lazy batch updates are exact: block sizes 1, 24 (groups straddle blocks) and 128 agree, up
+    to float32 rounding: a few codes at rounding ties, and a scale (rounded to bf16) one bf16 step
+    apart where its float32 value sat at a tie (1 of 256 on an Intel Xeon with AMX, 0 on AMD's)."""
     args, X = ARGS["group_asym"], correlated()
     W, H = torch.randn(64, 128, generator=torch.Generator().manual_seed(2)), hessian(X)
     runs = [gptq.quantize_weight(W, H, args, GPTQArgs(block_size=b, act_order=act_order)) for b in (1, 24, 128)]
     for q, scale, zp in runs[1:]:
         assert (q != runs[0][0]).float().mean() < 0.002
-        torch.testing.assert_close(scale, runs[0][1], rtol=1e-4, atol=1e-6)
+        assert (scale != runs[0][1]).float().mean() < 0.01
+        torch.testing.assert_close(scale, runs[0][1], rtol=2 ** -7, atol=0)  # one bf16 step at most
 
 
 def test_dead_columns_are_zero_and_rest_still_solved():

@@ -182,3 +182,23 @@ def test_lm_eval_samples_become_units():
     assert bootstrap.aggregate(u["t/bits_per_byte"]) == pytest.approx(bits_per_byte([(-50.0, 40), (-30.0, 35)]))
     gen = [{"doc_id": 0, "filter": "strip", "metrics": ["exact_match"], "exact_match": np.float64(1.0)}]
     assert _units("g", gen, {})["g/exact_match,strip"] == {"agg": "mean", "values": [1.0]}
+
+
+def test_cli_task_against_a_baseline(tiny_dir, tmp_path, monkeypatch):
+    """`qtk eval MODEL --baseline BASE --task T` runs T on both and prints each metric of both with
+    its standard error (the flags given set the task's options); kld without a baseline, and
+    --report without --gates, are usage errors."""
+    monkeypatch.setenv("QTK_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "cmp.json"
+    r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--baseline", str(tiny_dir), "--task", "ppl",
+                                  "--seq-len", "64", "--limit", "3", "--dtype", "float32", "--json", str(out)])
+    assert r.exit_code == 0 and "ppl: baseline " in r.output and "±" in r.output, r.output
+    doc = json.loads(out.read_text())
+    assert doc["args"] == {"seq_len": 64, "limit": 3}
+    ppl = next(m for m in doc["metrics"] if m["metric"] == "ppl")
+    assert ppl["baseline"] == ppl["candidate"] and ppl["candidate_se"] > 0
+    r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--task", "kld", "--dtype", "float32"])
+    assert r.exit_code == 2 and "--baseline BASE" in r.output, r.output
+    r = CliRunner().invoke(main, ["eval", str(tiny_dir), "--baseline", str(tiny_dir), "--task", "kld",
+                                  "--report", str(tmp_path / "r")])
+    assert r.exit_code == 2 and "--report: only with --gates" in r.output, r.output

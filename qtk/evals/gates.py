@@ -305,7 +305,9 @@ class Verdict:
     def cells(self) -> list[list[str]]:
         """The table's rows as text (the CLI's table and report.md): value ± standard error."""
         lines = [[r.gate, r.metric, with_se(r.baseline, r.baseline_se), with_se(r.candidate, r.candidate_se),
-                  with_se(r.recovery_pct, r.recovery_se_pct, "%"), r.threshold,
+                  # a lower-is-better metric the baseline scores 0 on (kld): no ratio to speak of
+                  "-" if r.baseline == 0 and r.recovery_pct == 0 else with_se(r.recovery_pct, r.recovery_se_pct, "%"),
+                  r.threshold,
                   {True: "pass", False: "FAIL", None: "soft"}[r.passed]] for r in self.rows]
         if self.soft_score_pct is not None:
             lines.append(["soft score", "weighted recovery", "", "",
@@ -353,6 +355,20 @@ def _resampled(g: Gate, metric: str, base: dict, cand: dict, lower: bool):
     idx = bootstrap.draws(len(ub["values"]), f"{g.task} {sorted(g.args.items())}")
     rb, rc = bootstrap.replicates(ub, idx), bootstrap.replicates(uc, idx)
     return rb, rc, np.array([recovery(x, y, lower) for x, y in zip(rb, rc)])
+
+
+def compare_metrics(g: Gate, base: dict, cand: dict) -> list[dict]:
+    """Every metric of one task on both models (`qtk eval MODEL --baseline BASE --task T`), each
+    value with its standard error where the task gave units; lm-eval's own *_stderr metrics are
+    left out (these replace them)."""
+    rows = []
+    for metric in [k for k in base if not k.startswith("_") and "_stderr" not in k and k in cand]:
+        b, c = float(base[metric]), float(cand[metric])
+        reps = _resampled(g, metric, base, cand, bool(lower_is_better(g, metric, base)))
+        se_b, se_c = (bootstrap.stderr(reps[0]), bootstrap.stderr(reps[1])) if reps is not None else (None, None)
+        rows.append({"metric": metric, "baseline": b, "candidate": c, "baseline_se": se_b, "candidate_se": se_c,
+                     "baseline_text": with_se(b, se_b), "candidate_text": with_se(c, se_c)})
+    return rows
 
 
 def verdict(gates: GatesFile, base: dict[str, dict], cand: dict[str, dict]) -> Verdict:

@@ -78,8 +78,12 @@ def replay(llm, cases: list[dict], max_tokens: int = 128, reference: list[list[i
     params = [SamplingParams(max_tokens=min(c.get("max_tokens") or max_tokens, max_tokens), temperature=0)
               for c in cases]
     responses = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    if reference is None:
-        return {"agreement": 1.0, "first_divergence": 1.0, "top1_agreement": 1.0, "_responses": responses}
+    if reference is None:  # the baseline against itself, per request as the candidate's units
+        units = {"agreement": bootstrap.units("mean", [1] * len(responses)),
+                 "first_divergence": bootstrap.units("mean", [1.0] * len(responses)),
+                 "top1_agreement": bootstrap.units("ratio", [[1, 1]] * len(responses))}
+        return {"agreement": 1.0, "first_divergence": 1.0, "top1_agreement": 1.0, "_responses": responses,
+                "_units": units}
     if len(reference) != len(responses):
         raise InputError("the baseline's responses do not match this request log (rerun with --no-cache)")
     same = [int(r == b) for r, b in zip(responses, reference)]

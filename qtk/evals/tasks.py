@@ -98,8 +98,8 @@ def _kld(llm, gate: Gate, seed: int, reference: dict | None) -> dict:
 
 
 def _show_kld(engine, target, a, seed, echo) -> dict:
-    raise InputError("the kld task compares two models: run it as a gate, qtk eval MODEL --baseline BASE --gates "
-                     "FILE, with a gate of task: kld (evals/gates/default.yaml has one)")
+    raise InputError("the kld task compares two models: add --baseline BASE (qtk eval MODEL --baseline BASE "
+                     "--task kld), or gate on it (evals/gates/default.yaml has kld gates)")
 
 
 # -- needle in a haystack ------------------------------------------------------------------------

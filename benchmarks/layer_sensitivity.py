@@ -1,0 +1,108 @@
+"""Which layers a 4-bit scheme hurts most: each decoder Linear quantized alone (round to nearest),
+the rest left as they are, scored by the KL divergence of the model's next-token distributions
+from the unquantized model's (qtk/evals/kld.py) on evaluation windows of the built-in text.
+
+    python benchmarks/layer_sensitivity.py [MODEL] [--scheme w4a16_asym] [--group-size 64]
+                                           [--windows 4] [--seq-len 512] [--out benchmarks/results]
+
+The measurement a mixed-precision choice starts from (keep the few layers that cost the most at
+8 bits or unquantized): it prints the layers by KL, the KL summed by layer kind (q, k, v, o, gate,
+up, down) and by depth, and each layer's size in parameters, and writes
+OUT/layer-sensitivity-MODEL-SCHEME.json (command, commit, CPU, date, every layer's figure).
+The forward is transformers' float32 one on the weights as loaded: a layer's figure is its own
+rounding error's effect on the output distribution, before GPTQ or AWQ reduce it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qtk.bench import git_commit
+from qtk.chunked_sdpa import chunked_attention
+from qtk.device import cpu_name
+from qtk.evals.kld import kl_divergence
+from qtk.evals.perplexity import eval_windows
+from qtk.loading import load_model
+from qtk.quant import dequantize_weight, quantize_weight
+from qtk.schemes import preset
+
+
+@torch.no_grad()
+def log_probs(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """[W, L - 1, V] float32 log-probabilities of every scored position."""
+    with chunked_attention(model):
+        return torch.stack([model(input_ids=w[None]).logits[0, :-1].float().log_softmax(-1) for w in windows])
+
+
+@torch.no_grad()
+def sensitivity(model: nn.Module, windows: torch.Tensor, args) -> list[dict]:
+    """Per decoder Linear: the mean KL (and top-1 agreement) with that layer alone fake-quantized."""
+    base = log_probs(model, windows).flatten(0, 1)
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    rows = []
+    for i, (name, linear) in enumerate(layers):
+        w = linear.weight.data
+        q, scale, zp = quantize_weight(w.float(), args)
+        linear.weight.data = dequantize_weight(q, scale, zp, args).to(w.dtype)
+        kl, agree = kl_divergence(base, log_probs(model, windows).flatten(0, 1))
+        linear.weight.data = w
+        rows.append({"layer": name, "params": w.numel(), "kld": kl.mean().item(),
+                     "top1_agreement": agree.float().mean().item()})
+        print(f"[{i + 1}/{len(layers)}] {name}: KL {rows[-1]['kld']:.5f}", file=sys.stderr)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """KL summed by layer kind (the Linear's own name) and by block index."""
+    kinds, depths = {}, {}
+    for r in rows:
+        kind = r["layer"].rsplit(".", 1)[-1]
+        depth = next((int(p) for p in r["layer"].split(".") if p.isdigit()), -1)
+        kinds[kind] = kinds.get(kind, 0.0) + r["kld"]
+        depths[depth] = depths.get(depth, 0.0) + r["kld"]
+    return {"by_kind": kinds, "by_block": depths}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default="smollm2-135m")
+    ap.add_argument("--scheme", default="w4a16_asym")
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--out", default="benchmarks/results")
+    a = ap.parse_args()
+    model, tok = load_model(a.model, dtype=torch.float32)
+    model.eval()
+    windows = eval_windows(tok, "builtin", a.seq_len, a.windows)
+    t0 = time.perf_counter()
+    rows = sensitivity(model, windows, preset(a.scheme, a.group_size).weights)
+    rows.sort(key=lambda r: -r["kld"])
+    total = sum(r["params"] for r in rows)
+    print(f"\n{a.model}, {a.scheme} g{a.group_size}, one layer at a time ({windows.numel()} tokens, "
+          f"{time.perf_counter() - t0:.0f} s); the 20 that cost the most:")
+    print(f"{'layer':<40} {'KL':>9} {'top-1':>7} {'share of params':>16}")
+    for r in rows[:20]:
+        print(f"{r['layer']:<40} {r['kld']:>9.5f} {r['top1_agreement']:>7.3f} {r['params'] / total:>15.2%}")
+    s = summary(rows)
+    print("\nKL summed by kind: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(s["by_kind"].items(),
+                                                                              key=lambda kv: -kv[1])))
+    print("KL summed by block: " + ", ".join(f"{k}: {v:.4f}" for k, v in sorted(s["by_block"].items())))
+    out = Path(a.out) / f"layer-sensitivity-{Path(a.model).name}-{a.scheme}-g{a.group_size}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "command": " ".join(sys.argv), "commit": git_commit(), "cpu": cpu_name(), "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(), "model": a.model, "scheme": a.scheme,
+        "group_size": a.group_size, "windows": a.windows, "seq_len": a.seq_len, "layers": rows, **s}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
