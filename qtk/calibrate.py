@@ -29,7 +29,7 @@ from .kv_fake_quant import enable_kv_quant
 from .moe import all_experts, router_names
 from .recipe import Recipe
 from .quant_linear import QuantLinear
-from .schemes import check_group_divides
+from .schemes import Scheme, check_group_divides
 from .smoothing import widths_match
 from .errors import InputError
 
@@ -82,8 +82,10 @@ class Block:
     arch: Arch
     inputs: BlockInputs | None
     device: torch.device
-    targets: tuple[str, ...]  # relative names of the Linear layers to quantize
+    targets: tuple[str, ...]  # relative names of the Linear layers the recipe's methods quantize
     errors: dict[str, float] = field(default_factory=dict)
+    # relative names of the Linear layers a recipe override gives a scheme of their own -> that scheme
+    overrides: dict[str, Scheme] = field(default_factory=dict)
     # (linear names sharing an input, H = 2/n sum x x^T) left by a smoothing pass that saw every
     # input, kept exact under its scale folds, for the weight quantizer (GPTQ) to reuse
     hessians: list[tuple[tuple[str, ...], torch.Tensor]] | None = None
@@ -209,6 +211,19 @@ def targeted_linears(model: nn.Module, recipe: Recipe, arch: Arch | None = None)
     return out
 
 
+def override_schemes(targets: dict[str, nn.Linear], recipe: Recipe) -> dict[str, Scheme]:
+    """The targeted Linears a recipe override names -> its scheme (the first override naming one)."""
+    from .checkpoint import target_matches
+
+    out = {}
+    for name, mod in targets.items():
+        found = next((o.scheme for o in recipe.overrides if any(target_matches(name, mod, t) for t in o.targets)),
+                     None)
+        if found is not None:
+            out[name] = found
+    return out
+
+
 def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | None = None,
                    progress: bool = True) -> dict:
     """Quantize `model` in place, block by block; returns a report (per-layer errors, timings)."""
@@ -219,7 +234,11 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
                          "through transformers' attention interface, so its KV cache cannot be calibrated")
     device = torch.device(recipe.device)
     targets = targeted_linears(model, recipe, arch)
+    overrides = override_schemes(targets, recipe)
+    targets = {n: m for n, m in targets.items() if n not in overrides}
     check_group_divides(recipe.scheme, {n: m.in_features for n, m in targets.items()})
+    for scheme in set(overrides.values()):
+        check_group_divides(scheme, {n: model.get_submodule(n).in_features for n, s in overrides.items() if s == scheme})
     if recipe.needs_data and calib_ids is None:
         raise InputError(f"method {recipe.method!r} with this scheme needs calibration data")
     t0 = time.perf_counter()
@@ -233,7 +252,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
             prefix = f"{arch.layers}.{i}"
             rel = tuple(n[len(prefix) + 1:] for n in targets if n.startswith(prefix + "."))
             own = None if inputs is None else inputs.for_block(i)  # with the mask of its attention kind
-            block = Block(i, prefix, onload(layers[i], device), arch, own, device, rel)
+            block = Block(i, prefix, onload(layers[i], device), arch, own, device, rel,
+                          overrides={n[len(prefix) + 1:]: s for n, s in overrides.items() if n.startswith(prefix + ".")})
             inputs = quantize_block(model, block, recipe, last=i + 1 == len(layers))
             layers[i] = offload(block.layer)
             for name, err in block.errors.items():
@@ -266,7 +286,7 @@ def check_pairs(model: nn.Module, arch: Arch, smoothing: str | None) -> None:
 def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -> BlockInputs | None:
     """Smooth, quantize and observe one block; returns the next block's inputs (None for the last
     block, whose outputs feed nothing, unless KV-cache ranges are observed on them)."""
-    from .methods import METHODS
+    from .methods import METHODS, rtn
     from .methods.kv_cache import finish_observing, start_observing
 
     if block.targets:  # an ignored block is still run: the next block needs its outputs
@@ -274,6 +294,8 @@ def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -
             if recipe.smoothing is not None:
                 METHODS[recipe.smoothing].run(block, recipe)
             METHODS[recipe.weights].run(block, recipe)
+    for scheme in dict.fromkeys(block.overrides.values()):  # after smoothing folded its scales into them
+        rtn.quantize_linears(block, [n for n, s in block.overrides.items() if s == scheme], scheme, {})
     if block.inputs is None or (last and recipe.kv_cache is None):
         return None
     kv = recipe.kv_cache
@@ -288,4 +310,9 @@ def checkpoint_groups(model: nn.Module, recipe: Recipe) -> tuple[list, list[str]
     """(config groups, ignore list) describing a quantized model: every Linear left float is ignored."""
     ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear)]
     ignore += [r for r in router_names(model) if r not in ignore]  # routers that are not Linear (readers' may be)
-    return [(recipe.stored_scheme, ["Linear"])], ignore
+    own = {o.scheme for o in recipe.overrides} - {recipe.scheme}
+    by_scheme: dict[Scheme, list[str]] = {}
+    for n, m in model.named_modules():
+        if isinstance(m, QuantLinear) and m.scheme in own:  # an override's layers, named one by one
+            by_scheme.setdefault(m.scheme, []).append(n)
+    return [*((s, names) for s, names in by_scheme.items()), (recipe.stored_scheme, ["Linear"])], ignore

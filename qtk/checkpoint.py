@@ -182,8 +182,10 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def quantized_linear_names(model: nn.Module, schemes: list[Scheme], ignore: list[str]) -> dict[str, Scheme]:
-    """Which Linear layers a config's groups target (first group wins), minus ignored ones. A target
-    or ignore entry may name a layer as qtk's model does or as the hub does (moe.hub_name: Mixtral's
+    """Which Linear layers a config's groups target, minus ignored ones. Where several groups
+    target a layer, the most specific target wins, as compressed-tensors decides: its exact name,
+    then a re: pattern, then its class ("Linear"); among equals the first group. A target or ignore
+    entry may name a layer as qtk's model does or as the hub does (moe.hub_name: Mixtral's
     block_sparse_moe.experts.7.w1 is qtk's mlp.experts.7.gate_proj)."""
     chosen = {}
     for name, mod in model.named_modules():
@@ -192,11 +194,20 @@ def quantized_linear_names(model: nn.Module, schemes: list[Scheme], ignore: list
         names = {name, moe.hub_name(model.config.model_type, name)}
         if any(target_matches(n, mod, t) for t in ignore for n in names):
             continue
-        for s in schemes:
-            if any(target_matches(n, mod, t) for t in s.targets for n in names):
-                chosen[name] = s
-                break
+        ranked = [(rank, i) for i, s in enumerate(schemes) for t in s.targets
+                  if (rank := _match_rank(names, mod, t)) is not None]
+        if ranked:
+            chosen[name] = schemes[min(ranked)[1]]
     return chosen
+
+
+def _match_rank(names: set[str], module: nn.Module, target: str) -> int | None:
+    """How `target` matches the layer: 0 by its name, 1 by a re: pattern, 2 by its class; None if not."""
+    if target in names:
+        return 0
+    if any(target_matches(n, module, target) for n in names):
+        return 1 if target.startswith("re:") else 2
+    return None
 
 
 def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:

@@ -115,7 +115,8 @@ def fit_layers(path: Path, recipe: Recipe) -> Recipe:
 def check_ignore(model: nn.Module, recipe: Recipe) -> None:
     """Every ignore pattern names at least one Linear layer or MoE router (a mistyped name would
     quantize the layer it meant to keep; llm-compressor's MoE recipes ignore 're:.*mlp.gate$', which
-    is no Linear in transformers 5 and never quantized), and at least one decoder Linear is left."""
+    is no Linear in transformers 5 and never quantized), at least one decoder Linear is left, and
+    every override target names a decoder Linear that is quantized."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     linears.update({r: model.get_submodule(r) for r in router_names(model)})
     for pattern in recipe.ignore:
@@ -125,3 +126,10 @@ def check_ignore(model: nn.Module, recipe: Recipe) -> None:
                              f"{example!r} or a 're:REGEX' pattern (matched from the start of the name)")
     if not targeted_linears(model, recipe):
         raise InputError(f"the ignore patterns {list(recipe.ignore)} leave no decoder layer to quantize")
+    targets = targeted_linears(model, recipe)
+    for o in recipe.overrides:  # a mistyped name would leave the layer it meant at the main scheme
+        for t in o.targets:
+            if not any(target_matches(n, m, t) for n, m in targets.items()):
+                example = next(iter(targets))
+                raise InputError(f"override target {t!r} matches no quantized decoder Linear (an ignored layer "
+                                 f"stays float); give full names such as {example!r} or a 're:REGEX' pattern")

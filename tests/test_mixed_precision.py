@@ -1,0 +1,99 @@
+"""Mixed precision in one checkpoint: a recipe's overrides give named layers a scheme of their own
+(8 bits where the main scheme is 4), written as a config group of their names ahead of the main
+group's "Linear"; readers pick the most specific target (the name) as compressed-tensors does,
+whatever the groups' order; the layers keep the 8-bit grid's error; compressed-tensors' own
+dequantization agrees; the runtime serves it; a mistyped target is refused before any work."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from interop import ct_dequantize
+from qtk import pipeline
+from qtk.checkpoint import load_quantized
+from qtk.errors import InputError
+from qtk.quant_linear import QuantLinear
+from qtk.recipe import Override, build, from_flags, to_yaml
+from qtk.schemes import preset
+
+EIGHT = ("model.layers.0.mlp.down_proj", r"re:.*layers\.1\.self_attn\.v_proj")
+NAMES = ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.v_proj"]
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_dir, tmp_path_factory):
+    recipe = dataclasses.replace(from_flags("gptq", "w4a16_asym", group_size=32),
+                                 overrides=(Override(EIGHT, preset("w8a16")),))
+    out = tmp_path_factory.mktemp("mixed") / "q"
+    pipeline.quantize(str(tiny_dir), recipe, out, progress=False)
+    return out, recipe
+
+
+def test_overrides_are_their_own_config_group(mixed, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    out, recipe = mixed
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    first, main = groups.values()
+    assert sorted(first["targets"]) == NAMES and first["weights"]["num_bits"] == 8
+    assert first["weights"]["strategy"] == "channel" and main["targets"] == ["Linear"]
+    assert main["weights"]["num_bits"] == 4
+    model = load_quantized(out)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(layers) == 14 and {n for n, m in layers.items() if m.scheme.weights.num_bits == 8} == set(NAMES)
+    float_model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    err = {n: ((m.dequantized_weight().float() - float_model.get_submodule(n).weight).norm()
+               / float_model.get_submodule(n).weight.norm()).item() for n, m in layers.items()}
+    assert max(err[n] for n in NAMES) < 0.01 < min(e for n, e in err.items() if n not in NAMES)
+    reference = ct_dequantize(out, fp32_scales=True)  # compressed-tensors reads each group's grid
+    for n, m in layers.items():
+        torch.testing.assert_close(reference[f"{n}.weight"].float(), m.dequantized_weight().float(), rtol=0, atol=0)
+    assert build(recipe_file=str(out / "recipe.yaml")).overrides == recipe.overrides
+
+
+def test_the_name_wins_over_linear_whatever_the_order(mixed, tmp_path):
+    import shutil
+
+    out, _ = mixed
+    swapped = tmp_path / "swapped"
+    shutil.copytree(out, swapped)
+    config = json.loads((swapped / "config.json").read_text())
+    groups = config["quantization_config"]["config_groups"]
+    config["quantization_config"]["config_groups"] = {"group_0": groups["group_1"], "group_1": groups["group_0"]}
+    (swapped / "config.json").write_text(json.dumps(config))
+    a, b = load_quantized(out), load_quantized(swapped)
+    for (n, m), (_, m2) in zip(a.named_modules(), b.named_modules()):
+        if isinstance(m, QuantLinear):
+            assert m.scheme == m2.scheme, n
+
+
+def test_the_runtime_serves_a_mixed_checkpoint(mixed):
+    """Its prompt distributions are transformers' forward on the same checkpoint."""
+    from qtk import LLM
+    from qtk.evals.kld import kl_divergence
+
+    out, _ = mixed
+    llm = LLM(str(out), dtype="float32", max_model_len=128, kv_cache_memory=2**22, block_size=8)
+    ids = list(range(5, 45))
+    rows = llm.prompt_log_probs([ids])[0]
+    with torch.no_grad():
+        ref = load_quantized(out)(input_ids=torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    kl, agree = kl_divergence(ref, rows)  # the engine's int kernels take bf16 products where the CPU has them
+    assert kl.max() < 1e-5 and agree.all()
+
+
+def test_override_mistakes_are_refused_before_any_work(tiny_dir, tmp_path):
+    base = from_flags("rtn", "w4a16", group_size=32)
+    bad = dataclasses.replace(base, overrides=(Override(("model.layers.0.mlp.down_prog",), preset("w8a16")),))
+    with pytest.raises(InputError, match="down_prog.*matches no quantized decoder Linear"):
+        pipeline.quantize(str(tiny_dir), bad, tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(InputError, match="weight-only int"):
+        Override(("a",), preset("w8a8"))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(to_yaml(base) + "overrides: [{targets: model.layers.0.mlp.down_proj, scheme: w8a16}]\n")
+    with pytest.raises(InputError, match="targets must be a list"):
+        build(recipe_file=str(recipe))
