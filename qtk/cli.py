@@ -108,6 +108,10 @@ def _section(**kw):
 @click.option("--kv-cache", type=click.Choice(["fp8", "int8"]), default=None, help="Also calibrate KV-cache scales.")
 @click.option("--kv-strategy", type=click.Choice(["tensor", "head"]), default=None, help="KV scales per tensor or per head.")
 @click.option("--ignore", multiple=True, help="Extra layer names or 're:REGEX' patterns to keep in float (lm_head always).")
+@click.option("--max-bits", type=float, default=None,
+              help="Mixed precision: keep the layers that cost the most (KL divergence when each alone is "
+                   "quantized, on calibration samples) at 8 bits while the average bits per quantized weight "
+                   "stay within this (e.g. 4.6 beside w4a16's 4.3).")
 @click.option("--dataset", default=None, help="Calibration text: builtin (pydoc topics), FILE.txt, FILE.jsonl, hf:NAME.")
 @click.option("--num-samples", type=int, default=None, help="Calibration samples (64; 128 in the default recipe).")
 @click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample (512).")

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .calibrate import checkpoint_groups, quantize_model, targeted_linears
+from .calibrate import checkpoint_groups, override_schemes, quantize_model, targeted_linears
 from .checkpoint import check_weight_files, save_quantized, target_matches
 from .data import calibration_ids
 from .device import check_device, choose_dtype
 from .errors import InputError, OutputError, OutputExistsError
 from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, resolve
 from .moe import linearize_experts, router_names
-from .recipe import Recipe, to_yaml
+from .recipe import MIXED_WIDER, Override, Recipe, to_yaml
 from .schemes import check_group_divides, dividing_group_size
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,12 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     ids = calibration_ids(tok, c.dataset, c.num_samples, c.seq_len, c.seed, c.chat_template) if recipe.needs_data else None
     model, tok = load_model(str(path), dtype=compute.dtype, tokenizer=tok)
     linearize_experts(model)  # a MoE's experts as Linears: each quantized as its own layer
+    mixed = None
+    if recipe.max_bits is not None:
+        recipe, mixed = mix_precision(model, recipe, ids, progress)
     report = quantize_model(model, recipe, ids, progress=progress)
+    if mixed is not None:
+        report["mixed_precision"] = mixed
     groups, ignore = checkpoint_groups(model, recipe)
     report.update(model=model_name, method=recipe.method, calibration_tokens=0 if ids is None else ids.numel(),
                   calibration_samples=0 if ids is None else len(ids), dtype=compute.name, dtype_reason=compute.reason)
@@ -62,6 +67,39 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     save_quantized(model, tok, output, groups, ignore, recipe.kv_cache, dtype=dtype, force=force, extra_files=extra)
     report["total_seconds"] = time.perf_counter() - t0
     return report
+
+
+SENSITIVITY_SAMPLES = 2  # calibration samples the per-layer KL is measured on (1,022 positions at 512 tokens)
+
+
+def mix_precision(model: nn.Module, recipe: Recipe, ids: torch.Tensor | None, progress: bool) -> tuple[Recipe, dict]:
+    """recipe.max_bits: each layer's KL when it alone is rounded to the scheme (sensitivity.py), the
+    most sensitive kept at 8 bits within the budget; returns the recipe with them as an override
+    (max_bits resolved) and what the report says of the choice."""
+    from .arch import discover
+    from .sensitivity import choose, layer_sensitivity, weight_bits
+
+    if ids is None:
+        raise InputError("max_bits measures each layer on calibration samples: this recipe reads none")
+    arch = discover(model)
+    overridden = override_schemes(targeted_linears(model, recipe, arch), recipe)
+    targets = {n: m for n, m in targeted_linears(model, recipe, arch).items() if n not in overridden}
+    shapes = {n: (m.out_features, m.in_features) for n, m in targets.items()}
+    floor = sum(o * i * weight_bits(recipe.scheme, i) for o, i in shapes.values()) / sum(o * i for o, i in shapes.values())
+    if recipe.max_bits < floor:
+        raise InputError(f"max_bits {recipe.max_bits:g} is below what the scheme alone takes ({floor:.3f} bits per "
+                         "weight, with its scales): give more")
+    t0 = time.perf_counter()
+    kl = layer_sensitivity(model, arch, targets, recipe.scheme, ids[:SENSITIVITY_SAMPLES], progress)
+    chosen, bits = choose(kl, shapes, recipe.scheme, MIXED_WIDER, recipe.max_bits)
+    log.info("mixed precision: %d of %d layers at 8 bits (%.3f bits per weight, budget %g), measured in %.0f s; "
+             "the most sensitive: %s", len(chosen), len(targets), bits, recipe.max_bits, time.perf_counter() - t0,
+             ", ".join(f"{n} (KL {kl[n]:.4f})" for n in chosen[:5]))
+    overrides = recipe.overrides + ((Override(tuple(chosen), MIXED_WIDER),) if chosen else ())
+    report = {"max_bits": recipe.max_bits, "bits_per_weight": bits, "scheme_alone_bits": floor,
+              "kept_at_8_bits": {n: kl[n] for n in chosen}, "kl_each_layer_alone": kl,
+              "samples": min(len(ids), SENSITIVITY_SAMPLES), "seconds": time.perf_counter() - t0}
+    return replace(recipe, overrides=overrides, max_bits=None), report
 
 
 def check_output(output: Path, force: bool) -> None:

@@ -36,6 +36,7 @@ class CalibrationArgs:
 
 
 CALIBRATION_DTYPES = ("auto", "bfloat16", "float32")
+MIXED_WIDER = preset("w8a16")  # where max_bits keeps the layers a narrower scheme hurts most
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ class Recipe:
     smoothing: str | None = None  # an equivalent transform applied first: a SMOOTHING method
     ignore: tuple[str, ...] = ("lm_head",)
     overrides: tuple[Override, ...] = ()  # layers with a scheme of their own (mixed precision)
+    # mixed precision chosen by measurement: the layers that cost the most KL alone at the scheme
+    # are kept at 8 bits (MIXED_WIDER) while the average bits per quantized weight stay <= max_bits
+    # (qtk/sensitivity.py); the recipe.yaml written lists the layers chosen as overrides
+    max_bits: float | None = None
     kv_cache: KVCacheScheme | None = None
     gptq: GPTQArgs = field(default_factory=GPTQArgs)  # each method's options (METHODS[name].args)
     awq: AWQArgs = field(default_factory=AWQArgs)
@@ -101,6 +106,14 @@ class Recipe:
             check = name is not None and METHODS[name].check
             if check:
                 check(self.scheme)
+        if self.max_bits is not None:
+            if isinstance(self.max_bits, bool) or not isinstance(self.max_bits, (int, float)) or self.max_bits <= 0:
+                raise InputError(f"max_bits must be a positive number of bits per weight, got {self.max_bits!r}")
+            w, act = self.scheme.weights, self.scheme.input_activations
+            if act is not None or w.type != "int" or w.num_bits >= MIXED_WIDER.weights.num_bits:
+                raise InputError(f"max_bits keeps layers at 8 bits beside a narrower weight-only int scheme "
+                                 f"(w4a16, w4a16_asym); this recipe's scheme has weights {w.type}{w.num_bits}"
+                                 + (" and quantized activations" if act is not None else ""))
         if "lm_head" not in self.ignore:
             raise InputError("qtk quantizes the decoder blocks only: keep 'lm_head' in ignore")
         for pattern in self.ignore:
@@ -126,7 +139,7 @@ class Recipe:
     def needs_data(self) -> bool:
         a = self.scheme.input_activations
         return (any(METHODS[name].calibrates for name in (self.weights, self.smoothing) if name is not None)
-                or self.kv_cache is not None or (a is not None and not a.dynamic))
+                or self.kv_cache is not None or (a is not None and not a.dynamic) or self.max_bits is not None)
 
 
 def _either(names: tuple[str, ...]) -> str:
@@ -153,8 +166,8 @@ def from_flags(method: str, scheme: str | None = None, group_size: int | None = 
 
 
 _SECTIONS = {**{name: m.args for name, m in METHODS.items() if m.args}, "calibration": CalibrationArgs}
-_TOP = {"method", "scheme", "group_size", "weights", "kv_cache", "kv_strategy", "ignore", "overrides", "device", "dtype",
-        *_SECTIONS}
+_TOP = {"method", "scheme", "group_size", "weights", "kv_cache", "kv_strategy", "ignore", "overrides", "max_bits",
+        "device", "dtype", *_SECTIONS}
 
 
 # `qtk quantize MODEL` with neither --method nor --recipe: qtk's best 4-bit recipe, AWQ scales then
@@ -167,7 +180,7 @@ DEFAULT_RECIPE = "awq-gptq-w4a16"
 def build(method: str | None = None, scheme: str | None = None, group_size: int | None = None,
           weights: str | None = None, kv_cache: str | None = None, kv_strategy: str | None = None,
           ignore: tuple[str, ...] = (), device: str | None = None, dtype: str | None = None,
-          recipe_file: str | None = None,
+          recipe_file: str | None = None, max_bits: float | None = None,
           **section_overrides: dict) -> Recipe:
     """A Recipe from an optional YAML file (qtk's recipe DEFAULT_RECIPE when there is neither a
     file nor a method), overridden by explicit values (the CLI's flags).
@@ -180,7 +193,7 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
         data = load_yaml(str(assets.recipe_file(DEFAULT_RECIPE)))
     top = {"method": method, "scheme": scheme, "group_size": group_size, "weights": weights,
            "kv_cache": kv_cache, "kv_strategy": kv_strategy, "device": device,
-           "dtype": dtype}
+           "dtype": dtype, "max_bits": max_bits}
     data.update({k: v for k, v in top.items() if v is not None})
     if ignore:
         data["ignore"] = list(ignore)
@@ -202,6 +215,7 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
                         weights=data.get("weights"), kv_cache=data.get("kv_cache"),
                         kv_strategy=data.get("kv_strategy") or "tensor", ignore=tuple(data.get("ignore") or ()),
                         **sections)
+    recipe = dataclasses.replace(recipe, max_bits=data.get("max_bits"))
     _check_applies(recipe, data.get("kv_strategy"), section_overrides)
     auto_group = data.get("group_size") is None and recipe.scheme.weights.strategy == "group"
     return dataclasses.replace(recipe, device=data.get("device") or "cpu", dtype=data.get("dtype") or "auto",
@@ -245,7 +259,7 @@ def _check_applies(recipe: Recipe, kv_strategy: str | None, section_overrides: d
     if flags and not recipe.needs_data:
         raise InputError(f"{flags}: calibration option(s), but this recipe (method {recipe.method}, "
                          f"{recipe.weights} weights) takes no calibration data; only gptq weights, awq, smoothquant, "
-                         "static activation scales and --kv-cache scales calibrate")
+                         "static activation scales, --kv-cache scales and --max-bits calibrate")
 
 
 def _given_flags(section_overrides: dict, section: str) -> str:
@@ -309,6 +323,8 @@ def to_yaml(recipe: Recipe) -> str:
         d["group_size"] = group_size
     if recipe.overrides:
         d["overrides"] = [_override_dict(o) for o in recipe.overrides]
+    if recipe.max_bits is not None:
+        d["max_bits"] = recipe.max_bits
     if recipe.kv_cache is not None:
         d["kv_cache"] = {v: k for k, v in KV_CACHE.items()}[recipe.kv_cache.type]
         d["kv_strategy"] = {v: k for k, v in KV_STRATEGIES.items()}[recipe.kv_cache.strategy]

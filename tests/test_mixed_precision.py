@@ -97,3 +97,77 @@ def test_override_mistakes_are_refused_before_any_work(tiny_dir, tmp_path):
     recipe.write_text(to_yaml(base) + "overrides: [{targets: model.layers.0.mlp.down_proj, scheme: w8a16}]\n")
     with pytest.raises(InputError, match="targets must be a list"):
         build(recipe_file=str(recipe))
+
+
+def test_layer_sensitivity_replays_the_blocks_before_and_ranks_a_hurt_layer_first(tiny_llama):
+    """Each layer's KL with the blocks before it standing in by their outputs equals a full forward
+    with that layer alone rounded; a layer given an outlier weight (its rows' grids stretched) ranks
+    first."""
+    from qtk.arch import discover
+    from qtk.calibrate import targeted_linears
+    from qtk.quant import dequantize_weight, quantize_weight
+    from qtk.sensitivity import layer_sensitivity
+
+    model = tiny_llama(initializer_range=0.1)
+    hurt = "model.layers.1.mlp.down_proj"
+    with torch.no_grad():
+        model.get_submodule(hurt).weight[:, 3] *= 40  # one input column 40x: every row's range is its
+    recipe = from_flags("rtn", "w4a16", group_size=32)
+    arch = discover(model)
+    targets = targeted_linears(model, recipe, arch)
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))  # TINY: vocab 256
+    kl = layer_sensitivity(model, arch, targets, recipe.scheme, ids, progress=False)
+    assert max(kl, key=kl.get) == hurt and set(kl) == set(targets)
+    name = "model.layers.1.self_attn.v_proj"  # the full forward, by hand
+    w = model.get_submodule(name).weight.data
+    with torch.no_grad():
+        base = model(input_ids=ids).logits[:, :-1].float().log_softmax(-1)
+        q, s, zp = quantize_weight(w, recipe.scheme.weights)
+        model.get_submodule(name).weight.data = dequantize_weight(q, s, zp, recipe.scheme.weights)
+        rounded = model(input_ids=ids).logits[:, :-1].float().log_softmax(-1)
+        model.get_submodule(name).weight.data = w
+    assert kl[name] == pytest.approx((base.exp() * (base - rounded)).sum(-1).mean().item(), rel=1e-4)
+
+
+def test_choose_keeps_the_most_sensitive_within_the_budget():
+    from qtk.sensitivity import choose, weight_bits
+
+    four, eight = preset("w4a16_asym", 64), preset("w8a16")
+    assert weight_bits(four, 576) == 4 + 20 / 64 and weight_bits(eight, 576) == 8 + 16 / 576
+    shapes = {"a": (576, 1536), "b": (576, 576), "c": (192, 576), "d": (1536, 576)}
+    kl = {"a": 0.03, "b": 0.02, "c": 0.01, "d": 0.001}
+    params = {n: o * i for n, (o, i) in shapes.items()}
+    total = sum(params.values())
+    bits = lambda names: sum(params[n] * weight_bits(eight if n in names else four, shapes[n][1])  # noqa: E731
+                             for n in shapes) / total
+    chosen, avg = choose(kl, shapes, four, eight, bits({"a", "c"}) + 1e-9)
+    assert chosen == ["a", "c"] and avg == pytest.approx(bits({"a", "c"}))  # b does not fit beside a; c does
+    assert choose(kl, shapes, four, eight, bits(set()))[0] == []
+
+
+def test_max_bits_end_to_end(tiny_dir, tmp_path):
+    """qtk quantize --max-bits: the chosen layers are an 8-bit config group, the report names them
+    with their KL and the bits per weight reached, within the budget; the recipe it writes
+    quantizes the same layers again; a budget below the scheme's own is refused (exit 2)."""
+    from click.testing import CliRunner
+
+    from qtk.cli import main
+
+    out = tmp_path / "q"
+    args = ["--method", "gptq", "--scheme", "w4a16_asym", "--group-size", "32", "--num-samples", "4",
+            "--seq-len", "64"]
+    r = CliRunner().invoke(main, ["quantize", str(tiny_dir), *args, "--max-bits", "4.9", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    mixed = json.loads((out / "qtk_report.json").read_text())["mixed_precision"]
+    kept = mixed["kept_at_8_bits"]
+    assert kept and mixed["bits_per_weight"] <= 4.9 and len(mixed["kl_each_layer_alone"]) == 14
+    assert list(kept) == sorted(kept, key=kept.get, reverse=True)[:len(kept)]
+    groups = list(json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values())
+    assert sorted(groups[0]["targets"]) == sorted(kept) and groups[0]["weights"]["num_bits"] == 8
+    again = tmp_path / "again"
+    r = CliRunner().invoke(main, ["quantize", str(tiny_dir), "--recipe", str(out / "recipe.yaml"), "-o", str(again)])
+    assert r.exit_code == 0, r.output
+    assert json.loads((again / "config.json").read_text())["quantization_config"]["config_groups"] == \
+        json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    r = CliRunner().invoke(main, ["quantize", str(tiny_dir), *args, "--max-bits", "4.2", "-o", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "below what the scheme alone takes" in r.output and not (tmp_path / "x").exists()

@@ -1,0 +1,98 @@
+"""Which layers a scheme hurts most, and which to keep wider within a size budget.
+
+Each targeted Linear is rounded alone to the scheme (every other layer as it is) and scored by the
+KL divergence of the model's next-token distributions from the unrounded model's, on calibration
+samples (never the evaluation text the gates judge on). The blocks before the layer's own are
+not run again: their outputs from the unrounded forward stand in for them.
+
+`choose` then keeps the most sensitive layers at a wider scheme (8 bits) for as long as the
+average bits per quantized weight stay within the budget: `qtk quantize --max-bits B`.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .arch import Arch, set_module
+from .chunked_sdpa import chunked_attention
+from .quant import dequantize_weight, quantize_weight
+from .schemes import Scheme
+
+log = logging.getLogger(__name__)
+
+
+class _Cached(nn.Module):
+    """Stands in for a decoder block before the rounded layer's: returns its unrounded output."""
+
+    def __init__(self, output):
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args, **kwargs):
+        return self.output
+
+
+def _log_probs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """[N * (L - 1), V] float32 next-token log-probabilities of the samples ids [N, L]."""
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    return logits.log_softmax(-1).flatten(0, 1)
+
+
+@torch.no_grad()
+def layer_sensitivity(model: nn.Module, arch: Arch, targets: dict[str, nn.Linear], scheme: Scheme,
+                      ids: torch.Tensor, progress: bool = True) -> dict[str, float]:
+    """{layer name: mean KL(unrounded || that layer alone rounded to `scheme`)} over ids [N, L]."""
+    layers = model.get_submodule(arch.layers)
+    outputs: list = [None] * len(layers)
+    hooks = [layer.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(i, out))
+             for i, layer in enumerate(layers)]
+    try:
+        with chunked_attention(model):
+            base = _log_probs(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    p = base.exp()
+    kl = {}
+    for name, linear in tqdm(targets.items(), desc="qtk sensitivity", unit="layer", disable=not progress):
+        block = int(name[len(arch.layers) + 1:].split(".", 1)[0])
+        w = linear.weight.data
+        q, s, zp = quantize_weight(w.float(), scheme.weights)
+        linear.weight.data = dequantize_weight(q, s, zp, scheme.weights).to(w.dtype)
+        set_module(model, arch.layers, nn.ModuleList([*(_Cached(outputs[j]) for j in range(block)),
+                                                     *layers[block:]]))
+        try:
+            with chunked_attention(model):
+                kl[name] = (p * (base - _log_probs(model, ids))).sum(-1).mean().item()
+        finally:
+            set_module(model, arch.layers, layers)
+            linear.weight.data = w
+    return kl
+
+
+def weight_bits(scheme: Scheme, in_features: int) -> float:
+    """Bits per weight a layer takes on disk: the codes, plus a bf16 scale (and a zero point of the
+    codes' width, when asymmetric) per group or output channel."""
+    w = scheme.weights
+    per = w.group_size if w.strategy == "group" else in_features
+    return w.num_bits + (16 + (0 if w.symmetric else w.num_bits)) / per
+
+
+def choose(kl: dict[str, float], shapes: dict[str, tuple[int, int]], scheme: Scheme, wider: Scheme,
+           max_bits: float) -> tuple[list[str], float]:
+    """The most sensitive layers (by KL, largest first) moved to `wider` while the average bits per
+    quantized weight stay <= max_bits (a layer that does not fit is passed over for smaller ones);
+    returns (those layers, the average bits). shapes: name -> (out_features, in_features)."""
+    params = {n: o * i for n, (o, i) in shapes.items()}
+    total = sum(params.values())
+    bits = sum(params[n] * weight_bits(scheme, shapes[n][1]) for n in shapes)
+    chosen = []
+    for name in sorted(kl, key=kl.get, reverse=True):
+        extra = params[name] * (weight_bits(wider, shapes[name][1]) - weight_bits(scheme, shapes[name][1]))
+        if (bits + extra) / total <= max_bits:
+            chosen.append(name)
+            bits += extra
+    return chosen, bits / total
