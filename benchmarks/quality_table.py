@@ -26,7 +26,8 @@ BASE = "smollm2-135m"
 # (name, label, quantize arguments or None for the baseline's weights, KV cache the runtime serves)
 ROWS = [
     ("baseline", "baseline (bf16 weights, float32 compute)", None, "auto"),
-    ("default-w4a16", "default recipe: AWQ + GPTQ w4a16 asym g64", [], "auto"),
+    ("default-w4a16", "default recipe: AWQ + GPTQ w4a16 asym g64, sensitive layers w8a16 (4.75 bits)", [], "auto"),
+    ("default-int4", "default recipe, int4 everywhere (--max-bits 0)", ["--max-bits", "0"], "auto"),
     ("gptq-w4a16", "GPTQ w4a16 sym g64", ["--recipe", RECIPES / "gptq-w4a16.yaml"], "auto"),
     ("awq-w4a16", "AWQ w4a16 asym g64", ["--recipe", RECIPES / "awq-w4a16.yaml"], "auto"),
     ("smoothquant-w8a8", "SmoothQuant + GPTQ w8a8", ["--recipe", RECIPES / "smoothquant-gptq-w8a8.yaml"], "auto"),

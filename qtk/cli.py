@@ -111,7 +111,7 @@ def _section(**kw):
 @click.option("--max-bits", type=float, default=None,
               help="Mixed precision: keep the layers that cost the most (KL divergence when each alone is "
                    "quantized, on calibration samples) at 8 bits while the average bits per quantized weight "
-                   "stay within this (e.g. 4.6 beside w4a16's 4.3).")
+                   "stay within this (e.g. 4.6 beside w4a16's 4.3; the default recipe's 4.75; 0: none).")
 @click.option("--dataset", default=None, help="Calibration text: builtin (pydoc topics), FILE.txt, FILE.jsonl, hf:NAME.")
 @click.option("--num-samples", type=int, default=None, help="Calibration samples (64; 128 in the default recipe).")
 @click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample (512).")

@@ -191,10 +191,14 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
         data = load_yaml(recipe_file)
     elif method is None:
         data = load_yaml(str(assets.recipe_file(DEFAULT_RECIPE)))
+        if scheme is not None:  # its max_bits budget is for its own 4-bit scheme
+            data.pop("max_bits", None)
     top = {"method": method, "scheme": scheme, "group_size": group_size, "weights": weights,
            "kv_cache": kv_cache, "kv_strategy": kv_strategy, "device": device,
            "dtype": dtype, "max_bits": max_bits}
     data.update({k: v for k, v in top.items() if v is not None})
+    if data.get("max_bits") == 0:  # --max-bits 0: no layer kept wider
+        del data["max_bits"]
     if ignore:
         data["ignore"] = list(ignore)
     _check_top(data)

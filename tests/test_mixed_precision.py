@@ -171,3 +171,40 @@ def test_max_bits_end_to_end(tiny_dir, tmp_path):
         json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     r = CliRunner().invoke(main, ["quantize", str(tiny_dir), *args, "--max-bits", "4.2", "-o", str(tmp_path / "x")])
     assert r.exit_code == 2 and "below what the scheme alone takes" in r.output and not (tmp_path / "x").exists()
+
+
+def _zoo_types():
+    from zoo import DENSE, MOE
+
+    return [*DENSE, *MOE]
+
+
+@pytest.mark.parametrize("model_type", _zoo_types())
+def test_sensitivity_replay_is_exact_on_every_family(model_type):
+    """On every model type qtk quantizes, the KL of the last block's first layer with the blocks
+    before it replayed from their outputs equals the KL of a full forward with that layer rounded."""
+    from qtk.arch import discover
+    from qtk.calibrate import targeted_linears
+    from qtk.moe import linearize_experts
+    from qtk.quant import dequantize_weight, quantize_weight
+    from qtk.sensitivity import layer_sensitivity
+    from zoo import tiny
+
+    model = tiny(model_type)
+    linearize_experts(model)
+    recipe = from_flags("rtn", "w4a16", group_size=16)
+    arch = discover(model)
+    targets = targeted_linears(model, recipe, arch)
+    name = next(n for n in targets if n.startswith(f"{arch.layers}.{len(arch.linears) - 1}."))
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    kl = layer_sensitivity(model, arch, {name: targets[name]}, recipe.scheme, ids, progress=False)
+    linear = targets[name]
+    w = linear.weight.data
+    with torch.no_grad():
+        base = model(input_ids=ids, use_cache=False).logits[:, :-1].float().log_softmax(-1)
+        q, s, zp = quantize_weight(w, recipe.scheme.weights)
+        linear.weight.data = dequantize_weight(q, s, zp, recipe.scheme.weights)
+        rounded = model(input_ids=ids, use_cache=False).logits[:, :-1].float().log_softmax(-1)
+        linear.weight.data = w
+    want = (base.exp() * (base - rounded)).sum(-1).mean().item()
+    assert kl[name] == pytest.approx(want, rel=1e-3, abs=1e-9), model_type
