@@ -32,6 +32,7 @@ from qtk.device import choose_dtype, cpu_name  # noqa: E402
 from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
 from qtk.loading import BUNDLED, load_model, resolve  # noqa: E402
 from qtk.methods.args import SmoothQuantArgs  # noqa: E402
+from qtk.pipeline import mix_precision  # noqa: E402
 from qtk.recipe import build, from_flags  # noqa: E402
 
 
@@ -43,8 +44,10 @@ def qtk_recipes(group_size: int) -> dict:
         "smoothquant_gptq_w8a8": from_flags("smoothquant", scheme="w8a8", weights="gptq",
                                             smoothquant=SmoothQuantArgs(alpha=0.8)),
         "fp8": from_flags("fp8", scheme="fp8"),
-        # qtk's default recipe, its best at 4 bits (calibration/recipes/awq-gptq-w4a16.yaml): AWQ, then GPTQ
+        # qtk's default recipe, its best at 4 bits (calibration/recipes/awq-gptq-w4a16.yaml): AWQ, then GPTQ,
+        # the layers int4 hurts most kept at int8 within 4.75 bits per weight; and the same in int4 alone
         "qtk_best": build(group_size=group_size),
+        "qtk_best_int4": build(group_size=group_size, max_bits=0),
     }
 
 
@@ -54,6 +57,8 @@ PEER_PYTHON = ["bash", str(ROOT / "scripts/peer_env.sh"), "python"]  # builds th
 def run_qtk(name, recipe, ids, out: Path) -> float:
     model, tok = load_model(BUNDLED, dtype=getattr(torch, recipe.dtype))
     t0 = time.perf_counter()
+    if recipe.max_bits is not None:  # the default recipe's mixed precision, as qtk quantize runs it
+        recipe, _ = mix_precision(model, recipe, ids, progress=False)
     quantize_model(model, recipe, ids, progress=False)
     seconds = time.perf_counter() - t0
     groups, ignore = checkpoint_groups(model, recipe)
@@ -117,7 +122,7 @@ def main():
         qdir = work / f"qtk-{name}"
         row["qtk_seconds"] = run_qtk(name, recipes[name], ids, qdir)
         row["qtk_ppl"] = ppl_of(qdir, windows)
-        if name != "qtk_best" and name not in args.no_peer.split(","):
+        if not name.startswith("qtk_best") and name not in args.no_peer.split(","):
             pdir = work / f"peer-{name}"
             try:
                 row["peer_seconds"] = run_peer(name, ids_file, pdir, args.group_size, args.dtype)
