@@ -12,8 +12,9 @@ The measurement a mixed-precision choice starts from (keep the few layers that c
 8 bits or unquantized): it prints the layers by KL, the KL summed by layer kind (q, k, v, o, gate,
 up, down) and by depth, and each layer's size in parameters, and writes
 OUT/layer-sensitivity-MODEL-SCHEME-gG-TEXT.json (command, commit, CPU, date, every layer's figure).
-The forward is transformers' float32 one on the weights as loaded: a layer's figure is its own
-rounding error's effect on the output distribution, before GPTQ or AWQ reduce it.
+The measurement is qtk/sensitivity.py's, what `qtk quantize --max-bits` ranks by, here in float32:
+a layer's figure is its own rounding error's effect on the output distribution, before GPTQ or
+AWQ reduce it.
 """
 from __future__ import annotations
 
@@ -25,42 +26,16 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from qtk.arch import discover
 from qtk.bench import git_commit
-from qtk.chunked_sdpa import chunked_attention
+from qtk.calibrate import targeted_linears
 from qtk.data import calibration_ids
 from qtk.device import cpu_name
-from qtk.evals.kld import kl_divergence
 from qtk.evals.perplexity import eval_windows
 from qtk.loading import load_model
-from qtk.quant import dequantize_weight, quantize_weight
-from qtk.schemes import preset
-
-
-@torch.no_grad()
-def log_probs(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
-    """[W, L - 1, V] float32 log-probabilities of every scored position."""
-    with chunked_attention(model):
-        return torch.stack([model(input_ids=w[None]).logits[0, :-1].float().log_softmax(-1) for w in windows])
-
-
-@torch.no_grad()
-def sensitivity(model: nn.Module, windows: torch.Tensor, args) -> list[dict]:
-    """Per decoder Linear: the mean KL (and top-1 agreement) with that layer alone fake-quantized."""
-    base = log_probs(model, windows).flatten(0, 1)
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
-    rows = []
-    for i, (name, linear) in enumerate(layers):
-        w = linear.weight.data
-        q, scale, zp = quantize_weight(w.float(), args)
-        linear.weight.data = dequantize_weight(q, scale, zp, args).to(w.dtype)
-        kl, agree = kl_divergence(base, log_probs(model, windows).flatten(0, 1))
-        linear.weight.data = w
-        rows.append({"layer": name, "params": w.numel(), "kld": kl.mean().item(),
-                     "top1_agreement": agree.float().mean().item()})
-        print(f"[{i + 1}/{len(layers)}] {name}: KL {rows[-1]['kld']:.5f}", file=sys.stderr)
-    return rows
+from qtk.recipe import from_flags
+from qtk.sensitivity import layer_sensitivity
 
 
 def summary(rows: list[dict]) -> dict:
@@ -89,14 +64,18 @@ def main() -> None:
     windows = (calibration_ids(tok, "builtin", a.windows, a.seq_len, 0) if a.text == "calibration"
                else eval_windows(tok, "builtin", a.seq_len, a.windows))
     t0 = time.perf_counter()
-    rows = sensitivity(model, windows, preset(a.scheme, a.group_size).weights)
-    rows.sort(key=lambda r: -r["kld"])
+    recipe = from_flags("rtn", a.scheme, group_size=a.group_size)
+    arch = discover(model)
+    targets = targeted_linears(model, recipe, arch)
+    kl = layer_sensitivity(model, arch, targets, recipe.scheme, windows)
+    rows = sorted(({"layer": n, "params": targets[n].weight.numel(), "kld": v} for n, v in kl.items()),
+                  key=lambda r: -r["kld"])
     total = sum(r["params"] for r in rows)
     print(f"\n{a.model}, {a.scheme} g{a.group_size}, one layer at a time ({windows.numel()} tokens of {a.text} text, "
           f"{time.perf_counter() - t0:.0f} s); the 20 that cost the most:")
-    print(f"{'layer':<40} {'KL':>9} {'top-1':>7} {'share of params':>16}")
+    print(f"{'layer':<40} {'KL':>9} {'share of params':>16}")
     for r in rows[:20]:
-        print(f"{r['layer']:<40} {r['kld']:>9.5f} {r['top1_agreement']:>7.3f} {r['params'] / total:>15.2%}")
+        print(f"{r['layer']:<40} {r['kld']:>9.5f} {r['params'] / total:>15.2%}")
     s = summary(rows)
     print("\nKL summed by kind: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(s["by_kind"].items(),
                                                                               key=lambda kv: -kv[1])))

@@ -235,10 +235,10 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
     device = torch.device(recipe.device)
     targets = targeted_linears(model, recipe, arch)
     overrides = override_schemes(targets, recipe)
+    for scheme in set(overrides.values()):
+        check_group_divides(scheme, {n: targets[n].in_features for n, s in overrides.items() if s == scheme})
     targets = {n: m for n, m in targets.items() if n not in overrides}
     check_group_divides(recipe.scheme, {n: m.in_features for n, m in targets.items()})
-    for scheme in set(overrides.values()):
-        check_group_divides(scheme, {n: model.get_submodule(n).in_features for n, s in overrides.items() if s == scheme})
     if recipe.needs_data and calib_ids is None:
         raise InputError(f"method {recipe.method!r} with this scheme needs calibration data")
     t0 = time.perf_counter()

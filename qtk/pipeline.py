@@ -82,8 +82,9 @@ def mix_precision(model: nn.Module, recipe: Recipe, ids: torch.Tensor | None, pr
     if ids is None:
         raise InputError("max_bits measures each layer on calibration samples: this recipe reads none")
     arch = discover(model)
-    overridden = override_schemes(targeted_linears(model, recipe, arch), recipe)
-    targets = {n: m for n, m in targeted_linears(model, recipe, arch).items() if n not in overridden}
+    targets = targeted_linears(model, recipe, arch)
+    overridden = override_schemes(targets, recipe)
+    targets = {n: m for n, m in targets.items() if n not in overridden}
     shapes = {n: (m.out_features, m.in_features) for n, m in targets.items()}
     floor = sum(o * i * weight_bits(recipe.scheme, i) for o, i in shapes.values()) / sum(o * i for o, i in shapes.values())
     if recipe.max_bits < floor:

@@ -39,6 +39,16 @@ CALIBRATION_DTYPES = ("auto", "bfloat16", "float32")
 MIXED_WIDER = preset("w8a16")  # where max_bits keeps the layers a narrower scheme hurts most
 
 
+def check_patterns(patterns, what: str) -> None:
+    """Every 're:REGEX' among layer names and patterns compiles (what: how an error names one)."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as e:
+                raise InputError(f"{what} {pattern!r} is not a valid regular expression ({e})") from e
+
+
 @dataclass(frozen=True)
 class Override:
     """Layers quantized with a scheme of their own (mixed precision: the few layers a 4-bit
@@ -57,12 +67,7 @@ class Override:
         if act is not None or w.type != "int":
             raise InputError("an override's scheme must be a weight-only int scheme (w8a16, w4a16, w4a16_asym), "
                              f"got weights {w.type}{w.num_bits} with activations {act and act.type}")
-        for t in self.targets:
-            if t.startswith("re:"):
-                try:
-                    re.compile(t[3:])
-                except re.error as e:
-                    raise InputError(f"override target {t!r} is not a valid regular expression ({e})") from e
+        check_patterns(self.targets, "override target")
 
 
 @dataclass(frozen=True)
@@ -116,12 +121,7 @@ class Recipe:
                                  + (" and quantized activations" if act is not None else ""))
         if "lm_head" not in self.ignore:
             raise InputError("qtk quantizes the decoder blocks only: keep 'lm_head' in ignore")
-        for pattern in self.ignore:
-            if pattern.startswith("re:"):
-                try:
-                    re.compile(pattern[3:])
-                except re.error as e:
-                    raise InputError(f"ignore pattern {pattern!r} is not a valid regular expression ({e})") from e
+        check_patterns(self.ignore, "ignore pattern")
 
     @property
     def stored_scheme(self) -> Scheme:

@@ -41,13 +41,11 @@ class KLDivergence:
         return {**{name: bootstrap.aggregate(u) for name, u in units.items()}, "_units": units}
 
 
-def log_probs(llm, windows: torch.Tensor, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The engine's log-probabilities at every scored position of every window: [W, L - 1, vocab]
-    in `dtype` (windows [W, L] token ids), `batch_size` windows a batch."""
-    out = []
+def _window_rows(llm, windows: torch.Tensor, batch_size: int):
+    """Each window's log-probabilities at its scored positions [L - 1, vocab] float32, in order,
+    `batch_size` windows a batch."""
     for i in range(0, len(windows), batch_size):
-        out.extend(rows.to(dtype) for rows in llm.prompt_log_probs(windows[i:i + batch_size].tolist()))
-    return torch.stack(out)
+        yield from llm.prompt_log_probs(windows[i:i + batch_size].tolist())
 
 
 def kl_divergence(base: torch.Tensor, cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,17 +68,16 @@ def compare(llm, windows: torch.Tensor, base: torch.Tensor, batch_size: int = 1)
                          f"{windows.shape[0]} of {windows.shape[1]}: the two models must share the tokenizer "
                          "(rerun with --no-cache if the cached baseline is stale)")
     per_token, top1 = [], []
-    for i in range(0, len(windows), batch_size):
-        for j, rows in enumerate(llm.prompt_log_probs(windows[i:i + batch_size].tolist())):
-            kl, agree = kl_divergence(base[i + j], rows)
-            per_token.append(kl)
-            top1.append(agree)
+    for base_rows, rows in zip(base, _window_rows(llm, windows, batch_size)):
+        kl, agree = kl_divergence(base_rows, rows)
+        per_token.append(kl)
+        top1.append(agree)
     return KLDivergence(per_token, top1)
 
 
 def baseline(llm, windows: torch.Tensor, batch_size: int = 1) -> tuple[dict, torch.Tensor]:
     """The baseline's own result (KL 0 from itself, top-1 agreement 1, so its table row reads as
     the others do) and its log-probabilities in float16 for the candidate to be compared with."""
-    lp = log_probs(llm, windows, batch_size, torch.float16)
+    lp = torch.stack([rows.half() for rows in _window_rows(llm, windows, batch_size)])
     zeros = [torch.zeros(lp.shape[1]) for _ in range(len(lp))]
     return KLDivergence(zeros, [torch.ones(lp.shape[1], dtype=torch.bool) for _ in zeros]).metrics(), lp
