@@ -2,6 +2,11 @@
 
     python benchmarks/compare_llmcompressor.py [--methods rtn,gptq,awq,smoothquant_gptq_w8a8,fp8,qtk_best]
                                                [--num-samples 64] [--seq-len 512] [--limit N]
+                                               [--heldout FILE.txt [--heldout-limit 40]]
+
+--heldout scores every checkpoint also on text that no calibration set contains (the calibration
+text is the built-in Python documentation; e.g. WikiText-2's raw test split, saved as a .txt file:
+`--dataset hf:wikitext:wikitext-2-raw-v1` where the hub is reachable). The file's sha256 is recorded.
 
 The peer runs in its own venv (scripts/peer_env.sh; it pins an older transformers) on the same
 calibration token ids, saved to a file. Both checkpoints are then scored by one evaluator (qtk's
@@ -12,6 +17,7 @@ excluded on both sides. Writes benchmarks/results/compare_llmcompressor.{json,md
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -75,9 +81,10 @@ def run_peer(name, ids_file: Path, out: Path, group_size: int, dtype: str) -> fl
     return json.loads(res.stdout.strip().splitlines()[-1])["seconds"]
 
 
-def ppl_of(path, windows) -> float:
+def ppl_of(path, *windows) -> list[float]:
+    """Perplexity of the checkpoint at `path` on each set of windows given."""
     model, _ = load_model(str(path))
-    return perplexity(model, windows, progress=False).ppl
+    return [perplexity(model, w, progress=False).ppl for w in windows if w is not None]
 
 
 def main():
@@ -93,8 +100,11 @@ def main():
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="model dtype while calibrating, both sides (auto: bfloat16 where the CPU has bf16 units, "
                          "float32 elsewhere, as qtk chooses)")
+    ap.add_argument("--heldout", default=None, help="a .txt file of text unlike the calibration data, scored too")
+    ap.add_argument("--heldout-limit", type=int, default=40, help="held-out windows of --eval-seq-len tokens")
     ap.add_argument("--work", default="build/compare")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
+    ap.add_argument("--name", default="compare_llmcompressor", help="results file name, without .json / .md")
     args = ap.parse_args()
     args.dtype = choose_dtype(args.dtype).name  # one resolved dtype for both sides
 
@@ -106,8 +116,11 @@ def main():
     torch.save(ids, ids_file)
     windows = eval_windows(tok, "builtin", args.eval_seq_len, args.limit)
     baseline = perplexity(base, windows, progress=False).ppl
+    heldout = eval_windows(tok, args.heldout, args.eval_seq_len, args.heldout_limit) if args.heldout else None
+    heldout_baseline = perplexity(base, heldout, progress=False).ppl if args.heldout else None
     del base
-    print(f"baseline ppl {baseline:.4f} ({len(windows)} windows x {args.eval_seq_len})", flush=True)
+    print(f"baseline ppl {baseline:.4f} ({len(windows)} windows x {args.eval_seq_len})"
+          + (f"; held-out {heldout_baseline:.4f} ({len(heldout)} windows)" if args.heldout else ""), flush=True)
     recipes = {k: replace(r, dtype=args.dtype) for k, r in qtk_recipes(args.group_size).items()}
     record = {
         "command": " ".join(sys.argv), "git_commit": git_commit(), "device": cpu_name(),
@@ -117,43 +130,58 @@ def main():
         "evaluation": {"windows": len(windows), "seq_len": args.eval_seq_len, "scored_tokens": len(windows) * (args.eval_seq_len - 1)},
         "group_size": args.group_size, "baseline_ppl": baseline, "rows": [],
     }
+    if args.heldout:
+        record["heldout"] = {"file": Path(args.heldout).name, "sha256": hashlib.sha256(Path(args.heldout).read_bytes())
+                             .hexdigest(), "windows": len(heldout), "seq_len": args.eval_seq_len,
+                             "baseline_ppl": heldout_baseline}
     for name in args.methods.split(","):
         row = {"method": name}
         qdir = work / f"qtk-{name}"
         row["qtk_seconds"] = run_qtk(name, recipes[name], ids, qdir)
-        row["qtk_ppl"] = ppl_of(qdir, windows)
+        row["qtk_ppl"], *h = ppl_of(qdir, windows, heldout)
+        if h:
+            row["qtk_heldout_ppl"] = h[0]
         if not name.startswith("qtk_best") and name not in args.no_peer.split(","):
             pdir = work / f"peer-{name}"
             try:
                 row["peer_seconds"] = run_peer(name, ids_file, pdir, args.group_size, args.dtype)
-                row["peer_ppl"] = ppl_of(pdir, windows)
+                row["peer_ppl"], *h = ppl_of(pdir, windows, heldout)
+                if h:
+                    row["peer_heldout_ppl"] = h[0]
             except RuntimeError as e:  # recorded, not hidden: the table shows the peer failed
                 row["peer_error"] = str(e)[-2000:]
         print(json.dumps(row), flush=True)
         record["rows"].append(row)
-        write(record, Path(args.out))  # after every row: a long run keeps what it measured
+        write(record, Path(args.out), args.name)  # after every row: a long run keeps what it measured
     print(table(record))
 
 
-def write(record: dict, out: Path) -> None:
+def write(record: dict, out: Path, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare_llmcompressor.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / "compare_llmcompressor.md").write_text(table(record))
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / f"{name}.md").write_text(table(record))
 
 
 def table(r: dict) -> str:
-    b = r["baseline_ppl"]
-    lines = [f"# qtk vs llm-compressor on {r['model']} ({r['date']}, commit {r['git_commit'][:8]})", "",
+    b, h = r["baseline_ppl"], r.get("heldout")
+    lines = [f"# qtk vs llm-compressor on {r['model']} ({r['date']}, commit {r['git_commit'][:8]}, {r['device']})", "",
              f"Calibration: {r['calibration']['samples']} x {r['calibration']['seq_len']} tokens (builtin, seed 0), "
              f"same ids for both; model in {r.get('dtype', 'float32')} on both sides. Evaluation: {r['evaluation']['windows']} windows x {r['evaluation']['seq_len']} "
-             f"tokens. Group size {r['group_size']}. Baseline ppl {b:.4f}.", "",
-             "| method | qtk ppl | peer ppl | qtk vs base | peer vs base | qtk s | peer s | speedup |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"tokens of the built-in text held out from calibration. Group size {r['group_size']}. Baseline ppl {b:.4f}."]
+    if h:
+        lines[-1] += (f" Held-out: {h['windows']} windows x {h['seq_len']} tokens of {h['file']} (sha256 "
+                      f"{h['sha256'][:12]}), text unlike the calibration data; baseline ppl {h['baseline_ppl']:.4f}.")
+    head = ["method", "qtk ppl", "peer ppl", "qtk vs base", "peer vs base"]
+    head += ["held-out qtk vs base", "held-out peer vs base"] if h else []
+    lines += ["", "| " + " | ".join(head + ["qtk s", "peer s", "speedup"]) + " |", "|---" * (len(head) + 3) + "|"]
     for row in r["rows"]:
         q, qs, p, ps = row["qtk_ppl"], row["qtk_seconds"], row.get("peer_ppl"), row.get("peer_seconds")
         cells = [row["method"], f"{q:.4f}", _fmt(p, "{:.4f}"), f"{100 * (q / b - 1):+.1f}%",
-                 _fmt(None if p is None else 100 * (p / b - 1), "{:+.1f}%"), f"{qs:.1f}", _fmt(ps, "{:.1f}"),
-                 _fmt(None if ps is None else ps / qs, "{:.1f}x")]
+                 _fmt(None if p is None else 100 * (p / b - 1), "{:+.1f}%")]
+        if h:
+            cells += [_fmt(row.get(f"{side}_heldout_ppl") and 100 * (row[f"{side}_heldout_ppl"] / h["baseline_ppl"] - 1),
+                           "{:+.1f}%") for side in ("qtk", "peer")]
+        cells += [f"{qs:.1f}", _fmt(ps, "{:.1f}"), _fmt(None if ps is None else ps / qs, "{:.1f}x")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

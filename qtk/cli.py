@@ -112,6 +112,11 @@ def _section(**kw):
               help="Mixed precision: keep the layers that cost the most (KL divergence when each alone is "
                    "quantized, on calibration samples) at 8 bits while the average bits per quantized weight "
                    "stay within this (e.g. 4.6 beside w4a16's 4.3; the default recipe's 4.75; 0: none).")
+@click.option("--gates", "gates_spec", default=None,
+              help="Keep the fewest most sensitive layers at 8 bits (within --max-bits, or the recipe's) with "
+                   "which the checkpoint passes these gates (a gates YAML, or default / ci) against MODEL "
+                   "unquantized; each mix tried is calibrated and gated in full. Where none passes, the whole "
+                   "budget's mix is written with its table and the exit code is 1.")
 @click.option("--dataset", default=None, help="Calibration text: builtin (pydoc topics), FILE.txt, FILE.jsonl, hf:NAME.")
 @click.option("--num-samples", type=int, default=None, help="Calibration samples (64; 128 in the default recipe).")
 @click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample (512).")
@@ -125,8 +130,8 @@ def _section(**kw):
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default=None,
               help="Model dtype while calibrating (auto: bfloat16 on CUDA and CPUs with bf16 units, float32 "
                    "elsewhere): block forwards run in it; Hessians, solves and searches accumulate in float32.")
-def quantize(model, output, force, recipe_file, act_order, dampening, alpha, dataset, num_samples, seq_len,
-             batch_size, chat_template, seed, calibrate_all_experts, **top):
+def quantize(model, output, force, recipe_file, gates_spec, act_order, dampening, alpha, dataset, num_samples,
+             seq_len, batch_size, chat_template, seed, calibrate_all_experts, **top):
     """Quantize MODEL and write a compressed-tensors checkpoint to --output."""
     from . import pipeline, recipe as rec
 
@@ -136,12 +141,32 @@ def quantize(model, output, force, recipe_file, act_order, dampening, alpha, dat
                        calibration=_section(dataset=dataset, num_samples=num_samples, seq_len=seq_len,
                                             batch_size=batch_size, chat_template=chat_template, seed=seed,
                                             calibrate_all_experts=calibrate_all_experts))
-    optional.require(optional.model_needs(model), optional.dataset_needs(recipe.calibration.dataset, "--dataset"))
+    needs = [optional.model_needs(model), optional.dataset_needs(recipe.calibration.dataset, "--dataset")]
+    if gates_spec is not None:
+        return _quantize_gated(model, recipe, output, force, gates_spec, top["max_bits"], needs)
+    optional.require(*needs)
     report = pipeline.quantize(model, recipe, output, force=force)
     method = recipe.method if recipe.smoothing is None or recipe.weights == "rtn" else f"{recipe.method}+{recipe.weights}"
     click.echo(f"wrote {output} ({method}, {len(report['layers'])} layers, "
                f"{report['calibration_tokens']} calibration tokens, {report['seconds']:.1f} s quantize, "
                f"{report['total_seconds']:.1f} s total)")
+
+
+def _quantize_gated(model, recipe, output, force, gates_spec, max_bits_flag, needs):
+    from .evals.gates import gates_needs, load_gates
+    from .gated import quantize_gated
+
+    optional.require(*needs, gates_needs(load_gates(gates_spec)))
+    # --max-bits 0: the scheme alone, gated; no --max-bits: the recipe's budget, or every layer
+    budget = max_bits_flag if max_bits_flag is not None else recipe.max_bits
+    report, v = quantize_gated(model, recipe, output, gates_spec, budget, force=force, echo=click.echo)
+    g = report["gates"]
+    click.echo("\n" + v.table())
+    kept = report.get("mixed_precision", {}).get("kept_at_8_bits", {})
+    click.echo(f"\n{'PASS' if g['passed'] else 'FAIL'}: wrote {output} with {len(kept)} layers at 8 bits "
+               f"({len(g['candidates'])} mixes tried, {g['seconds']:.0f} s); see {output}/gates.md")
+    if not g["passed"]:
+        raise SystemExit(1)
 
 
 @main.command()

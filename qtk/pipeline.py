@@ -5,7 +5,7 @@ import json
 import logging
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -14,12 +14,13 @@ from torch import nn
 from .calibrate import checkpoint_groups, override_schemes, quantize_model, targeted_linears
 from .checkpoint import check_weight_files, save_quantized, target_matches
 from .data import calibration_ids
-from .device import check_device, choose_dtype
+from .device import DtypeChoice, check_device, choose_dtype
 from .errors import InputError, OutputError, OutputExistsError
 from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, resolve
 from .moe import linearize_experts, router_names
 from .recipe import MIXED_WIDER, Override, Recipe, to_yaml
-from .schemes import check_group_divides, dividing_group_size
+from .schemes import Scheme, check_group_divides, dividing_group_size
+from .sensitivity import bits_per_weight, choose, layer_sensitivity, weight_bits
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,39 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     the model is an unquantized supported one, the group size divides, the calibration text is long
     enough), so a mistake costs seconds, not a calibration. `dtype` is the checkpoint's float dtype;
     the recipe's dtype is the one blocks run in while calibrating."""
-    output = Path(output)
+    t0 = time.perf_counter()
+    job = prepare(model_name, recipe, Path(output), force)
+    model = job.load()
+    recipe, mixed = job.recipe, None
+    if recipe.max_bits is not None:
+        recipe, mixed = mix_precision(model, recipe, job.ids, progress)
+    report = write(job, model, recipe, Path(output), force, dtype, progress, mixed)
+    report["total_seconds"] = time.perf_counter() - t0
+    return report
+
+
+@dataclass
+class Job:
+    """What `quantize` checked and read before any weights: the model's folder, the recipe fitted
+    to it, the calibration token ids."""
+    model_name: str
+    path: Path
+    recipe: Recipe
+    compute: DtypeChoice
+    tokenizer: object
+    ids: torch.Tensor | None
+
+    def load(self) -> nn.Module:
+        """The unquantized model, fresh from disk, in the calibration dtype (MoE experts as Linears)."""
+        model, _ = load_model(str(self.path), dtype=self.compute.dtype, tokenizer=self.tokenizer)
+        linearize_experts(model)  # a MoE's experts as Linears: each quantized as its own layer
+        return model
+
+
+def prepare(model_name: str, recipe: Recipe, output: Path, force: bool) -> Job:
+    """Every check that needs no weights, and the calibration text tokenized."""
     check_device(recipe.device)
     check_output(output, force)
-    t0 = time.perf_counter()
     path = resolve(model_name)  # also converts a .gguf once
     check_not_source(output, path)
     if is_quantized_dir(path):
@@ -52,32 +82,66 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
         recipe = replace(recipe, calibration=c)
     tok = load_tokenizer(path)
     ids = calibration_ids(tok, c.dataset, c.num_samples, c.seq_len, c.seed, c.chat_template) if recipe.needs_data else None
-    model, tok = load_model(str(path), dtype=compute.dtype, tokenizer=tok)
-    linearize_experts(model)  # a MoE's experts as Linears: each quantized as its own layer
-    mixed = None
-    if recipe.max_bits is not None:
-        recipe, mixed = mix_precision(model, recipe, ids, progress)
-    report = quantize_model(model, recipe, ids, progress=progress)
+    return Job(model_name, path, recipe, compute, tok, ids)
+
+
+def write(job: Job, model: nn.Module, recipe: Recipe, output: Path, force: bool, dtype: torch.dtype,
+          progress: bool, mixed: dict | None = None, extra_report: dict | None = None) -> dict:
+    """Calibrate `model` (job.load()'s) with `recipe` block by block and write the checkpoint to
+    `output` atomically; returns the report (also written as qtk_report.json)."""
+    report = quantize_model(model, recipe, job.ids, progress=progress)
     if mixed is not None:
         report["mixed_precision"] = mixed
+    report.update(extra_report or {})
     groups, ignore = checkpoint_groups(model, recipe)
-    report.update(model=model_name, method=recipe.method, calibration_tokens=0 if ids is None else ids.numel(),
-                  calibration_samples=0 if ids is None else len(ids), dtype=compute.name, dtype_reason=compute.reason)
+    ids = job.ids
+    report.update(model=job.model_name, method=recipe.method, calibration_tokens=0 if ids is None else ids.numel(),
+                  calibration_samples=0 if ids is None else len(ids), dtype=job.compute.name,
+                  dtype_reason=job.compute.reason)
     extra = {"recipe.yaml": to_yaml(recipe), "qtk_report.json": json.dumps(report, indent=2) + "\n"}
-    save_quantized(model, tok, output, groups, ignore, recipe.kv_cache, dtype=dtype, force=force, extra_files=extra)
-    report["total_seconds"] = time.perf_counter() - t0
+    save_quantized(model, job.tokenizer, output, groups, ignore, recipe.kv_cache, dtype=dtype, force=force,
+                   extra_files=extra)
     return report
 
 
 SENSITIVITY_SAMPLES = 2  # calibration samples the per-layer KL is measured on (1,022 positions at 512 tokens)
 
 
-def mix_precision(model: nn.Module, recipe: Recipe, ids: torch.Tensor | None, progress: bool) -> tuple[Recipe, dict]:
-    """recipe.max_bits: each layer's KL when it alone is rounded to the scheme (sensitivity.py), the
-    most sensitive kept at 8 bits within the budget; returns the recipe with them as an override
-    (max_bits resolved) and what the report says of the choice."""
+@dataclass
+class Sensitivity:
+    """Each quantized layer's KL divergence when it alone is rounded to the recipe's scheme
+    (sensitivity.py), on calibration samples: the order in which layers are kept at 8 bits."""
+    kl: dict[str, float]
+    shapes: dict[str, tuple[int, int]]  # name -> (out_features, in_features)
+    scheme: Scheme
+    samples: int
+    seconds: float
+
+    def bits(self, kept=()) -> float:
+        """Average bits per quantized weight with `kept` at MIXED_WIDER."""
+        return bits_per_weight(self.shapes, self.scheme, MIXED_WIDER, kept)
+
+    def ranked(self, max_bits: float) -> list[str]:
+        """The most sensitive layers first, as many as fit within max_bits (sensitivity.choose)."""
+        return choose(self.kl, self.shapes, self.scheme, MIXED_WIDER, max_bits)[0]
+
+    def keep(self, recipe: Recipe, kept: list[str], max_bits: float) -> tuple[Recipe, dict]:
+        """The recipe with `kept` at MIXED_WIDER (an override; max_bits resolved), and what the
+        report says of the choice: the layers, their KL (why), and the bytes they add."""
+        cost = sum(o * i * (weight_bits(MIXED_WIDER, i) - weight_bits(self.scheme, i))
+                   for n, (o, i) in self.shapes.items() if n in set(kept)) / 8
+        overrides = recipe.overrides + ((Override(tuple(kept), MIXED_WIDER),) if kept else ())
+        report = {"max_bits": max_bits, "bits_per_weight": self.bits(kept), "scheme_alone_bits": self.bits(),
+                  "kept_at_8_bits": {n: self.kl[n] for n in kept}, "bytes_added": round(cost),
+                  "kl_each_layer_alone": self.kl, "samples": self.samples, "seconds": self.seconds}
+        return replace(recipe, overrides=overrides, max_bits=None), report
+
+
+def measure_sensitivity(model: nn.Module, recipe: Recipe, ids: torch.Tensor | None, progress: bool,
+                        max_bits: float | None = None) -> Sensitivity:
+    """Each quantized layer's KL on SENSITIVITY_SAMPLES calibration samples (layers an override of
+    the recipe already names are left out); a budget below the scheme's own is refused first."""
     from .arch import discover
-    from .sensitivity import choose, layer_sensitivity, weight_bits
 
     if ids is None:
         raise InputError("max_bits measures each layer on calibration samples: this recipe reads none")
@@ -86,21 +150,24 @@ def mix_precision(model: nn.Module, recipe: Recipe, ids: torch.Tensor | None, pr
     overridden = override_schemes(targets, recipe)
     targets = {n: m for n, m in targets.items() if n not in overridden}
     shapes = {n: (m.out_features, m.in_features) for n, m in targets.items()}
-    floor = sum(o * i * weight_bits(recipe.scheme, i) for o, i in shapes.values()) / sum(o * i for o, i in shapes.values())
-    if recipe.max_bits < floor:
-        raise InputError(f"max_bits {recipe.max_bits:g} is below what the scheme alone takes ({floor:.3f} bits per "
+    floor = bits_per_weight(shapes, recipe.scheme, MIXED_WIDER)
+    if max_bits is not None and max_bits < floor:
+        raise InputError(f"max_bits {max_bits:g} is below what the scheme alone takes ({floor:.3f} bits per "
                          "weight, with its scales): give more")
     t0 = time.perf_counter()
     kl = layer_sensitivity(model, arch, targets, recipe.scheme, ids[:SENSITIVITY_SAMPLES], progress)
-    chosen, bits = choose(kl, shapes, recipe.scheme, MIXED_WIDER, recipe.max_bits)
+    return Sensitivity(kl, shapes, recipe.scheme, min(len(ids), SENSITIVITY_SAMPLES), time.perf_counter() - t0)
+
+
+def mix_precision(model: nn.Module, recipe: Recipe, ids: torch.Tensor | None, progress: bool) -> tuple[Recipe, dict]:
+    """recipe.max_bits: the most sensitive layers kept at 8 bits within the budget; returns the
+    recipe with them as an override (max_bits resolved) and what the report says of the choice."""
+    sens = measure_sensitivity(model, recipe, ids, progress, recipe.max_bits)
+    kept = sens.ranked(recipe.max_bits)
     log.info("mixed precision: %d of %d layers at 8 bits (%.3f bits per weight, budget %g), measured in %.0f s; "
-             "the most sensitive: %s", len(chosen), len(targets), bits, recipe.max_bits, time.perf_counter() - t0,
-             ", ".join(f"{n} (KL {kl[n]:.4f})" for n in chosen[:5]))
-    overrides = recipe.overrides + ((Override(tuple(chosen), MIXED_WIDER),) if chosen else ())
-    report = {"max_bits": recipe.max_bits, "bits_per_weight": bits, "scheme_alone_bits": floor,
-              "kept_at_8_bits": {n: kl[n] for n in chosen}, "kl_each_layer_alone": kl,
-              "samples": min(len(ids), SENSITIVITY_SAMPLES), "seconds": time.perf_counter() - t0}
-    return replace(recipe, overrides=overrides, max_bits=None), report
+             "the most sensitive: %s", len(kept), len(sens.kl), sens.bits(kept), recipe.max_bits, sens.seconds,
+             ", ".join(f"{n} (KL {sens.kl[n]:.4f})" for n in kept[:5]))
+    return sens.keep(recipe, kept, recipe.max_bits)
 
 
 def check_output(output: Path, force: bool) -> None:

@@ -81,6 +81,14 @@ def weight_bits(scheme: Scheme, in_features: int) -> float:
     return w.num_bits + (16 + (0 if w.symmetric else w.num_bits)) / per
 
 
+def bits_per_weight(shapes: dict[str, tuple[int, int]], scheme: Scheme, wider: Scheme, kept=()) -> float:
+    """The average bits per quantized weight, scales included, with the layers `kept` at `wider` and
+    the others at `scheme`. shapes: name -> (out_features, in_features)."""
+    kept = set(kept)
+    bits = sum(o * i * weight_bits(wider if n in kept else scheme, i) for n, (o, i) in shapes.items())
+    return bits / sum(o * i for o, i in shapes.values())
+
+
 def choose(kl: dict[str, float], shapes: dict[str, tuple[int, int]], scheme: Scheme, wider: Scheme,
            max_bits: float) -> tuple[list[str], float]:
     """The most sensitive layers (by KL, largest first) moved to `wider` while the average bits per

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import hashlib
 import json
 import os
 import subprocess
@@ -272,15 +273,20 @@ def test_compare_llmcompressor_records_the_cpu_it_ran_on(monkeypatch, tmp_path):
     monkeypatch.setattr(cmp, "perplexity", lambda *a, **k: types.SimpleNamespace(ppl=10.0))
     monkeypatch.setattr(cmp, "run_qtk", lambda *a: 1.0)
     monkeypatch.setattr(cmp, "run_peer", lambda *a: 2.0)
-    monkeypatch.setattr(cmp, "ppl_of", lambda *a: 11.0)
+    monkeypatch.setattr(cmp, "ppl_of", lambda path, *windows: [11.0, 12.5][:len([w for w in windows if w is not None])])
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("text unlike the calibration data\n")
     monkeypatch.setattr(sys, "argv", ["compare_llmcompressor.py", "--methods", "rtn", "--dtype", "float32",
                                       "--eval-seq-len", "8", "--work", str(tmp_path / "work"),
-                                      "--out", str(tmp_path)])
+                                      "--out", str(tmp_path), "--heldout", str(heldout)])
     cmp.main()
     rec = json.loads((tmp_path / "compare_llmcompressor.json").read_text())
     assert rec["device"] == cpu_name() and rec["git_commit"] == git_commit()
     assert rec["evaluation"]["scored_tokens"] == 3 * 7
     assert [r["method"] for r in rec["rows"]] == ["rtn"] and rec["rows"][0]["peer_seconds"] == 2.0
+    assert rec["heldout"]["sha256"] == hashlib.sha256(heldout.read_bytes()).hexdigest()
+    assert rec["rows"][0]["qtk_heldout_ppl"] == 12.5 == rec["rows"][0]["peer_heldout_ppl"]
+    assert "| +25.0% | +25.0% |" in (tmp_path / "compare_llmcompressor.md").read_text()  # held-out vs 10.0
 
 
 def test_quality_table_reuses_a_checkpoint_only_if_calibrated_as_the_table_says(monkeypatch, tmp_path):

@@ -80,12 +80,17 @@ def _write_files(out: Path, v: Verdict, baseline: str, candidate: str, gates_pat
     written += pictures
     md = [f"# Quality gates: {'PASS' if v.passed else 'FAIL'}", "",
           f"Candidate `{candidate}` against baseline `{baseline}`, gates `{gates_path}`.", "",
-          "| gate | metric | baseline | candidate | recovery | threshold | verdict |", "|---|---|---|---|---|---|---|"]
-    for line in v.cells():
-        md.append("| " + " | ".join(_cell(x) for x in line[:-1]) + f" | {line[-1].replace('FAIL', '**FAIL**')} |")
-    md += ["", TABLE_NOTE + ".", ""] + [f"![{p.stem}]({p.name})" for p in pictures]
+          *markdown_table(v), ""] + [f"![{p.stem}]({p.name})" for p in pictures]
     (out / "report.md").write_text("\n".join(md) + "\n")
     return written
+
+
+def markdown_table(v: Verdict) -> list[str]:
+    """The verdict's table as Markdown lines, with the note on its standard errors."""
+    md = ["| gate | metric | baseline | candidate | recovery | threshold | verdict |", "|---|---|---|---|---|---|---|"]
+    for line in v.cells():
+        md.append("| " + " | ".join(_cell(x) for x in line[:-1]) + f" | {line[-1].replace('FAIL', '**FAIL**')} |")
+    return md + ["", TABLE_NOTE + "."]
 
 
 def _reported(metrics: dict[str, dict]) -> dict[str, dict]:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -141,10 +142,12 @@ def _read_entry(path: Path) -> dict | None:
 
 
 def score_model(engine: EngineConfig, gates: list[Gate], seed: int, label: str, cache: bool,
-                echo=print, reference: dict[str, dict] | None = None) -> dict[str, dict]:
+                echo=print, reference: dict[str, dict] | None = None,
+                stop: Callable[[Gate, dict], bool] | None = None) -> dict[str, dict]:
     """{gate name: metrics} for engine.model, each task once (gates sharing a task share its run);
     cached results are used when `cache` (the baseline); `reference` is the baseline's results,
-    given when scoring the candidate."""
+    given when scoring the candidate. With `stop`, the gates after the first one it says yes to
+    (gate, its metrics) are not run: a candidate already failed need not finish."""
     from ..paths import cache_dir
 
     model = engine.model
@@ -157,6 +160,8 @@ def score_model(engine: EngineConfig, gates: list[Gate], seed: int, label: str, 
         task_key = json.dumps([gate.task, gate.args], sort_keys=True)
         if task_key in by_task:
             results[gate.name] = by_task[task_key]
+            if stop is not None and stop(gate, results[gate.name]):
+                break
             continue
         path = gates_cache / f"{_cache_key(fingerprint, gate, engine_args, seed)}.json" if cache else None
         metrics = _read_entry(path) if path is not None else None
@@ -175,6 +180,8 @@ def score_model(engine: EngineConfig, gates: list[Gate], seed: int, label: str, 
             if path is not None:
                 _write_entry(path, metrics)
         by_task[task_key] = results[gate.name] = metrics
+        if stop is not None and stop(gate, metrics):
+            break
     return results
 
 
