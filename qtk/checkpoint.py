@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -138,6 +139,15 @@ def _write(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files):
         (d / name).write_text(text)
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, with the permissions of any other file written here: it creates its
+    file private (0600), which a server running as another user could not read."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def _save_shards(state: dict[str, torch.Tensor], d: Path):
     shards, cur, size = [], {}, 0
     for k, v in state.items():
@@ -149,12 +159,12 @@ def _save_shards(state: dict[str, torch.Tensor], d: Path):
         size += nbytes
     shards.append(cur)
     if len(shards) == 1:
-        save_file(shards[0], str(d / "model.safetensors"), metadata={"format": "pt"})
+        _save_file(shards[0], d / "model.safetensors")
         return
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(d / name), metadata={"format": "pt"})
+        _save_file(shard, d / name)
         for k, v in shard.items():
             weight_map[k] = name
             total += v.numel() * v.element_size()

@@ -231,6 +231,10 @@ def test_sharded_checkpoint_round_trip(tiny_llama, tmp_path, monkeypatch):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in out.iterdir():  # readable by whoever serves it, as any file written here (safetensors makes 0600)
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, f.name
     assert index["weight_map"].keys() == model.state_dict().keys()
     ids = _ids(2)
     with torch.no_grad():
