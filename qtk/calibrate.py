@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from .arch import Arch, decoder_layers, discover, set_module, static_linears
 from .chunked_sdpa import chunked_attention
 from .kv_fake_quant import enable_kv_quant
+from .methods import METHODS
 from .moe import all_experts, router_names
 from .recipe import Recipe
 from .quant_linear import QuantLinear
@@ -89,6 +90,9 @@ class Block:
     # (linear names sharing an input, H = 2/n sum x x^T) left by a smoothing pass that saw every
     # input, kept exact under its scale folds, for the weight quantizer (GPTQ) to reuse
     hessians: list[tuple[tuple[str, ...], torch.Tensor]] | None = None
+    # the float block's outputs on the float model's own activations (one per batch), for a weight
+    # quantizer that targets them (Method.float_chain: autoround); None otherwise
+    reference: list[torch.Tensor] | None = None
 
     @property
     def pairs(self) -> tuple:
@@ -103,13 +107,15 @@ class Block:
     def linear(self, name: str) -> nn.Module:
         return self.layer.get_submodule(name)
 
-    def run(self, module: nn.Module | None = None) -> list[torch.Tensor]:
-        """Outputs of the layer on every input batch (moved back to CPU)."""
+    def run(self, inputs: BlockInputs | None = None) -> list[torch.Tensor]:
+        """Outputs of the layer on every input batch (its own inputs unless others are given),
+        moved back to CPU."""
         from .kernels.dispatch import dense_weights
 
+        inputs = self.inputs if inputs is None else inputs
         outs = []
         with torch.no_grad(), dense_weights():
-            for h, kw in zip(self.inputs.hidden, self.inputs.kwargs):
+            for h, kw in zip(inputs.hidden, inputs.kwargs):
                 y = self.layer(h.to(self.device), **kw)
                 outs.append((y[0] if isinstance(y, tuple) else y).to("cpu"))
         return outs
@@ -247,6 +253,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
     report = {"layers": {}, "blocks": len(layers)}
     with chunked_attention(model):
         inputs = capture_inputs(model, arch, calib_ids, device, recipe.calibration.batch_size) if recipe.needs_data else None
+        # the float model's own activations, beside the quantized model's, for a method that targets them
+        floats = inputs if inputs is not None and METHODS[recipe.weights].float_chain else None
         bar = tqdm(range(len(layers)), desc=f"qtk {recipe.method}", unit="block", disable=not progress)
         for i in bar:
             prefix = f"{arch.layers}.{i}"
@@ -254,7 +262,11 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
             own = None if inputs is None else inputs.for_block(i)  # with the mask of its attention kind
             block = Block(i, prefix, onload(layers[i], device), arch, own, device, rel,
                           overrides={n[len(prefix) + 1:]: s for n, s in overrides.items() if n.startswith(prefix + ".")})
+            if floats is not None:  # the float block on the float activations: the target, and the next block's
+                block.reference = block.run(floats.for_block(i))
             inputs = quantize_block(model, block, recipe, last=i + 1 == len(layers))
+            if floats is not None:
+                floats = BlockInputs(block.reference, floats.kwargs, floats.masks)
             layers[i] = offload(block.layer)
             for name, err in block.errors.items():
                 report["layers"][f"{prefix}.{name}"] = err
@@ -286,7 +298,7 @@ def check_pairs(model: nn.Module, arch: Arch, smoothing: str | None) -> None:
 def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -> BlockInputs | None:
     """Smooth, quantize and observe one block; returns the next block's inputs (None for the last
     block, whose outputs feed nothing, unless KV-cache ranges are observed on them)."""
-    from .methods import METHODS, rtn
+    from .methods import rtn
     from .methods.kv_cache import finish_observing, start_observing
 
     if block.targets:  # an ignored block is still run: the next block needs its outputs

@@ -90,7 +90,7 @@ def _section(**kw):
 @click.option("--method", type=LazyChoice(_methods), default=None,
               help="Calibration method. With neither --method nor --recipe: qtk's best 4-bit recipe, AWQ then GPTQ "
                    "(calibration/recipes/awq-gptq-w4a16.yaml).")
-@click.option("--scheme", default=None, help="w4a16 (default for rtn/gptq), w4a16_asym (awq), w8a16, w8a8 "
+@click.option("--scheme", default=None, help="w4a16 (default for rtn/gptq/autoround), w4a16_asym (awq), w8a16, w8a8 "
               "(smoothquant), fp8 (per-channel weights, dynamic per-token activations), fp8_static.")
 @click.option("--group-size", type=int, default=None,
               help="Weight group size for w4a16/w8a16 (default 128; -1 = per channel). Must divide every "
@@ -100,11 +100,13 @@ def _section(**kw):
 @click.option("--recipe", "recipe_file", type=click.Path(), default=None,
               help="YAML recipe (see calibration/recipes/); flags given here override it.")
 @click.option("--weights", type=LazyChoice(_weight_quantizers), default=None,
-              help="Weight quantizer after smoothing (awq, smoothquant): rtn (default) or gptq.")
+              help="Weight quantizer after smoothing (awq, smoothquant): rtn (default), gptq or autoround.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ: solve columns by descending Hessian "
               "diagonal (static act-order: groups keep their order, no g_idx). On by default, as in llm-compressor.")
 @click.option("--dampening", type=float, default=None, help="GPTQ: damping as a fraction of mean(diag H) (0.01).")
 @click.option("--alpha", type=float, default=None, help="SmoothQuant migration strength (0.5).")
+@click.option("--iters", type=int, default=None, help="AutoRound: signed-gradient steps per block, one calibration "
+              "batch each (200, as auto-round; its light preset 50).")
 @click.option("--kv-cache", type=click.Choice(["fp8", "int8"]), default=None, help="Also calibrate KV-cache scales.")
 @click.option("--kv-strategy", type=click.Choice(["tensor", "head"]), default=None, help="KV scales per tensor or per head.")
 @click.option("--ignore", multiple=True, help="Extra layer names or 're:REGEX' patterns to keep in float (lm_head always).")
@@ -130,14 +132,14 @@ def _section(**kw):
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default=None,
               help="Model dtype while calibrating (auto: bfloat16 on CUDA and CPUs with bf16 units, float32 "
                    "elsewhere): block forwards run in it; Hessians, solves and searches accumulate in float32.")
-def quantize(model, output, force, recipe_file, gates_spec, act_order, dampening, alpha, dataset, num_samples,
+def quantize(model, output, force, recipe_file, gates_spec, act_order, dampening, alpha, iters, dataset, num_samples,
              seq_len, batch_size, chat_template, seed, calibrate_all_experts, **top):
     """Quantize MODEL and write a compressed-tensors checkpoint to --output."""
     from . import pipeline, recipe as rec
 
     recipe = rec.build(recipe_file=recipe_file, **top,
                        gptq=_section(act_order=act_order, dampening=dampening),
-                       smoothquant=_section(alpha=alpha),
+                       smoothquant=_section(alpha=alpha), autoround=_section(iters=iters),
                        calibration=_section(dataset=dataset, num_samples=num_samples, seq_len=seq_len,
                                             batch_size=batch_size, chat_template=chat_template, seed=seed,
                                             calibrate_all_experts=calibrate_all_experts))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from . import assets
 from .errors import InputError, NotFoundError
 from .methods import FP8, METHODS, SMOOTHING, WEIGHTS, named
-from .methods.args import AWQArgs, GPTQArgs, SmoothQuantArgs, check_types
+from .methods.args import AutoRoundArgs, AWQArgs, GPTQArgs, SmoothQuantArgs, check_types
 from .schemes import KVCacheScheme, Scheme, kv_cache_scheme, preset
 
 
@@ -86,6 +86,7 @@ class Recipe:
     gptq: GPTQArgs = field(default_factory=GPTQArgs)  # each method's options (METHODS[name].args)
     awq: AWQArgs = field(default_factory=AWQArgs)
     smoothquant: SmoothQuantArgs = field(default_factory=SmoothQuantArgs)
+    autoround: AutoRoundArgs = field(default_factory=AutoRoundArgs)
     calibration: CalibrationArgs = field(default_factory=CalibrationArgs)
     device: str = "cpu"
     # the model's dtype while calibrating (blocks run in it; solves stay float32); auto: bf16 where the
@@ -143,7 +144,9 @@ class Recipe:
 
 
 def _either(names: tuple[str, ...]) -> str:
-    return " or ".join(repr(n) for n in names)
+    """'a' or 'b'; 'a', 'b' or 'c'."""
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 def from_flags(method: str, scheme: str | None = None, group_size: int | None = None,

@@ -151,8 +151,8 @@ def test_each_method_with_options_has_its_recipe_section():
     for name, m in METHODS.items():
         if m.args is not None:
             assert fields[name] == m.args.__name__ and isinstance(getattr(rec.from_flags("rtn"), name), m.args)
-    assert named(WEIGHTS) == ("rtn", "gptq") and named(SMOOTHING) == ("awq", "smoothquant")
-    with pytest.raises(ValueError, match="weights must be 'rtn' or 'gptq', got 'awq'"):
+    assert named(WEIGHTS) == ("rtn", "gptq", "autoround") and named(SMOOTHING) == ("awq", "smoothquant")
+    with pytest.raises(ValueError, match="weights must be 'rtn', 'gptq' or 'autoround', got 'awq'"):
         dataclasses.replace(rec.from_flags("rtn"), weights="awq")
     with pytest.raises(ValueError, match="smoothing must be 'awq' or 'smoothquant', got 'gptq'"):
         dataclasses.replace(rec.from_flags("rtn"), smoothing="gptq")

@@ -9,8 +9,8 @@ from typing import Callable
 
 from ..errors import InputError
 from ..schemes import Scheme
-from . import awq, gptq, rtn, smoothquant
-from .args import AWQArgs, GPTQArgs, SmoothQuantArgs
+from . import autoround, awq, gptq, rtn, smoothquant
+from .args import AutoRoundArgs, AWQArgs, GPTQArgs, SmoothQuantArgs
 
 # roles
 WEIGHTS = "weights"  # replaces each targeted Linear by a QuantLinear, records block.errors
@@ -27,6 +27,8 @@ class Method:
     args: type | None = None  # its options: the recipe section named after it
     calibrates: bool = False  # reads calibration data, whatever the scheme
     check: Callable[[Scheme], None] | None = None  # refuses a scheme it cannot quantize (InputError)
+    # the block's float outputs on the float model's activations (Block.reference) are computed for it
+    float_chain: bool = False
 
 
 def _weight_only_int(scheme: Scheme) -> None:
@@ -34,6 +36,14 @@ def _weight_only_int(scheme: Scheme) -> None:
     if act is not None or w.type != "int":
         raise InputError("awq protects salient weights of weight-only int schemes (w4a16, w4a16_asym, w8a16); "
                          f"scheme has weights {w.type}{w.num_bits} and activations {act and act.type}")
+
+
+def _weight_only_int_rounding(scheme: Scheme) -> None:
+    w, act = scheme.weights, scheme.input_activations
+    if act is not None or w.type != "int" or w.strategy not in ("group", "channel"):
+        raise InputError("autoround learns the rounding of weight-only int schemes with group or channel scales "
+                         f"(w4a16, w4a16_asym, w8a16); scheme has weights {w.type}{w.num_bits} ({w.strategy}) and "
+                         f"activations {act and act.type}")
 
 
 def _quantized_activations(scheme: Scheme) -> None:
@@ -50,6 +60,8 @@ def _integer_weights(scheme: Scheme) -> None:
 METHODS = {
     "rtn": Method(WEIGHTS, rtn.quantize_block, "w4a16", "rtn"),
     "gptq": Method(WEIGHTS, gptq.quantize_block, "w4a16", "gptq", GPTQArgs, calibrates=True, check=_integer_weights),
+    "autoround": Method(WEIGHTS, autoround.quantize_block, "w4a16", "autoround", AutoRoundArgs, calibrates=True,
+                        check=_weight_only_int_rounding, float_chain=True),
     "awq": Method(SMOOTHING, awq.smooth_block, "w4a16_asym", "rtn", AWQArgs, calibrates=True, check=_weight_only_int),
     "smoothquant": Method(SMOOTHING, smoothquant.smooth_block, "w8a8", "rtn", SmoothQuantArgs, calibrates=True,
                           check=_quantized_activations),

@@ -65,3 +65,19 @@ class SmoothQuantArgs:
         check_types(self, "smoothquant")
         if not 0 <= self.alpha <= 1:
             raise InputError(f"smoothquant.alpha must be in [0, 1], got {self.alpha}")
+
+
+@dataclass(frozen=True)
+class AutoRoundArgs:
+    iters: int = 200  # signed-gradient steps per block, one calibration batch each (auto-round's default)
+    lr: float | None = None  # step size of the rounding offsets (None: 1 / iters), decaying linearly to 0
+    minmax_lr: float | None = None  # step size of the clipping scales (None: lr)
+
+    def __post_init__(self):
+        check_types(self, "autoround")
+        if self.iters < 1:
+            raise InputError(f"autoround.iters must be >= 1, got {self.iters}")
+        for name in ("lr", "minmax_lr"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise InputError(f"autoround.{name} must be a positive number (or left out), got {value!r}")
