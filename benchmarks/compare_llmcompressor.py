@@ -37,13 +37,15 @@ from qtk.data import calibration_ids  # noqa: E402
 from qtk.device import choose_dtype, cpu_name  # noqa: E402
 from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
 from qtk.loading import BUNDLED, load_model, resolve  # noqa: E402
-from qtk.methods.args import SmoothQuantArgs  # noqa: E402
+from qtk.methods.args import AutoRoundArgs, SmoothQuantArgs  # noqa: E402
 from qtk.pipeline import mix_precision  # noqa: E402
 from qtk.recipe import build, from_flags  # noqa: E402
 
 
-def qtk_recipes(group_size: int) -> dict:
+def qtk_recipes(group_size: int, iters: int = 200) -> dict:
     return {
+        "autoround": replace(from_flags("autoround", scheme="w4a16", group_size=group_size),
+                             autoround=AutoRoundArgs(iters=iters)),
         "rtn": from_flags("rtn", scheme="w4a16", group_size=group_size),
         "gptq": from_flags("gptq", scheme="w4a16", group_size=group_size),
         "awq": from_flags("awq", scheme="w4a16_asym", group_size=group_size),
@@ -72,9 +74,9 @@ def run_qtk(name, recipe, ids, out: Path) -> float:
     return seconds
 
 
-def run_peer(name, ids_file: Path, out: Path, group_size: int, dtype: str) -> float:
+def run_peer(name, ids_file: Path, out: Path, group_size: int, dtype: str, iters: int = 200) -> float:
     cmd = [*PEER_PYTHON, str(ROOT / "benchmarks/peer_quantize.py"), name, str(resolve(BUNDLED)), str(ids_file),
-           str(out), "--group-size", str(group_size), "--dtype", dtype]
+           str(out), "--group-size", str(group_size), "--dtype", dtype, "--iters", str(iters)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"peer failed on {name}:\n{res.stderr[-4000:]}")
@@ -93,6 +95,8 @@ def main():
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=200, help="autoround: steps per block, both sides (auto-round's "
+                    "200; its light preset 50)")
     ap.add_argument("--eval-seq-len", type=int, default=2048)
     ap.add_argument("--limit", type=int, default=None, help="evaluation windows (default: all)")
     ap.add_argument("--no-peer", default="", help="methods to run on qtk only (e.g. awq: the peer's AWQ takes "
@@ -121,14 +125,14 @@ def main():
     del base
     print(f"baseline ppl {baseline:.4f} ({len(windows)} windows x {args.eval_seq_len})"
           + (f"; held-out {heldout_baseline:.4f} ({len(heldout)} windows)" if args.heldout else ""), flush=True)
-    recipes = {k: replace(r, dtype=args.dtype) for k, r in qtk_recipes(args.group_size).items()}
+    recipes = {k: replace(r, dtype=args.dtype) for k, r in qtk_recipes(args.group_size, args.iters).items()}
     record = {
         "command": " ".join(sys.argv), "git_commit": git_commit(), "device": cpu_name(),
         "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
         "model": BUNDLED, "dtype": args.dtype, "calibration": {"dataset": "builtin", "samples": args.num_samples, "seq_len": args.seq_len,
                                           "seed": 0},
         "evaluation": {"windows": len(windows), "seq_len": args.eval_seq_len, "scored_tokens": len(windows) * (args.eval_seq_len - 1)},
-        "group_size": args.group_size, "baseline_ppl": baseline, "rows": [],
+        "group_size": args.group_size, "autoround_iters": args.iters, "baseline_ppl": baseline, "rows": [],
     }
     if args.heldout:
         record["heldout"] = {"file": Path(args.heldout).name, "sha256": hashlib.sha256(Path(args.heldout).read_bytes())
@@ -144,7 +148,7 @@ def main():
         if not name.startswith("qtk_best") and name not in args.no_peer.split(","):
             pdir = work / f"peer-{name}"
             try:
-                row["peer_seconds"] = run_peer(name, ids_file, pdir, args.group_size, args.dtype)
+                row["peer_seconds"] = run_peer(name, ids_file, pdir, args.group_size, args.dtype, args.iters)
                 row["peer_ppl"], *h = ppl_of(pdir, windows, heldout)
                 if h:
                     row["peer_heldout_ppl"] = h[0]

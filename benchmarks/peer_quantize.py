@@ -20,7 +20,8 @@ def w4_group(group_size: int, symmetric: bool) -> dict:
         "num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group_size}}}
 
 
-def recipe(method: str, group_size: int):
+def recipe(method: str, group_size: int, iters: int = 200):
+    from llmcompressor.modifiers.autoround import AutoRoundModifier
     from llmcompressor.modifiers.awq import AWQModifier
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -33,6 +34,9 @@ def recipe(method: str, group_size: int):
         return GPTQModifier(config_groups=w4_group(group_size, True), ignore=ignore, dampening_frac=0.01, block_size=128)
     if method == "awq":
         return [AWQModifier(config_groups=w4_group(group_size, False), ignore=ignore, duo_scaling=True)]
+    if method == "autoround":  # torch.compile off: qtk compiles nothing either, and it needs a compiler here
+        return AutoRoundModifier(config_groups=w4_group(group_size, True), ignore=ignore, iters=iters, batch_size=8,
+                                 enable_torch_compile=False)
     if method == "smoothquant_gptq_w8a8":
         return [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", ignore=ignore)]
     if method == "fp8":
@@ -47,6 +51,7 @@ def main():
     ap.add_argument("calib_ids")
     ap.add_argument("out_dir")
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=200, help="autoround: steps per block")
     ap.add_argument("--dtype", default="bfloat16", help="model dtype for calibration (bfloat16: the checkpoint's, "
                     "as llm-compressor's examples load it with dtype='auto')")
     args = ap.parse_args()
@@ -60,7 +65,7 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     t0 = time.perf_counter()
-    oneshot(model=model, dataset=ds, recipe=recipe(args.method, args.group_size), num_calibration_samples=len(ids),
+    oneshot(model=model, dataset=ds, recipe=recipe(args.method, args.group_size, args.iters), num_calibration_samples=len(ids),
             max_seq_length=ids.shape[1], shuffle_calibration_samples=False)
     seconds = time.perf_counter() - t0
     model.save_pretrained(args.out_dir, save_compressed=True)
