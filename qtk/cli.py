@@ -119,7 +119,9 @@ def _section(**kw):
                    "which the checkpoint passes these gates (a gates YAML, or default / ci) against MODEL "
                    "unquantized; each mix tried is calibrated and gated in full. Where none passes, the whole "
                    "budget's mix is written with its table and the exit code is 1.")
-@click.option("--dataset", default=None, help="Calibration text: builtin (pydoc topics), FILE.txt, FILE.jsonl, hf:NAME.")
+@click.option("--dataset", default=None, help="Calibration text: builtin (pydoc topics), FILE.txt, FILE.jsonl, hf:NAME, "
+              "self (text the model writes itself, from its chat template's user turn); A+B splits the samples "
+              "evenly (builtin+self).")
 @click.option("--num-samples", type=int, default=None, help="Calibration samples (64; 128 in the default recipe).")
 @click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample (512).")
 @click.option("--batch-size", type=int, default=None, help="Calibration samples per forward (8).")

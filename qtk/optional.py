@@ -55,7 +55,7 @@ def model_needs(*models: str) -> dict[str, str]:
 
 def dataset_needs(dataset: str | None, flag: str) -> dict[str, str]:
     """datasets for a Hugging Face dataset, hf:NAME."""
-    return {"datasets": f"{flag} {dataset}"} if str(dataset).startswith("hf:") else {}
+    return {"datasets": f"{flag} {dataset}"} if any(part.startswith("hf:") for part in str(dataset).split("+")) else {}
 
 
 def explain(error: ModuleNotFoundError) -> MissingPackage | None:

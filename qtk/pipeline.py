@@ -19,6 +19,7 @@ from .errors import InputError, OutputError, OutputExistsError
 from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, resolve
 from .moe import linearize_experts, router_names
 from .recipe import MIXED_WIDER, Override, Recipe, to_yaml
+from .self_text import self_generated_ids
 from .schemes import Scheme, check_group_divides, dividing_group_size
 from .sensitivity import bits_per_weight, choose, layer_sensitivity, weight_bits
 
@@ -81,8 +82,24 @@ def prepare(model_name: str, recipe: Recipe, output: Path, force: bool) -> Job:
         c = replace(c, seq_len=context)
         recipe = replace(recipe, calibration=c)
     tok = load_tokenizer(path)
-    ids = calibration_ids(tok, c.dataset, c.num_samples, c.seq_len, c.seed, c.chat_template) if recipe.needs_data else None
+    ids = calibration_samples(path, tok, c, recipe.device) if recipe.needs_data else None
     return Job(model_name, path, recipe, compute, tok, ids)
+
+
+def calibration_samples(path: Path, tok, c, device: str) -> torch.Tensor:
+    """[num_samples, seq_len] calibration ids from c.dataset: one source, or several joined by +
+    (builtin+self) with the samples split evenly; `self` is text the model writes (self_text.py)."""
+    sources = [c.dataset] if Path(c.dataset).is_file() else c.dataset.split("+")
+    parts = []
+    for i, source in enumerate(sources):
+        n = c.num_samples // len(sources) + (i < c.num_samples % len(sources))
+        if n == 0:
+            continue
+        if source == "self":
+            parts.append(self_generated_ids(str(path), tok, n, c.seq_len, c.seed, device))
+        else:
+            parts.append(calibration_ids(tok, source, n, c.seq_len, c.seed, c.chat_template))
+    return torch.cat(parts)
 
 
 def write(job: Job, model: nn.Module, recipe: Recipe, output: Path, force: bool, dtype: torch.dtype,

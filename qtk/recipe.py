@@ -14,7 +14,7 @@ from .schemes import KVCacheScheme, Scheme, kv_cache_scheme, preset
 
 @dataclass(frozen=True)
 class CalibrationArgs:
-    dataset: str = "builtin"  # builtin | FILE.txt | FILE.jsonl | hf:NAME
+    dataset: str = "builtin"  # builtin | FILE.txt | FILE.jsonl | hf:NAME | self (the model's own text); A+B mixes
     num_samples: int = 64
     seq_len: int = 512
     seed: int = 0
