@@ -325,3 +325,28 @@ def test_cpu_core_peak_compiles_runs_and_records_every_figure(tmp_path, capsys, 
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name: None if name == "g++" else real_which(name))
     assert peak.main() == 2 and "needs g++" in capsys.readouterr().err
+
+
+def test_calibration_data_records_each_dataset_on_both_texts(monkeypatch, tmp_path):
+    """benchmarks/calibration_data.py: one row per calibration dataset, each scored on the built-in
+    evaluation windows and the held-out file (its sha256 recorded), as increases over the baseline."""
+    cd = load_script("calibration_data")
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("text unlike the calibration data\n")
+    models = iter([None, "builtin", "self"])
+    monkeypatch.setattr(cd, "load_model", lambda path, *a, **k: (next(models), None))
+    monkeypatch.setattr(cd, "eval_windows", lambda tok, dataset, *a: dataset)
+    ppl = {(None, "builtin"): 10.0, (None, str(heldout)): 20.0, ("builtin", "builtin"): 11.0,
+           ("builtin", str(heldout)): 25.0, ("self", "builtin"): 11.5, ("self", str(heldout)): 23.0}
+    monkeypatch.setattr(cd, "perplexity", lambda model, w, **k: types.SimpleNamespace(ppl=ppl[(model, w)]))
+    seen = []
+    monkeypatch.setattr(cd.pipeline, "quantize", lambda model, recipe, out, **k: seen.append(recipe.calibration.dataset)
+                        or {"calibration_samples": recipe.calibration.num_samples, "total_seconds": 1.0})
+    monkeypatch.setattr(sys, "argv", ["calibration_data.py", "--heldout", str(heldout), "--datasets", "builtin,self",
+                                      "--work", str(tmp_path / "w"), "--out", str(tmp_path)])
+    cd.main()
+    rec = json.loads((tmp_path / "calibration-data-smollm2-135m.json").read_text())
+    assert seen == ["builtin", "self"] and rec["heldout"]["sha256"] == hashlib.sha256(heldout.read_bytes()).hexdigest()
+    assert [r["increase_pct"] for r in rec["rows"]] == [pytest.approx({"builtin": 10.0, "heldout": 25.0}),
+                                                        pytest.approx({"builtin": 15.0, "heldout": 15.0})]
+    assert rec["rows"][0]["samples"] == 128  # the default recipe's
