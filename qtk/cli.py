@@ -114,6 +114,9 @@ def _section(**kw):
               help="Mixed precision: keep the layers that cost the most (KL divergence when each alone is "
                    "quantized, on calibration samples) at 8 bits while the average bits per quantized weight "
                    "stay within this (e.g. 4.6 beside w4a16's 4.3; the default recipe's 4.75; 0: none).")
+@click.option("--rotate", multiple=True, type=click.Choice(["v_o"]),
+              help="Hadamard rotations fused into the weights before calibration: v_o rotates each attention "
+                   "head's values (v_proj rows, o_proj columns); the checkpoint stays plain compressed-tensors.")
 @click.option("--gates", "gates_spec", default=None,
               help="Keep the fewest most sensitive layers at 8 bits (within --max-bits, or the recipe's) with "
                    "which the checkpoint passes these gates (a gates YAML, or default / ci) against MODEL "

@@ -19,6 +19,7 @@ from .errors import InputError, OutputError, OutputExistsError
 from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, resolve
 from .moe import linearize_experts, router_names
 from .recipe import MIXED_WIDER, Override, Recipe, to_yaml
+from .rotation import rotate_values
 from .self_text import self_generated_ids
 from .schemes import Scheme, check_group_divides, dividing_group_size
 from .sensitivity import bits_per_weight, choose, layer_sensitivity, weight_bits
@@ -60,6 +61,10 @@ class Job:
         """The unquantized model, fresh from disk, in the calibration dtype (MoE experts as Linears)."""
         model, _ = load_model(str(self.path), dtype=self.compute.dtype, tokenizer=self.tokenizer)
         linearize_experts(model)  # a MoE's experts as Linears: each quantized as its own layer
+        if "v_o" in self.recipe.rotate:  # before anything measures or calibrates
+            from .arch import discover
+
+            rotate_values(model, discover(model))
         return model
 
 

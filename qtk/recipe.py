@@ -9,6 +9,7 @@ from . import assets
 from .errors import InputError, NotFoundError
 from .methods import FP8, METHODS, SMOOTHING, WEIGHTS, named
 from .methods.args import AutoRoundArgs, AWQArgs, GPTQArgs, SmoothQuantArgs, check_types
+from .rotation import ROTATIONS
 from .schemes import KVCacheScheme, Scheme, kv_cache_scheme, preset
 
 
@@ -82,6 +83,8 @@ class Recipe:
     # are kept at 8 bits (MIXED_WIDER) while the average bits per quantized weight stay <= max_bits
     # (qtk/sensitivity.py); the recipe.yaml written lists the layers chosen as overrides
     max_bits: float | None = None
+    # Hadamard rotations fused into the weights before calibration (qtk/rotation.py): "v_o"
+    rotate: tuple[str, ...] = ()
     kv_cache: KVCacheScheme | None = None
     gptq: GPTQArgs = field(default_factory=GPTQArgs)  # each method's options (METHODS[name].args)
     awq: AWQArgs = field(default_factory=AWQArgs)
@@ -120,6 +123,9 @@ class Recipe:
                 raise InputError(f"max_bits keeps layers at 8 bits beside a narrower weight-only int scheme "
                                  f"(w4a16, w4a16_asym); this recipe's scheme has weights {w.type}{w.num_bits}"
                                  + (" and quantized activations" if act is not None else ""))
+        unknown = [r for r in self.rotate if r not in ROTATIONS]
+        if unknown or not isinstance(self.rotate, tuple):
+            raise InputError(f"rotate must list rotations of {ROTATIONS}, got {self.rotate!r}")
         if "lm_head" not in self.ignore:
             raise InputError("qtk quantizes the decoder blocks only: keep 'lm_head' in ignore")
         check_patterns(self.ignore, "ignore pattern")
@@ -169,7 +175,7 @@ def from_flags(method: str, scheme: str | None = None, group_size: int | None = 
 
 
 _SECTIONS = {**{name: m.args for name, m in METHODS.items() if m.args}, "calibration": CalibrationArgs}
-_TOP = {"method", "scheme", "group_size", "weights", "kv_cache", "kv_strategy", "ignore", "overrides", "max_bits",
+_TOP = {"method", "scheme", "group_size", "weights", "kv_cache", "kv_strategy", "ignore", "overrides", "max_bits", "rotate",
         "device", "dtype", *_SECTIONS}
 
 
@@ -183,7 +189,7 @@ DEFAULT_RECIPE = "awq-gptq-w4a16"
 def build(method: str | None = None, scheme: str | None = None, group_size: int | None = None,
           weights: str | None = None, kv_cache: str | None = None, kv_strategy: str | None = None,
           ignore: tuple[str, ...] = (), device: str | None = None, dtype: str | None = None,
-          recipe_file: str | None = None, max_bits: float | None = None,
+          recipe_file: str | None = None, max_bits: float | None = None, rotate: tuple[str, ...] = (),
           **section_overrides: dict) -> Recipe:
     """A Recipe from an optional YAML file (qtk's recipe DEFAULT_RECIPE when there is neither a
     file nor a method), overridden by explicit values (the CLI's flags).
@@ -204,6 +210,8 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
         del data["max_bits"]
     if ignore:
         data["ignore"] = list(ignore)
+    if rotate:
+        data["rotate"] = list(rotate)
     _check_top(data)
     sections = {}
     for name, cls in _SECTIONS.items():
@@ -222,7 +230,10 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
                         weights=data.get("weights"), kv_cache=data.get("kv_cache"),
                         kv_strategy=data.get("kv_strategy") or "tensor", ignore=tuple(data.get("ignore") or ()),
                         **sections)
-    recipe = dataclasses.replace(recipe, max_bits=data.get("max_bits"))
+    rotations = data.get("rotate") or []
+    if not isinstance(rotations, list):
+        raise InputError(f"rotate must be a list of rotations of {ROTATIONS}, got {rotations!r}")
+    recipe = dataclasses.replace(recipe, max_bits=data.get("max_bits"), rotate=tuple(rotations))
     _check_applies(recipe, data.get("kv_strategy"), section_overrides)
     auto_group = data.get("group_size") is None and recipe.scheme.weights.strategy == "group"
     return dataclasses.replace(recipe, device=data.get("device") or "cpu", dtype=data.get("dtype") or "auto",
@@ -332,6 +343,8 @@ def to_yaml(recipe: Recipe) -> str:
         d["overrides"] = [_override_dict(o) for o in recipe.overrides]
     if recipe.max_bits is not None:
         d["max_bits"] = recipe.max_bits
+    if recipe.rotate:
+        d["rotate"] = list(recipe.rotate)
     if recipe.kv_cache is not None:
         d["kv_cache"] = {v: k for k, v in KV_CACHE.items()}[recipe.kv_cache.type]
         d["kv_strategy"] = {v: k for k, v in KV_STRATEGIES.items()}[recipe.kv_cache.strategy]

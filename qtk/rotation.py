@@ -1,0 +1,118 @@
+"""Hadamard rotations fused into the weights offline, before calibration (QuaRot, Ashkboos et al.
+2024; SpinQuant's R2, Liu et al. 2024): the model computes the same function, and the checkpoint
+stays plain compressed-tensors with nothing to apply at run time.
+
+`v_o` rotates each attention head's values: v' = H^T v per head (the v_proj rows of each KV head,
+and a fused qkv projection's value rows), so every head's attention output is H^T a, which o_proj
+undoes with its columns W_o' = W_o H per query head. H is the normalized Sylvester Hadamard matrix
+of the head size (a power of two), the same for every head, so grouped-query attention needs
+nothing more. Attention is linear in the values per head, which is what makes this exact; a model
+whose values pass through anything else (a norm on v) would change, so the rotated model's
+next-token distribution is checked against the original's on a few tokens and the rotation is
+refused if they differ.
+
+Why: a rotation spreads a head's outlier channels over all of its channels, so the int4 groups of
+v_proj's rows and o_proj's columns (one head's 64 columns are one group at group size 64) see
+flatter weights.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .arch import Arch
+from .errors import InputError
+
+log = logging.getLogger(__name__)
+
+ROTATIONS = ("v_o",)
+CHECK_TOKENS = 16
+MAX_KL = 1e-2  # nats: far above the weights' rounding to bf16 (about 1e-5), far below a changed function
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The n x n Sylvester Hadamard matrix / sqrt(n) (orthogonal and symmetric), float64."""
+    if n < 1 or n & (n - 1):
+        raise InputError(f"a Hadamard rotation of size {n}: only powers of two are built (the head size)")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def _rotate_rows(linear: nn.Linear, H: torch.Tensor, rows: slice) -> None:
+    """linear's output rows in `rows` -> H^T per head (blocks of H's size), bias alike."""
+    w = linear.weight.data
+    block = w[rows].double()
+    d = H.shape[0]
+    w[rows] = (H.t() @ block.reshape(-1, d, block.shape[1])).reshape(block.shape).to(w.dtype)
+    if linear.bias is not None:
+        b = linear.bias.data
+        b[rows] = (b[rows].double().reshape(-1, d) @ H).reshape(-1).to(b.dtype)
+
+
+def _rotate_columns(linear: nn.Linear, H: torch.Tensor) -> None:
+    """linear's input columns -> W H per head."""
+    w = linear.weight.data
+    d = H.shape[0]
+    w.copy_((w.double().reshape(w.shape[0], -1, d) @ H).reshape(w.shape).to(w.dtype))
+
+
+def head_dim(model: nn.Module) -> int:
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+@torch.no_grad()
+def rotate_values(model: nn.Module, arch: Arch) -> int:
+    """Rotate every block's v -> o pair in place (see the module's docstring); returns how many
+    blocks were rotated. Refused (InputError, the model left as it was) where the model would change."""
+    d = head_dim(model)
+    H = hadamard(d)
+    layers = model.get_submodule(arch.layers)
+    pairs = []
+    for i, block_pairs in enumerate(arch.smooth):
+        for p in block_pairs:
+            prev = layers[i].get_submodule(p.prev)
+            inside = arch.attention[i] is not None and p.prev.startswith(arch.attention[i] + ".")
+            if not (inside and isinstance(prev, nn.Linear) and len(p.linears) == 1):  # the attention's v -> o
+                continue
+            o = layers[i].get_submodule(p.linears[0])
+            kv_rows = _value_rows(model, prev, p.tail)
+            if kv_rows % d or o.in_features % d:
+                continue
+            pairs.append((prev, o, slice(prev.out_features - kv_rows, prev.out_features)))
+    if not pairs:
+        raise InputError(f"model_type {arch.model_type!r}: no values -> output projection pair in its attention to "
+                         "rotate (--rotate v_o)")
+    saved = [(prev.weight.data.clone(), None if prev.bias is None else prev.bias.data.clone(), o.weight.data.clone())
+             for prev, o, _ in pairs]
+    ids = torch.arange(1, CHECK_TOKENS + 1).unsqueeze(0) % model.config.get_text_config(decoder=True).vocab_size
+    before = model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
+    for prev, o, rows in pairs:
+        _rotate_rows(prev, H, rows)
+        _rotate_columns(o, H)
+    after = model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
+    kl = (before.exp() * (before - after)).sum(-1).max().item()
+    if not kl < MAX_KL:
+        for (prev, o, _), (w, b, wo) in zip(pairs, saved):
+            prev.weight.data.copy_(w)
+            if b is not None:
+                prev.bias.data.copy_(b)
+            o.weight.data.copy_(wo)
+        raise InputError(f"model_type {arch.model_type!r}: rotating the values changes the model's outputs (KL "
+                         f"{kl:.3g} on {CHECK_TOKENS} tokens): something between v_proj and o_proj is not per-head "
+                         "linear; quantize without --rotate v_o")
+    log.info("rotation v_o: %d blocks, Hadamard %d per head (KL to the unrotated model %.2g)", len(pairs), d, kl)
+    return len(pairs)
+
+
+def _value_rows(model: nn.Module, prev: nn.Linear, tail: bool) -> int:
+    """How many of prev's output rows are values: all of a v_proj's, the tail of a fused qkv."""
+    if not tail:
+        return prev.out_features
+    config = model.config.get_text_config(decoder=True)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return kv_heads * head_dim(model)
