@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--heldout-limit", type=int, default=40)
     ap.add_argument("--work", default="build/calibration-data")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
+    ap.add_argument("--name", default=None, help="results file name without .json / .md "
+                    "(default: calibration-data-MODEL)")
     args = ap.parse_args()
 
     recipe_path = Path(args.recipe) if Path(args.recipe).is_file() else assets.recipe_file(args.recipe)
@@ -73,13 +75,13 @@ def main():
                "quantize_seconds": report["total_seconds"]}
         print(json.dumps(row), flush=True)
         record["rows"].append(row)
-        write(record, Path(args.out))
+        write(record, Path(args.out), args.name)
     print(table(record))
 
 
-def write(record: dict, out: Path) -> None:
+def write(record: dict, out: Path, name: str | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    name = f"calibration-data-{record['model']}"
+    name = name or f"calibration-data-{record['model']}"
     (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / f"{name}.md").write_text(table(record))
 
