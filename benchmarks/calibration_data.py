@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from qtk import assets, pipeline  # noqa: E402
 from qtk.bench import git_commit  # noqa: E402
 from qtk.device import cpu_name  # noqa: E402
-from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
+from qtk.evals.perplexity import eval_windows, increase_stderr, perplexity  # noqa: E402
 from qtk.loading import BUNDLED, load_model  # noqa: E402
 from qtk.recipe import build  # noqa: E402
 
@@ -52,7 +52,8 @@ def main():
     base, tok = load_model(BUNDLED)
     windows = {"builtin": eval_windows(tok, "builtin", args.eval_seq_len, args.limit),
                "heldout": eval_windows(tok, args.heldout, args.eval_seq_len, args.heldout_limit)}
-    baseline = {k: perplexity(base, w, progress=False).ppl for k, w in windows.items()}
+    base_results = {k: perplexity(base, w, progress=False) for k, w in windows.items()}
+    baseline = {k: r.ppl for k, r in base_results.items()}
     del base
     heldout = Path(args.heldout)
     record = {"command": " ".join(sys.argv), "git_commit": git_commit(), "device": cpu_name(),
@@ -69,9 +70,11 @@ def main():
         out = Path(args.work) / dataset.replace("/", "_")
         report = pipeline.quantize(BUNDLED, recipe, out, force=True, progress=False)
         model, _ = load_model(str(out))
-        ppl = {k: perplexity(model, w, progress=False).ppl for k, w in windows.items()}
+        results = {k: perplexity(model, w, progress=False) for k, w in windows.items()}
+        ppl = {k: r.ppl for k, r in results.items()}
         row = {"dataset": dataset, "samples": report["calibration_samples"], "ppl": ppl,
                "increase_pct": {k: 100 * (ppl[k] / baseline[k] - 1) for k in ppl},
+               "increase_se_pct": {k: 100 * increase_stderr(base_results[k], r) for k, r in results.items()},
                "quantize_seconds": report["total_seconds"]}
         print(json.dumps(row), flush=True)
         record["rows"].append(row)
@@ -92,13 +95,15 @@ def table(r: dict) -> str:
              f"{r['git_commit'][:8]}, {r['device']})", "",
              f"Perplexity over {r['builtin_windows']} windows x {r['eval_seq_len']} tokens of the built-in text's "
              f"evaluation split (baseline {b['builtin']:.4f}) and {h['windows']} windows of {h['file']} (sha256 "
-             f"{h['sha256'][:12]}; baseline {b['heldout']:.4f}), text no calibration source contains.", "",
+             f"{h['sha256'][:12]}; baseline {b['heldout']:.4f}), text no calibration source contains. ± is the "
+             "standard error of the increase (paired bootstrap over windows).", "",
              "| calibration text | samples | built-in ppl | vs base | held-out ppl | vs base | quantize s |",
              "|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
-        p, inc = row["ppl"], row["increase_pct"]
-        lines.append(f"| {row['dataset']} | {row['samples']} | {p['builtin']:.4f} | {inc['builtin']:+.1f}% | "
-                     f"{p['heldout']:.4f} | {inc['heldout']:+.1f}% | {row['quantize_seconds']:.0f} |")
+        p, inc, se = row["ppl"], row["increase_pct"], row.get("increase_se_pct", {})
+        pm = {k: f" ± {se[k]:.1f}" if se.get(k) is not None else "" for k in inc}
+        lines.append(f"| {row['dataset']} | {row['samples']} | {p['builtin']:.4f} | {inc['builtin']:+.1f}%{pm['builtin']} | "
+                     f"{p['heldout']:.4f} | {inc['heldout']:+.1f}%{pm['heldout']} | {row['quantize_seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

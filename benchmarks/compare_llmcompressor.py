@@ -2,11 +2,14 @@
 
     python benchmarks/compare_llmcompressor.py [--methods rtn,gptq,awq,smoothquant_gptq_w8a8,fp8,qtk_best]
                                                [--num-samples 64] [--seq-len 512] [--limit N]
+                                               [--dataset builtin|self|builtin+self]
                                                [--heldout FILE.txt [--heldout-limit 40]]
 
 --heldout scores every checkpoint also on text that no calibration set contains (the calibration
 text is the built-in Python documentation; e.g. WikiText-2's raw test split, saved as a .txt file:
 `--dataset hf:wikitext:wikitext-2-raw-v1` where the hub is reachable). The file's sha256 is recorded.
+--dataset picks the calibration text as `qtk quantize --dataset` does (`self`: text the model
+writes; `builtin+self`: half each); the ids are drawn once and both sides calibrate on them.
 
 The peer runs in its own venv (scripts/peer_env.sh; it pins an older transformers) on the same
 calibration token ids, saved to a file. Both checkpoints are then scored by one evaluator (qtk's
@@ -33,13 +36,12 @@ sys.path.insert(0, str(ROOT))
 from qtk.bench import git_commit  # noqa: E402
 from qtk.calibrate import checkpoint_groups, quantize_model  # noqa: E402
 from qtk.checkpoint import save_quantized  # noqa: E402
-from qtk.data import calibration_ids  # noqa: E402
 from qtk.device import choose_dtype, cpu_name  # noqa: E402
-from qtk.evals.perplexity import eval_windows, perplexity  # noqa: E402
+from qtk.evals.perplexity import eval_windows, increase_stderr, perplexity  # noqa: E402
 from qtk.loading import BUNDLED, load_model, resolve  # noqa: E402
 from qtk.methods.args import AutoRoundArgs, SmoothQuantArgs  # noqa: E402
-from qtk.pipeline import mix_precision  # noqa: E402
-from qtk.recipe import build, from_flags  # noqa: E402
+from qtk.pipeline import calibration_samples, mix_precision  # noqa: E402
+from qtk.recipe import CalibrationArgs, build, from_flags  # noqa: E402
 
 
 def qtk_recipes(group_size: int, iters: int = 200) -> dict:
@@ -83,10 +85,17 @@ def run_peer(name, ids_file: Path, out: Path, group_size: int, dtype: str, iters
     return json.loads(res.stdout.strip().splitlines()[-1])["seconds"]
 
 
-def ppl_of(path, *windows) -> list[float]:
-    """Perplexity of the checkpoint at `path` on each set of windows given."""
+def ppl_of(path, *windows) -> list:
+    """Perplexity of the checkpoint at `path` on each set of windows given (PerplexityResults)."""
     model, _ = load_model(str(path))
-    return [perplexity(model, w, progress=False).ppl for w in windows if w is not None]
+    return [perplexity(model, w, progress=False) for w in windows if w is not None]
+
+
+def scored(row: dict, side: str, results: list, baselines: list) -> None:
+    """row[side_ppl], row[side_increase_se_pct] (and the held-out pair) from ppl_of's results."""
+    for where, r, b in zip(("", "heldout_"), results, baselines):
+        row[f"{side}_{where}ppl"] = r.ppl
+        row[f"{side}_{where}increase_se_pct"] = 100 * increase_stderr(b, r)
 
 
 def main():
@@ -94,6 +103,8 @@ def main():
     ap.add_argument("--methods", default="rtn,gptq,awq,smoothquant_gptq_w8a8,fp8,qtk_best")
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--dataset", default="builtin", help="calibration text, as qtk quantize --dataset "
+                    "(builtin, self, builtin+self, a .txt file)")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=200, help="autoround: steps per block, both sides (auto-round's "
                     "200; its light preset 50)")
@@ -115,13 +126,17 @@ def main():
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     base, tok = load_model(BUNDLED)
-    ids = calibration_ids(tok, "builtin", args.num_samples, args.seq_len, seed=0)
+    ids = calibration_samples(resolve(BUNDLED), tok, CalibrationArgs(dataset=args.dataset, num_samples=args.num_samples,
+                                                                    seq_len=args.seq_len, seed=0), "cpu")
     ids_file = work / "calib_ids.pt"
     torch.save(ids, ids_file)
     windows = eval_windows(tok, "builtin", args.eval_seq_len, args.limit)
-    baseline = perplexity(base, windows, progress=False).ppl
+    base_results = [perplexity(base, windows, progress=False)]
     heldout = eval_windows(tok, args.heldout, args.eval_seq_len, args.heldout_limit) if args.heldout else None
-    heldout_baseline = perplexity(base, heldout, progress=False).ppl if args.heldout else None
+    if args.heldout:
+        base_results.append(perplexity(base, heldout, progress=False))
+    baseline = base_results[0].ppl
+    heldout_baseline = base_results[1].ppl if args.heldout else None
     del base
     print(f"baseline ppl {baseline:.4f} ({len(windows)} windows x {args.eval_seq_len})"
           + (f"; held-out {heldout_baseline:.4f} ({len(heldout)} windows)" if args.heldout else ""), flush=True)
@@ -129,7 +144,7 @@ def main():
     record = {
         "command": " ".join(sys.argv), "git_commit": git_commit(), "device": cpu_name(),
         "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-        "model": BUNDLED, "dtype": args.dtype, "calibration": {"dataset": "builtin", "samples": args.num_samples, "seq_len": args.seq_len,
+        "model": BUNDLED, "dtype": args.dtype, "calibration": {"dataset": args.dataset, "samples": args.num_samples, "seq_len": args.seq_len,
                                           "seed": 0},
         "evaluation": {"windows": len(windows), "seq_len": args.eval_seq_len, "scored_tokens": len(windows) * (args.eval_seq_len - 1)},
         "group_size": args.group_size, "autoround_iters": args.iters, "baseline_ppl": baseline, "rows": [],
@@ -142,16 +157,12 @@ def main():
         row = {"method": name}
         qdir = work / f"qtk-{name}"
         row["qtk_seconds"] = run_qtk(name, recipes[name], ids, qdir)
-        row["qtk_ppl"], *h = ppl_of(qdir, windows, heldout)
-        if h:
-            row["qtk_heldout_ppl"] = h[0]
+        scored(row, "qtk", ppl_of(qdir, windows, heldout), base_results)
         if not name.startswith("qtk_best") and name not in args.no_peer.split(","):
             pdir = work / f"peer-{name}"
             try:
                 row["peer_seconds"] = run_peer(name, ids_file, pdir, args.group_size, args.dtype, args.iters)
-                row["peer_ppl"], *h = ppl_of(pdir, windows, heldout)
-                if h:
-                    row["peer_heldout_ppl"] = h[0]
+                scored(row, "peer", ppl_of(pdir, windows, heldout), base_results)
             except RuntimeError as e:  # recorded, not hidden: the table shows the peer failed
                 row["peer_error"] = str(e)[-2000:]
         print(json.dumps(row), flush=True)
@@ -169,25 +180,33 @@ def write(record: dict, out: Path, name: str) -> None:
 def table(r: dict) -> str:
     b, h = r["baseline_ppl"], r.get("heldout")
     lines = [f"# qtk vs llm-compressor on {r['model']} ({r['date']}, commit {r['git_commit'][:8]}, {r['device']})", "",
-             f"Calibration: {r['calibration']['samples']} x {r['calibration']['seq_len']} tokens (builtin, seed 0), "
+             f"Calibration: {r['calibration']['samples']} x {r['calibration']['seq_len']} tokens "
+             f"({r['calibration']['dataset']}, seed 0), "
              f"same ids for both; model in {r.get('dtype', 'float32')} on both sides. Evaluation: {r['evaluation']['windows']} windows x {r['evaluation']['seq_len']} "
              f"tokens of the built-in text held out from calibration. Group size {r['group_size']}. Baseline ppl {b:.4f}."]
     if h:
         lines[-1] += (f" Held-out: {h['windows']} windows x {h['seq_len']} tokens of {h['file']} (sha256 "
                       f"{h['sha256'][:12]}), text unlike the calibration data; baseline ppl {h['baseline_ppl']:.4f}.")
+    lines[-1] += " ± is the standard error of an increase (paired bootstrap over windows)."
     head = ["method", "qtk ppl", "peer ppl", "qtk vs base", "peer vs base"]
     head += ["held-out qtk vs base", "held-out peer vs base"] if h else []
     lines += ["", "| " + " | ".join(head + ["qtk s", "peer s", "speedup"]) + " |", "|---" * (len(head) + 3) + "|"]
     for row in r["rows"]:
         q, qs, p, ps = row["qtk_ppl"], row["qtk_seconds"], row.get("peer_ppl"), row.get("peer_seconds")
-        cells = [row["method"], f"{q:.4f}", _fmt(p, "{:.4f}"), f"{100 * (q / b - 1):+.1f}%",
-                 _fmt(None if p is None else 100 * (p / b - 1), "{:+.1f}%")]
+        cells = [row["method"], f"{q:.4f}", _fmt(p, "{:.4f}"), _increase(row, "qtk", "", b), _increase(row, "peer", "", b)]
         if h:
-            cells += [_fmt(row.get(f"{side}_heldout_ppl") and 100 * (row[f"{side}_heldout_ppl"] / h["baseline_ppl"] - 1),
-                           "{:+.1f}%") for side in ("qtk", "peer")]
+            cells += [_increase(row, side, "heldout_", h["baseline_ppl"]) for side in ("qtk", "peer")]
         cells += [f"{qs:.1f}", _fmt(ps, "{:.1f}"), _fmt(None if ps is None else ps / qs, "{:.1f}x")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _increase(row: dict, side: str, where: str, baseline: float) -> str:
+    """"+12.3% ± 0.4": the side's perplexity against the baseline's, with its standard error where recorded."""
+    ppl, se = row.get(f"{side}_{where}ppl"), row.get(f"{side}_{where}increase_se_pct")
+    if ppl is None:
+        return ""
+    return f"{100 * (ppl / baseline - 1):+.1f}%" + ("" if se is None else f" ± {se:.1f}")
 
 
 def _fmt(v, spec: str) -> str:

@@ -26,6 +26,9 @@ sys.path.insert(0, str(REPO))
 SCHEMES = {  # name -> qtk quantize arguments (RTN / plain FP8: the formats are under test, not the methods)
     "w4a16": ["--method", "rtn", "--scheme", "w4a16"],
     "w4a16_asym": ["--method", "rtn", "--scheme", "w4a16_asym"],
+    # the default recipe's mixed precision: the most sensitive layers kept at w8a16 beside w4a16_asym,
+    # one checkpoint with two config groups
+    "mixed": ["--method", "rtn", "--scheme", "w4a16_asym", "--max-bits", "4.75"],
     "w8a8": ["--method", "rtn", "--scheme", "w8a8"],
     "fp8": ["--method", "fp8", "--scheme", "fp8"],
 }

@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -260,6 +261,15 @@ def test_kernels_limit_fraction_is_against_the_peak_of_each_kernels_math(monkeyp
         bench.matmul_peak("cpu", "int4")
 
 
+def ppl_result(*window_ppl: float, seq_len: int = 9):
+    """A PerplexityResult over len(window_ppl) windows, each window at its own perplexity."""
+    from qtk.evals.perplexity import PerplexityResult
+
+    nll = tuple((seq_len - 1) * math.log(p) for p in window_ppl)
+    mean = sum(nll) / ((seq_len - 1) * len(nll))
+    return PerplexityResult(math.exp(mean), mean, (seq_len - 1) * len(nll), len(nll), seq_len, "t", nll)
+
+
 def test_compare_llmcompressor_records_the_cpu_it_ran_on(monkeypatch, tmp_path):
     """The JSON's device is the CPU's model name (platform.processor() is "x86_64" or empty on
     Linux) and its commit is the benchmarks' git_commit, with the same method rows as the table."""
@@ -268,25 +278,31 @@ def test_compare_llmcompressor_records_the_cpu_it_ran_on(monkeypatch, tmp_path):
 
     cmp = load_script("compare_llmcompressor")
     monkeypatch.setattr(cmp, "load_model", lambda *a, **k: (None, None))
-    monkeypatch.setattr(cmp, "calibration_ids", lambda *a, **k: torch.zeros(2, 4, dtype=torch.long))
+    drawn = []
+    monkeypatch.setattr(cmp, "calibration_samples",
+                        lambda path, tok, c, device: drawn.append(c.dataset) or torch.zeros(2, 4, dtype=torch.long))
     monkeypatch.setattr(cmp, "eval_windows", lambda *a, **k: torch.zeros(3, 8, dtype=torch.long))
-    monkeypatch.setattr(cmp, "perplexity", lambda *a, **k: types.SimpleNamespace(ppl=10.0))
+    monkeypatch.setattr(cmp, "perplexity", lambda *a, **k: ppl_result(10.0, 10.0, 10.0))
     monkeypatch.setattr(cmp, "run_qtk", lambda *a: 1.0)
     monkeypatch.setattr(cmp, "run_peer", lambda *a: 2.0)
-    monkeypatch.setattr(cmp, "ppl_of", lambda path, *windows: [11.0, 12.5][:len([w for w in windows if w is not None])])
+    monkeypatch.setattr(cmp, "ppl_of", lambda path, *windows: [ppl_result(11.0, 11.0, 11.0), ppl_result(12.5, 12.5, 12.5)]
+                        [:len([w for w in windows if w is not None])])
     heldout = tmp_path / "heldout.txt"
     heldout.write_text("text unlike the calibration data\n")
     monkeypatch.setattr(sys, "argv", ["compare_llmcompressor.py", "--methods", "rtn", "--dtype", "float32",
                                       "--eval-seq-len", "8", "--work", str(tmp_path / "work"),
-                                      "--out", str(tmp_path), "--heldout", str(heldout)])
+                                      "--out", str(tmp_path), "--heldout", str(heldout), "--dataset", "builtin+self"])
     cmp.main()
+    assert drawn == ["builtin+self"]  # drawn once, both sides calibrate on the same ids
     rec = json.loads((tmp_path / "compare_llmcompressor.json").read_text())
     assert rec["device"] == cpu_name() and rec["git_commit"] == git_commit()
     assert rec["evaluation"]["scored_tokens"] == 3 * 7
     assert [r["method"] for r in rec["rows"]] == ["rtn"] and rec["rows"][0]["peer_seconds"] == 2.0
     assert rec["heldout"]["sha256"] == hashlib.sha256(heldout.read_bytes()).hexdigest()
-    assert rec["rows"][0]["qtk_heldout_ppl"] == 12.5 == rec["rows"][0]["peer_heldout_ppl"]
-    assert "| +25.0% | +25.0% |" in (tmp_path / "compare_llmcompressor.md").read_text()  # held-out vs 10.0
+    assert rec["rows"][0]["qtk_heldout_ppl"] == pytest.approx(12.5) == rec["rows"][0]["peer_heldout_ppl"]
+    assert rec["calibration"]["dataset"] == "builtin+self"
+    md = (tmp_path / "compare_llmcompressor.md").read_text()
+    assert "| +25.0% ± 0.0 | +25.0% ± 0.0 |" in md and "(builtin+self, seed 0)" in md  # held-out vs 10.0
 
 
 def test_quality_table_reuses_a_checkpoint_only_if_calibrated_as_the_table_says(monkeypatch, tmp_path):
@@ -336,9 +352,10 @@ def test_calibration_data_records_each_dataset_on_both_texts(monkeypatch, tmp_pa
     models = iter([None, "builtin", "self"])
     monkeypatch.setattr(cd, "load_model", lambda path, *a, **k: (next(models), None))
     monkeypatch.setattr(cd, "eval_windows", lambda tok, dataset, *a: dataset)
-    ppl = {(None, "builtin"): 10.0, (None, str(heldout)): 20.0, ("builtin", "builtin"): 11.0,
-           ("builtin", str(heldout)): 25.0, ("self", "builtin"): 11.5, ("self", str(heldout)): 23.0}
-    monkeypatch.setattr(cd, "perplexity", lambda model, w, **k: types.SimpleNamespace(ppl=ppl[(model, w)]))
+    ppl = {(None, "builtin"): ppl_result(10.0, 10.0), (None, str(heldout)): ppl_result(20.0, 20.0),
+           ("builtin", "builtin"): ppl_result(11.0, 11.0), ("builtin", str(heldout)): ppl_result(25.0, 25.0),
+           ("self", "builtin"): ppl_result(11.5, 11.5), ("self", str(heldout)): ppl_result(21.0, 25.0)}
+    monkeypatch.setattr(cd, "perplexity", lambda model, w, **k: ppl[(model, w)])
     seen = []
     monkeypatch.setattr(cd.pipeline, "quantize", lambda model, recipe, out, **k: seen.append(recipe.calibration.dataset)
                         or {"calibration_samples": recipe.calibration.num_samples, "total_seconds": 1.0})
@@ -347,6 +364,10 @@ def test_calibration_data_records_each_dataset_on_both_texts(monkeypatch, tmp_pa
     cd.main()
     rec = json.loads((tmp_path / "calibration-data-smollm2-135m.json").read_text())
     assert seen == ["builtin", "self"] and rec["heldout"]["sha256"] == hashlib.sha256(heldout.read_bytes()).hexdigest()
+    held = 100 * (math.sqrt(21 * 25) / 20 - 1)  # the geometric mean of its windows' perplexities
     assert [r["increase_pct"] for r in rec["rows"]] == [pytest.approx({"builtin": 10.0, "heldout": 25.0}),
-                                                        pytest.approx({"builtin": 15.0, "heldout": 15.0})]
+                                                        pytest.approx({"builtin": 15.0, "heldout": held})]
+    se = rec["rows"][1]["increase_se_pct"]  # windows that disagree: a spread; windows that agree: none
+    assert se["builtin"] == pytest.approx(0, abs=1e-9) and 0 < se["heldout"] < 100 * (25 / 21 - 1) / 2
+    assert f"+{held:.1f}% ± {se['heldout']:.1f}" in (tmp_path / "calibration-data-smollm2-135m.md").read_text()
     assert rec["rows"][0]["samples"] == 128  # the default recipe's

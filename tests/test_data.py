@@ -218,10 +218,13 @@ def test_perplexity_protocol_by_hand(tiny_llama):
     windows = torch.randint(0, 256, (5, 33), generator=torch.Generator().manual_seed(4))
     res = perplexity(model, windows, batch_size=2, progress=False, dataset="random")
     nll = []
+    per_window = []
     with torch.no_grad():
         for w in windows:  # one window at a time, token by token: -log p(w[t] | w[:t]) for t >= 1
             logp = torch.log_softmax(model(w[None]).logits[0].double(), dim=-1)
             nll += [-logp[t - 1, w[t]].item() for t in range(1, len(w))]
+            per_window.append(sum(nll[-32:]))
+    assert res.window_nll == pytest.approx(per_window, rel=1e-5)  # what the bootstrap resamples
     assert res.scored_tokens == len(nll) == 5 * 32
     assert (res.windows, res.seq_len, res.dataset) == (5, 33, "random")
     assert res.nll == pytest.approx(sum(nll) / len(nll), rel=1e-5)
@@ -230,3 +233,27 @@ def test_perplexity_protocol_by_hand(tiny_llama):
     assert perplexity(model, windows, batch_size=5, progress=False).ppl == pytest.approx(res.ppl, rel=1e-6)
     assert json.loads(json.dumps(res.to_dict()))["scored_tokens"] == 160
     assert str(res).startswith(f"ppl {res.ppl:.4f} on random (5 windows x 33 tokens, 160 scored)")
+
+
+def test_increase_stderr_is_the_paired_bootstrap_over_windows():
+    """other / base - 1 resampled by window, both models on the same draw: a constant ratio has no
+    spread however different the windows are; disagreeing windows give the draws' spread."""
+    import numpy as np
+
+    from qtk.evals import bootstrap
+    from qtk.evals.perplexity import PerplexityResult, increase_stderr
+
+    def result(*nll):
+        return PerplexityResult(math.exp(sum(nll) / (8 * len(nll))), sum(nll) / (8 * len(nll)), 8 * len(nll),
+                                len(nll), 9, "t", nll)
+
+    base = result(8.0, 16.0, 24.0, 12.0)
+    assert increase_stderr(base, result(*(1.1 * v for v in base.window_nll))) > 0  # ratio of nll, not of ppl
+    assert increase_stderr(base, result(*(v + 8 * 0.1 for v in base.window_nll))) == pytest.approx(0, abs=1e-12)
+    other = result(9.0, 16.0, 30.0, 12.5)
+    idx = bootstrap.draws(4, "ppl increase")
+    b = np.exp(np.array(base.window_nll)[idx].sum(1) / 32)
+    o = np.exp(np.array(other.window_nll)[idx].sum(1) / 32)
+    assert increase_stderr(base, other) == pytest.approx((o / b - 1).std(ddof=1))
+    with pytest.raises(ValueError, match="same windows"):
+        increase_stderr(base, result(9.0))

@@ -40,7 +40,7 @@ W8A8_GAP = pytest.mark.xfail(strict=True, reason=(
     "from the format here, qtk does not (benchmarks/results/vllm_referee.md). Strict: a fixed vLLM fails this"))
 
 
-@pytest.mark.parametrize("name", ["float", "w4a16", "w4a16_asym", pytest.param("w8a8", marks=W8A8_GAP), "fp8"])
+@pytest.mark.parametrize("name", ["float", "w4a16", "w4a16_asym", "mixed", pytest.param("w8a8", marks=W8A8_GAP), "fp8"])
 def test_vllm_serves_what_qtk_writes(referee_module, setup, name):
     dirs, (windows, prompts) = setup
     res = referee_module.referee(dirs[name], windows, prompts)

@@ -84,14 +84,23 @@ def engine_perplexity(llm, windows: torch.Tensor, batch_size: int = 1, progress:
 def perplexity(model, windows: torch.Tensor, batch_size: int = 1, device=None, progress: bool = True,
                dataset: str = "builtin") -> PerplexityResult:
     device = device or next(model.parameters()).device
-    total_nll, scored = 0.0, 0
+    window_nll = []
     with chunked_attention(model):
         for i in tqdm(range(0, len(windows), batch_size), desc="ppl", unit="win", disable=not progress):
             ids = windows[i:i + batch_size].to(device)
             logits = model(input_ids=ids, use_cache=False).logits.float()
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                    ids[:, 1:].reshape(-1), reduction="sum")
-            total_nll += nll.item()
-            scored += ids[:, 1:].numel()
-    mean = total_nll / scored
-    return PerplexityResult(exp_nll(mean), mean, scored, len(windows), windows.shape[1], dataset)
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+            window_nll += nll.double().sum(-1).tolist()
+    scored = windows[:, 1:].numel()
+    mean = sum(window_nll) / scored
+    return PerplexityResult(exp_nll(mean), mean, scored, len(windows), windows.shape[1], dataset, tuple(window_nll))
+
+
+def increase_stderr(base: PerplexityResult, other: PerplexityResult, key: str = "ppl increase") -> float | None:
+    """The standard error of other's perplexity relative to base's (other / base - 1) on the same
+    windows, by the paired bootstrap over windows (bootstrap.py)."""
+    ub, uo = base.units()["ppl"], other.units()["ppl"]
+    if len(ub["values"]) != len(uo["values"]) or not ub["values"]:
+        raise ValueError("increase_stderr: both results need the same windows, each window's NLL kept")
+    idx = bootstrap.draws(len(ub["values"]), key)
+    return bootstrap.stderr(bootstrap.replicates(uo, idx) / bootstrap.replicates(ub, idx) - 1)
