@@ -10,8 +10,12 @@ Per checkpoint (w4a16 sym and asym, w8a8, fp8; the float weights as the control)
     greedy      chat prompts, 32 tokens, top-5 logprobs: equal tokens, or a near-tie where they part
                 (vLLM's check_logprobs_close: each side's token among the other's top 5), and the
                 comparison of that prompt stops there
+    schemes     the scheme vLLM's own parser gives each layer it builds (fused qkv_proj, gate_up_proj
+                included) is the one its shards were written in (benchmarks/vllm_schemes.py): checked
+                even where vLLM has no kernel for the checkpoint
 Where vLLM refuses a scheme (its CPU W4A16 kernel exists only for AVX-512 CPUs: "no attribute
-cpu_gemm_wna16"), its own reason is recorded instead. tests/test_vllm_referee.py runs this.
+cpu_gemm_wna16"; its CPU build has no 8-bit weight-only kernel at all: "uint8b128 not supported"),
+its own reason is recorded instead. tests/test_vllm_referee.py runs this.
 """
 from __future__ import annotations
 
@@ -58,9 +62,11 @@ def referee(model: Path, windows: list[list[int]], prompts: list[list[int]], dty
     job = {"model": str(model), "dtype": dtype, "max_model_len": 2048, "enforce_eager": True, "tasks": [
         {"kind": "ppl", "name": "ppl", "windows": windows},
         {"kind": "generate", "name": "greedy", "prompts": prompts, "max_tokens": NEW_TOKENS, "logprobs": TOP}]}
+    schemes = run_peer("vllm", "vllm_schemes.py", {"model": str(model)})  # vLLM's parser, no kernel needed
+    mismatched = schemes.get("mismatched", schemes.get("error"))
     theirs = run_peer("vllm", "vllm_peer.py", job)
     if "error" in theirs:
-        return {"vllm_refused": theirs["error"]}
+        return {"vllm_refused": theirs["error"], "vllm_scheme_mismatches": mismatched}
     llm = LLM(str(model), dtype=dtype, max_model_len=2048)
     ours_ppl = engine_perplexity(llm, torch.tensor(windows), batch_size=len(windows), progress=False).ppl
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0,
@@ -73,6 +79,7 @@ def referee(model: Path, windows: list[list[int]], prompts: list[list[int]], dty
     return {"qtk_ppl": ours_ppl, "vllm_ppl": theirs["tasks"]["ppl"]["ppl"],
             "ppl_rel_diff": abs(theirs["tasks"]["ppl"]["ppl"] / ours_ppl - 1),
             "greedy": per_prompt, "exact_prompts": sum(p["agreed"] == NEW_TOKENS for p in per_prompt),
+            "vllm_scheme_mismatches": mismatched,
             "vllm_startup_s": theirs["startup_s"]}
 
 

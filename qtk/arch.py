@@ -4,7 +4,8 @@
     discover(model)         one traced forward of a few tokens: each block's Linear layers in the
                             order they run, its attention module (the one calling transformers'
                             attention interface), what runs before block 0 (embeddings, rotary),
-                            and each block's smoothing pairs (qtk.smoothing: a table per family,
+                            the Linear layers that read one input (q/k/v, gate/up: vLLM fuses them,
+                            so they must share a scheme), and each block's smoothing pairs (qtk.smoothing: a table per family,
                             inferred by probing elsewhere), found once per distinct block structure
     check_supported(config) a model type transformers loads as a causal LM, attention-only, through
                             the attention interface; otherwise one line saying what is missing
@@ -39,6 +40,9 @@ class Arch:
     attention: tuple[str | None, ...]  # per layer: the module that calls the attention (owns k_scale / v_scale)
     smooth: tuple[tuple[SmoothPair, ...], ...]  # per layer: AWQ / SmoothQuant pairs, in execution order
     before: tuple[str, ...]  # modules outside the layers that run before block 0 (embeddings, rotary)
+    # per layer: the groups of 2+ Linear layers that read the same input tensor (q/k/v, gate/up): vLLM
+    # fuses each group into one layer (qkv_proj, gate_up_proj) and requires one scheme for all of it
+    shared_input: tuple[tuple[tuple[str, ...], ...], ...] = ()
 
 
 def is_linear(m: nn.Module) -> bool:
@@ -73,15 +77,22 @@ class _Trace:
     attention: list[str | None]
     calls: list[tuple | None]  # per layer, its (args, kwargs)
     before: list[str]
+    inputs: list[list[tuple[str, object]]]  # per layer, (Linear name, its input tensor) as they ran
 
 
 def _trace(model: nn.Module, path: str) -> _Trace:
     """One forward of TRACE_TOKENS tokens with hooks recording the calls."""
     layers = model.get_submodule(path)
-    t = _Trace([[] for _ in layers], [None] * len(layers), [None] * len(layers), [])
+    t = _Trace([[] for _ in layers], [None] * len(layers), [None] * len(layers), [], [[] for _ in layers])
     names = {id(m): n for n, m in model.named_modules()}
     started = []  # set once block 0 runs: nothing after it is "before"
     handles = []
+
+    def on_linear(i, rel):
+        def hook(_, args):
+            t.order[i].append(rel)
+            t.inputs[i].append((rel, args[0] if args else None))
+        return hook
 
     def on_layer(i):
         def hook(_, args, kwargs):
@@ -93,7 +104,7 @@ def _trace(model: nn.Module, path: str) -> _Trace:
         handles.append(layer.register_forward_pre_hook(on_layer(i), with_kwargs=True))
         for rel, m in layer.named_modules():
             if is_linear(m):
-                handles.append(m.register_forward_pre_hook(lambda *_, i=i, rel=rel: t.order[i].append(rel)))
+                handles.append(m.register_forward_pre_hook(on_linear(i, rel)))
     for name, m in model.named_modules():
         outside = not (name == path or name.startswith(path + ".") or path.startswith(name + ".") or name == "")
         if outside:
@@ -156,7 +167,25 @@ def discover(model: nn.Module, smoothing: bool = True) -> Arch:
         elif key not in pairs_of:
             pairs_of[key] = layer_pairs(model_type, LayerProbe(layer, t.calls[i], linears[i]), t.attention[i])
         smooth.append(pairs_of[key])
-    return Arch(model_type, path, tuple(linears), tuple(t.attention), tuple(smooth), _outermost(t.before))
+    return Arch(model_type, path, tuple(linears), tuple(t.attention), tuple(smooth), _outermost(t.before),
+                tuple(_shared_input(calls) for calls in t.inputs))
+
+
+def _shared_input(calls: list[tuple[str, object]]) -> tuple[tuple[str, ...], ...]:
+    """The groups of 2+ Linear layers (first call each) whose input was the same tensor object."""
+    groups: list[tuple[object, list[str]]] = []
+    seen = set()
+    for name, x in calls:
+        if name in seen or x is None:
+            continue
+        seen.add(name)
+        for tensor, names in groups:
+            if tensor is x:
+                names.append(name)
+                break
+        else:
+            groups.append((x, [name]))
+    return tuple(tuple(names) for _, names in groups if len(names) > 1)
 
 
 def unsupported_reason(config) -> str | None:

@@ -2,9 +2,10 @@
 the checkpoint passes the gates against the unquantized model.
 
 Each quantized layer's sensitivity is measured once: the KL divergence it adds when it alone is
-rounded to the recipe's scheme, on calibration samples (pipeline.measure_sensitivity). Candidate
-k keeps the k most sensitive layers at 8 bits; K is as many as fit within the budget B (every
-layer without one). Each candidate is calibrated in full, since calibration is sequential (a layer
+rounded to the recipe's scheme, on calibration samples (pipeline.measure_sensitivity). Layers that
+read one input (q/k/v, gate/up) are kept together or not at all (vLLM fuses them into one layer of
+one scheme): a unit is such a group, or a layer alone. Candidate k keeps the k most sensitive
+units at 8 bits; K is as many as fit within the budget B (every unit without one). Each candidate is calibrated in full, since calibration is sequential (a layer
 kept at 8 bits changes what every later block sees), written, and gated against the unquantized
 model on qtk's runtime, as `qtk eval CANDIDATE --baseline MODEL --gates FILE` would. Passing is
 taken to be monotone in k, so k is found by bisection:
@@ -81,45 +82,49 @@ def quantize_gated(model_name: str, recipe: Recipe, output: str | Path, gates_sp
     engine = EngineConfig(model_name, device=job.recipe.device)  # the baseline: the model unquantized
     base = score_model(engine, gates.gates, seed, "baseline", cache=True, echo=echo)  # before any calibration:
     check_directions(gates, base)  # a gates file that cannot run fails in minutes, not hours
-    ranked, sens = [], None
+    units, sens = [], None  # units: layers kept together (q/k/v, gate/up) or alone, most sensitive first
     if max_bits != 0:
         model = job.load()
         sens = measure_sensitivity(model, job.recipe, job.ids, progress, max_bits)
         del model
-        ranked = sens.ranked(max_bits if max_bits is not None else sens.bits(sens.kl))
-        echo(f"sensitivity: {len(sens.kl)} layers measured in {sens.seconds:.0f} s; at most {len(ranked)} kept "
-             f"at 8 bits ({sens.bits(ranked):.3f} bits per weight"
+        units = sens.units(max_bits if max_bits is not None else sens.bits(sens.kl))
+        most = [n for u in units for n in u]
+        echo(f"sensitivity: {len(sens.kl)} layers measured in {sens.seconds:.0f} s; at most {len(most)} kept "
+             f"at 8 bits in {len(units)} groups ({sens.bits(most):.3f} bits per weight"
              + (f", budget {max_bits:g})" if max_bits is not None else ")"))
     with write_dir(output) as final:
         scratch = final / ".candidates"
         tried: list[Candidate] = []
 
         def attempt(k: int, whole: bool) -> Candidate:
-            c = _candidate(job, sens, ranked[:k], max_bits, scratch / f"keep-{k}", gates, base, engine, dtype,
+            kept = [n for u in units[:k] for n in u]
+            c = _candidate(job, sens, kept, max_bits, scratch / f"keep-{k}", gates, base, engine, dtype,
                            seed, progress, echo, whole)
             tried.append(c)
             bits = "" if c.bits_per_weight is None else f"{c.bits_per_weight:.3f} bits per weight, "
-            echo(f"{k} layers at 8 bits ({bits}{c.bytes / 1e6:.1f} MB): "
+            echo(f"{len(kept)} layers at 8 bits ({bits}{c.bytes / 1e6:.1f} MB): "
                  + ("PASS" if c.passed else f"FAIL ({', '.join(c.summary()['failed'])})"))
             return c
 
-        best = attempt(len(ranked), whole=True)
-        if best.passed and ranked:
+        hi = len(units)  # the fewest units known to pass (once best passes)
+        best = attempt(hi, whole=True)
+        if best.passed and units:
             low = attempt(0, whole=False)
             if low.passed:
                 _drop(best)
                 best = low
             else:
                 _drop(low)
-                lo = 0  # the largest k known to fail; best.kept the smallest known to pass
-                while best.kept - lo > 1:
-                    mid = attempt((lo + best.kept) // 2, whole=False)
+                lo = 0  # the most units known to fail
+                while hi - lo > 1:
+                    k = (lo + hi) // 2
+                    mid = attempt(k, whole=False)
                     if mid.passed:
                         _drop(best)
-                        best = mid
+                        best, hi = mid, k
                     else:
                         _drop(mid)
-                        lo = mid.kept
+                        lo = k
         report = _finish(best, tried, gates, model_name, final, time.perf_counter() - t0)
         shutil.rmtree(scratch)
     return report, best.verdict

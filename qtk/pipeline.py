@@ -22,7 +22,7 @@ from .recipe import MIXED_WIDER, Override, Recipe, to_yaml
 from .rotation import rotate_values
 from .self_text import self_generated_ids
 from .schemes import Scheme, check_group_divides, dividing_group_size
-from .sensitivity import bits_per_weight, choose, layer_sensitivity, weight_bits
+from .sensitivity import bits_per_weight, choose, choose_units, layer_sensitivity, weight_bits
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ class Sensitivity:
     scheme: Scheme
     samples: int
     seconds: float
+    groups: tuple[tuple[str, ...], ...] = ()  # layers kept together or not at all (they read one input)
 
     def bits(self, kept=()) -> float:
         """Average bits per quantized weight with `kept` at MIXED_WIDER."""
@@ -145,7 +146,11 @@ class Sensitivity:
 
     def ranked(self, max_bits: float) -> list[str]:
         """The most sensitive layers first, as many as fit within max_bits (sensitivity.choose)."""
-        return choose(self.kl, self.shapes, self.scheme, MIXED_WIDER, max_bits)[0]
+        return choose(self.kl, self.shapes, self.scheme, MIXED_WIDER, max_bits, self.groups)[0]
+
+    def units(self, max_bits: float) -> list[tuple[str, ...]]:
+        """ranked, as the units kept together (a group, or a layer alone), most sensitive first."""
+        return choose_units(self.kl, self.shapes, self.scheme, MIXED_WIDER, max_bits, self.groups)[0]
 
     def keep(self, recipe: Recipe, kept: list[str], max_bits: float) -> tuple[Recipe, dict]:
         """The recipe with `kept` at MIXED_WIDER (an override; max_bits resolved), and what the
@@ -155,6 +160,7 @@ class Sensitivity:
         overrides = recipe.overrides + ((Override(tuple(kept), MIXED_WIDER),) if kept else ())
         report = {"max_bits": max_bits, "bits_per_weight": self.bits(kept), "scheme_alone_bits": self.bits(),
                   "kept_at_8_bits": {n: self.kl[n] for n in kept}, "bytes_added": round(cost),
+                  "kept_together": [list(g) for g in self.groups],
                   "kl_each_layer_alone": self.kl, "samples": self.samples, "seconds": self.seconds}
         return replace(recipe, overrides=overrides, max_bits=None), report
 
@@ -178,7 +184,9 @@ def measure_sensitivity(model: nn.Module, recipe: Recipe, ids: torch.Tensor | No
                          "weight, with its scales): give more")
     t0 = time.perf_counter()
     kl = layer_sensitivity(model, arch, targets, recipe.scheme, ids[:SENSITIVITY_SAMPLES], progress)
-    return Sensitivity(kl, shapes, recipe.scheme, min(len(ids), SENSITIVITY_SAMPLES), time.perf_counter() - t0)
+    groups = tuple(tuple(f"{arch.layers}.{i}.{n}" for n in g) for i, layer in enumerate(arch.shared_input) for g in layer)
+    return Sensitivity(kl, shapes, recipe.scheme, min(len(ids), SENSITIVITY_SAMPLES), time.perf_counter() - t0,
+                       groups)
 
 
 def mix_precision(model: nn.Module, recipe: Recipe, ids: torch.Tensor | None, progress: bool) -> tuple[Recipe, dict]:

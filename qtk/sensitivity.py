@@ -6,7 +6,9 @@ samples (never the evaluation text the gates judge on). The blocks before the la
 not run again: their outputs from the unrounded forward stand in for them.
 
 `choose` then keeps the most sensitive layers at a wider scheme (8 bits) for as long as the
-average bits per quantized weight stay within the budget: `qtk quantize --max-bits B`.
+average bits per quantized weight stay within the budget: `qtk quantize --max-bits B`. Layers that
+read one input (q/k/v, gate/up) are kept together or not at all: vLLM fuses them into one layer
+(qkv_proj, gate_up_proj) and cannot load the shards of one layer in different schemes.
 """
 from __future__ import annotations
 
@@ -90,17 +92,37 @@ def bits_per_weight(shapes: dict[str, tuple[int, int]], scheme: Scheme, wider: S
 
 
 def choose(kl: dict[str, float], shapes: dict[str, tuple[int, int]], scheme: Scheme, wider: Scheme,
-           max_bits: float) -> tuple[list[str], float]:
-    """The most sensitive layers (by KL, largest first) moved to `wider` while the average bits per
-    quantized weight stay <= max_bits (a layer that does not fit is passed over for smaller ones);
-    returns (those layers, the average bits). shapes: name -> (out_features, in_features)."""
+           max_bits: float, groups=()) -> tuple[list[str], float]:
+    """The most sensitive layers moved to `wider` while the average bits per quantized weight stay
+    <= max_bits; returns (those layers, the average bits). shapes: name -> (out_features, in_features).
+    groups: layers that go together or not at all (they read one input, and vLLM fuses them into one
+    layer with one scheme); the rest go alone (choose_units)."""
+    units, avg = choose_units(kl, shapes, scheme, wider, max_bits, groups)
+    return [n for unit in units for n in unit], avg
+
+
+def units_of(names, groups=()) -> list[tuple[str, ...]]:
+    """`names` partitioned into the `groups` (their members among names) and the rest alone."""
+    names = list(names)
+    grouped = [tuple(n for n in g if n in set(names)) for g in groups]
+    grouped = [g for g in grouped if g]
+    inside = {n for g in grouped for n in g}
+    return grouped + [(n,) for n in names if n not in inside]
+
+
+def choose_units(kl: dict[str, float], shapes: dict[str, tuple[int, int]], scheme: Scheme, wider: Scheme,
+                 max_bits: float, groups=()) -> tuple[list[tuple[str, ...]], float]:
+    """choose, by unit (a group, or a layer alone): the units by their layers' summed KL, largest
+    first, each kept while the average stays <= max_bits (a unit that does not fit is passed over
+    for smaller ones); returns (the units kept, most sensitive first, and the average bits)."""
     params = {n: o * i for n, (o, i) in shapes.items()}
     total = sum(params.values())
     bits = sum(params[n] * weight_bits(scheme, shapes[n][1]) for n in shapes)
     chosen = []
-    for name in sorted(kl, key=kl.get, reverse=True):
-        extra = params[name] * (weight_bits(wider, shapes[name][1]) - weight_bits(scheme, shapes[name][1]))
+    for unit in sorted(units_of(kl, groups), key=lambda u: sum(kl[n] for n in u), reverse=True):
+        extra = sum(params[n] * (weight_bits(wider, shapes[n][1]) - weight_bits(scheme, shapes[n][1]))
+                    for n in unit)
         if (bits + extra) / total <= max_bits:
-            chosen.append(name)
+            chosen.append(unit)
             bits += extra
     return chosen, bits / total

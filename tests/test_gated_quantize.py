@@ -70,13 +70,21 @@ def test_the_fewest_layers_that_pass(tiny_dir, tmp_path):
     out = tmp_path / "mix"
     report = json.loads((out / "qtk_report.json").read_text())
     tried = {c["layers_at_8_bits"]: c["passed"] for c in report["gates"]["candidates"]}
+    mixed = report["mixed_precision"]
+    kl, together = mixed["kl_each_layer_alone"], mixed["kept_together"]
+    # q/k/v and gate/up read one input (vLLM fuses each into one layer): kept together or not at all
+    assert sorted(map(sorted, together)) == sorted(
+        sorted(f"model.layers.{i}.{n}" for n in g) for i in range(2)
+        for g in (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]))
+    units = sorted(together + [[n] for n in kl if not any(n in g for g in together)],
+                   key=lambda u: sum(kl[n] for n in u), reverse=True)  # 8: four per block
+    sizes = [sum(len(u) for u in units[:j]) for j in range(len(units) + 1)]  # layers kept with the j first units
     k = len(_kept(out))
-    assert 0 < k < 14 and tried[14] and tried[k] and not tried[0]
-    assert tried[k - 1] is False  # bisection ends between a failing k - 1 and a passing k
+    assert 0 < k < 14 and k in sizes and tried[14] and tried[k] and not tried[0]
+    assert tried[sizes[sizes.index(k) - 1]] is False  # bisection ends between failing j - 1 units and passing j
     assert all(passed == (n >= k) for n, passed in tried.items())
-    assert len(tried) <= 2 + math.ceil(math.log2(14))
-    kl = report["mixed_precision"]["kl_each_layer_alone"]
-    assert set(_kept(out)) == set(sorted(kl, key=kl.get, reverse=True)[:k])  # the most sensitive ones
+    assert len(tried) <= 2 + math.ceil(math.log2(len(units)))
+    assert set(_kept(out)) == {n for u in units[:sizes.index(k)] for n in u}  # the most sensitive units
     assert report["mixed_precision"]["bytes_added"] > 0
     assert not (out / ".candidates").exists() and not list(tmp_path.glob(".mix*"))
 

@@ -143,11 +143,38 @@ def test_choose_keeps_the_most_sensitive_within_the_budget():
     chosen, avg = choose(kl, shapes, four, eight, bits({"a", "c"}) + 1e-9)
     assert chosen == ["a", "c"] and avg == pytest.approx(bits({"a", "c"}))  # b does not fit beside a; c does
     assert choose(kl, shapes, four, eight, bits(set()))[0] == []
+    # b and d read one input (vLLM fuses them): together (KL 0.021, after a) or not at all
+    chosen, _ = choose(kl, shapes, four, eight, bits({"a", "b", "d"}) + 1e-9, groups=[("b", "d")])
+    assert chosen == ["a", "b", "d"]
+    chosen, _ = choose(kl, shapes, four, eight, bits({"a", "b"}) + 1e-9, groups=[("b", "d")])
+    assert chosen == ["a", "c"]  # b alone would fit; without d it may not go
+
+
+def test_layers_reading_one_input_are_found_on_every_family(tiny_llama):
+    """discover's shared_input: q/k/v and gate/up (vLLM's qkv_proj and gate_up_proj) on Llama; on
+    every zoo type, groups of 2+ distinct layers of one block with equal in_features."""
+    from qtk.arch import discover
+    from qtk.moe import linearize_experts
+    from zoo import tiny
+
+    assert discover(tiny_llama()).shared_input[0] == (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                                                      ("mlp.gate_proj", "mlp.up_proj"))
+    for model_type in _zoo_types():
+        model = tiny(model_type)
+        linearize_experts(model)
+        arch = discover(model)
+        for i, groups in enumerate(arch.shared_input):
+            names = [n for g in groups for n in g]
+            assert len(names) == len(set(names)) and all(len(g) > 1 for g in groups), model_type
+            for g in groups:
+                block = model.get_submodule(f"{arch.layers}.{i}")
+                assert len({block.get_submodule(n).in_features for n in g}) == 1, (model_type, g)
 
 
 def test_max_bits_end_to_end(tiny_dir, tmp_path):
     """qtk quantize --max-bits: the chosen layers are an 8-bit config group, the report names them
-    with their KL and the bits per weight reached, within the budget; the recipe it writes
+    with their KL and the bits per weight reached, within the budget; q/k/v and gate/up are kept
+    together or not at all; the recipe it writes
     quantizes the same layers again; a budget below the scheme's own is refused (exit 2)."""
     from click.testing import CliRunner
 
@@ -161,9 +188,12 @@ def test_max_bits_end_to_end(tiny_dir, tmp_path):
     mixed = json.loads((out / "qtk_report.json").read_text())["mixed_precision"]
     kept = mixed["kept_at_8_bits"]
     assert kept and mixed["bits_per_weight"] <= 4.9 and len(mixed["kl_each_layer_alone"]) == 14
-    assert list(kept) == sorted(kept, key=kept.get, reverse=True)[:len(kept)]
     groups = list(json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values())
     assert sorted(groups[0]["targets"]) == sorted(kept) and groups[0]["weights"]["num_bits"] == 8
+    # layers reading one input share a config group (vLLM loads qkv_proj / gate_up_proj with one scheme)
+    assert len(mixed["kept_together"]) == 4
+    for together in mixed["kept_together"]:
+        assert len({n in groups[0]["targets"] for n in together}) == 1, (together, groups[0]["targets"])
     again = tmp_path / "again"
     r = CliRunner().invoke(main, ["quantize", str(tiny_dir), "--recipe", str(out / "recipe.yaml"), "-o", str(again)])
     assert r.exit_code == 0, r.output

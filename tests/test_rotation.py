@@ -79,3 +79,21 @@ def test_quantize_with_the_rotation(tiny_dir, tmp_path):
     assert kl(tmp_path / "q1") < 1e-3 and kl(tmp_path / "q0") < 1e-3
     with pytest.raises(InputError, match="rotate must"):
         build(rotate=("r1",))
+
+
+def test_a_bf16_model_is_checked_in_float32_and_stays_bf16(bundled_dir):
+    """The bundled model in bfloat16: a bf16 forward departs from float32's by more than the check's
+    limit on its tokens, so the check runs in float32; the rotated weights are rounded once, back to
+    each parameter's own dtype, and its float32 buffers (rotary frequencies) stay float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.bfloat16)
+    params = {n: p.dtype for n, p in model.named_parameters()}
+    buffers = {n: b.dtype for n, b in model.named_buffers()}
+    v = model.model.layers[0].self_attn.v_proj.weight.double()
+    assert rotation.rotate_values(model, discover(model)) == model.config.num_hidden_layers
+    assert {n: p.dtype for n, p in model.named_parameters()} == params
+    assert {n: b.dtype for n, b in model.named_buffers()} == buffers
+    H = rotation.hadamard(64)
+    want = (H.t() @ v.reshape(-1, 64, v.shape[1])).reshape(v.shape).to(torch.bfloat16)
+    assert torch.equal(model.model.layers[0].self_attn.v_proj.weight, want)

@@ -1,6 +1,7 @@
 """vLLM's CPU build loads qtk's checkpoints of the bundled model and agrees with qtk's runtime
 (benchmarks/vllm_referee.py): perplexity on the same windows within 1%, greedy tokens equal up to
-a near-tie (check_logprobs_close). Where vLLM refuses a scheme, its reason is what is checked.
+a near-tie (check_logprobs_close); vLLM's parser gives every layer it builds (qkv_proj, gate_up_proj
+fused) the scheme its shards were written in. Where vLLM refuses a scheme, its reason is what is checked.
 
 Opt-in (QTK_VLLM_REFEREE=1): vLLM takes minutes per model to start, and its venv (a few GB,
 scripts/peer_env.sh vllm) is built on first use. Recorded figures: benchmarks/results/vllm_referee.json.
@@ -44,6 +45,7 @@ W8A8_GAP = pytest.mark.xfail(strict=True, reason=(
 def test_vllm_serves_what_qtk_writes(referee_module, setup, name):
     dirs, (windows, prompts) = setup
     res = referee_module.referee(dirs[name], windows, prompts)
+    assert res["vllm_scheme_mismatches"] == [], res  # vLLM's parser reads every layer in the scheme written
     if "vllm_refused" in res:
         assert name != "float", res["vllm_refused"]  # the unquantized model must load
         assert res["vllm_refused"].strip()  # vLLM's own reason, recorded
