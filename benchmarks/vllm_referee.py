@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="Both engines' dtype (vLLM's CPU W4A16 kernel takes bfloat16 only).")
+    ap.add_argument("--name", default=None, help="results file name without .json (default: vllm_referee, "
+                    "vllm_referee-bfloat16)")
     ap.add_argument("--schemes", default=",".join(["float", *SCHEMES]), help="Comma-separated, of: float, "
                     + ", ".join(SCHEMES) + ".")
     args = ap.parse_args()
@@ -132,7 +134,7 @@ def main() -> None:
     windows, prompts = inputs(AutoTokenizer.from_pretrained(source))
     results = {name: referee(d, windows, prompts, args.dtype)
                for name, d in quantize_all(Path(args.work), source, names).items()}
-    name = "vllm_referee" if args.dtype == "float32" else f"vllm_referee-{args.dtype}"
+    name = args.name or ("vllm_referee" if args.dtype == "float32" else f"vllm_referee-{args.dtype}")
     res = record({"model": BUNDLED, "dtype": args.dtype, "windows": f"{len(windows)} x {len(windows[0])}",
                   "prompts": len(prompts), "new_tokens": NEW_TOKENS, "checkpoints": results}, args.out, name,
                  " ".join(["python", *sys.argv]))

@@ -32,7 +32,8 @@ def resolve(checkpoint: Path) -> dict:
     for f in checkpoint.glob("*.safetensors"):
         with safe_open(f, "pt") as st:
             shards |= {k.rsplit(".", 1)[0] for k in st.keys()  # Linear layers: packed, or a 2-D weight
-                       if k.endswith(".weight_packed") or (k.endswith(".weight") and len(st.get_slice(k).get_shape()) == 2)}
+                       if k.endswith(".weight_packed")
+                       or (k.endswith(".weight") and len(st.get_slice(k).get_shape()) == 2)}
     linear = torch.nn.Linear(1, 1)  # the class-name fallback ("Linear") sees a Linear, as vLLM's layers are
 
     def bits(name: str):

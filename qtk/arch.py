@@ -5,8 +5,9 @@
                             order they run, its attention module (the one calling transformers'
                             attention interface), what runs before block 0 (embeddings, rotary),
                             the Linear layers that read one input (q/k/v, gate/up: vLLM fuses them,
-                            so they must share a scheme), and each block's smoothing pairs (qtk.smoothing: a table per family,
-                            inferred by probing elsewhere), found once per distinct block structure
+                            so they must share a scheme), and each block's smoothing pairs
+                            (qtk.smoothing: a table per family, inferred by probing elsewhere),
+                            found once per distinct block structure
     check_supported(config) a model type transformers loads as a causal LM, attention-only, through
                             the attention interface; otherwise one line saying what is missing
 """

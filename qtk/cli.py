@@ -112,8 +112,8 @@ def _section(**kw):
 @click.option("--ignore", multiple=True, help="Extra layer names or 're:REGEX' patterns to keep in float (lm_head always).")
 @click.option("--max-bits", type=float, default=None,
               help="Mixed precision: keep the layers that cost the most (KL divergence when each alone is "
-                   "quantized, on calibration samples) at 8 bits while the average bits per quantized weight "
-                   "stay within this (e.g. 4.6 beside w4a16's 4.3; the default recipe's 4.75; 0: none).")
+                   "quantized, on calibration samples; q/k/v and gate/up together) at 8 bits while the average "
+                   "bits per quantized weight stay within this (e.g. 4.6 beside w4a16's 4.3; 0: none).")
 @click.option("--rotate", multiple=True, type=click.Choice(["v_o"]),
               help="Hadamard rotations fused into the weights before calibration: v_o rotates each attention "
                    "head's values (v_proj rows, o_proj columns); the checkpoint stays plain compressed-tensors.")

@@ -184,7 +184,8 @@ def measure_sensitivity(model: nn.Module, recipe: Recipe, ids: torch.Tensor | No
                          "weight, with its scales): give more")
     t0 = time.perf_counter()
     kl = layer_sensitivity(model, arch, targets, recipe.scheme, ids[:SENSITIVITY_SAMPLES], progress)
-    groups = tuple(tuple(f"{arch.layers}.{i}.{n}" for n in g) for i, layer in enumerate(arch.shared_input) for g in layer)
+    groups = tuple(tuple(f"{arch.layers}.{i}.{n}" for n in g)
+                   for i, layer in enumerate(arch.shared_input) for g in layer)
     return Sensitivity(kl, shapes, recipe.scheme, min(len(ids), SENSITIVITY_SAMPLES), time.perf_counter() - t0,
                        groups)
 

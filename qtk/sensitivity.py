@@ -8,7 +8,9 @@ not run again: their outputs from the unrounded forward stand in for them.
 `choose` then keeps the most sensitive layers at a wider scheme (8 bits) for as long as the
 average bits per quantized weight stay within the budget: `qtk quantize --max-bits B`. Layers that
 read one input (q/k/v, gate/up) are kept together or not at all: vLLM fuses them into one layer
-(qkv_proj, gate_up_proj) and cannot load the shards of one layer in different schemes.
+(qkv_proj, gate_up_proj) and cannot load the shards of one layer in different schemes. Ranked by
+KL alone, not KL per bit kept: per bit (a knapsack's greedy order) scored the same on the
+calibration domain and worse on held-out text (benchmarks/results/calibration-data-*.md).
 """
 from __future__ import annotations
 
