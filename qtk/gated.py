@@ -5,10 +5,11 @@ Each quantized layer's sensitivity is measured once: the KL divergence it adds w
 rounded to the recipe's scheme, on calibration samples (pipeline.measure_sensitivity). Layers that
 read one input (q/k/v, gate/up) are kept together or not at all (vLLM fuses them into one layer of
 one scheme): a unit is such a group, or a layer alone. Candidate k keeps the k most sensitive
-units at 8 bits; K is as many as fit within the budget B (every unit without one). Each candidate is calibrated in full, since calibration is sequential (a layer
-kept at 8 bits changes what every later block sees), written, and gated against the unquantized
-model on qtk's runtime, as `qtk eval CANDIDATE --baseline MODEL --gates FILE` would. Passing is
-taken to be monotone in k, so k is found by bisection:
+units at 8 bits; K is as many as fit within the budget B (every unit without one). Each candidate
+is calibrated in full, since calibration is sequential (a layer kept at 8 bits changes what every
+later block sees), written, and gated against the unquantized model on qtk's runtime, as `qtk eval
+CANDIDATE --baseline MODEL --gates FILE` would. Passing is taken to be monotone in k, so k is found
+by bisection:
 
     1. k = K, the whole budget; if it fails, no mix within the budget passes: it is written with
        its table and `qtk quantize` exits 1;

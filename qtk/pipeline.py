@@ -22,7 +22,7 @@ from .recipe import MIXED_WIDER, Override, Recipe, to_yaml
 from .rotation import rotate_values
 from .self_text import self_generated_ids
 from .schemes import Scheme, check_group_divides, dividing_group_size
-from .sensitivity import bits_per_weight, choose, choose_units, layer_sensitivity, weight_bits
+from .sensitivity import bits_per_weight, choose_units, layer_sensitivity, weight_bits
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class Sensitivity:
 
     def ranked(self, max_bits: float) -> list[str]:
         """The most sensitive layers first, as many as fit within max_bits (sensitivity.choose)."""
-        return choose(self.kl, self.shapes, self.scheme, MIXED_WIDER, max_bits, self.groups)[0]
+        return [n for unit in self.units(max_bits) for n in unit]
 
     def units(self, max_bits: float) -> list[tuple[str, ...]]:
         """ranked, as the units kept together (a group, or a layer alone), most sensitive first."""
