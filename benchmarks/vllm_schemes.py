@@ -28,12 +28,16 @@ def resolve(checkpoint: Path) -> dict:
     qc = CompressedTensorsConfig.from_config(config["quantization_config"])
     arch_cls = ModelRegistry._try_load_model_cls(config["architectures"][0])  # the class vLLM would build
     qc.packed_modules_mapping = dict(getattr(arch_cls, "packed_modules_mapping", {}))
+    # an online rotation's stored matrix (transform_config: `<layer>.<group>_input.weight`) is no layer
+    transforms = tuple(f".{g}_input" for g in (config["quantization_config"].get("transform_config") or {}).get(
+        "config_groups", {}))
     shards = set()
     for f in checkpoint.glob("*.safetensors"):
         with safe_open(f, "pt") as st:
             shards |= {k.rsplit(".", 1)[0] for k in st.keys()  # Linear layers: packed, or a 2-D weight
                        if k.endswith(".weight_packed")
                        or (k.endswith(".weight") and len(st.get_slice(k).get_shape()) == 2)}
+    shards = {s for s in shards if not s.endswith(transforms)}
     linear = torch.nn.Linear(1, 1)  # the class-name fallback ("Linear") sees a Linear, as vLLM's layers are
 
     def bits(name: str):

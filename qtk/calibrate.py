@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import hadamard
 from .arch import Arch, decoder_layers, discover, set_module, static_linears
 from .chunked_sdpa import chunked_attention
 from .kv_fake_quant import enable_kv_quant
@@ -148,7 +149,8 @@ class Block:
                 h.remove()
 
     def replace(self, name: str, module: nn.Module) -> None:
-        set_module(self.layer, name, module)
+        """module takes the named submodule's place (an online input rotation with it: hadamard.carry)."""
+        set_module(self.layer, name, hadamard.carry(self.layer.get_submodule(name), module))
 
 
 class _StandIn(nn.Module):

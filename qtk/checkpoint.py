@@ -3,9 +3,14 @@ and GPTQ / AWQ ones through hub_formats).
 
 On disk (as llm-compressor writes it): config.json with `quantization_config`
 {quant_method: compressed-tensors, quantization_status: compressed, format, config_groups,
-ignore, kv_cache_scheme, ...}, safetensors shards holding each quantized Linear's
+ignore, kv_cache_scheme, transform_config, ...}, safetensors shards holding each quantized Linear's
 weight_packed/weight/weight_scale/weight_zero_point/weight_shape/input_scale and each attention
 module's k_scale/v_scale, plus the tokenizer, chat template and generation config.
+
+transform_config carries the online input rotations (hadamard.py): per block size a group
+{type: hadamard, head_dim: block, apply: [input (online), weight_input inverse (fused)]}, and its
+unnormalized +-1 Sylvester matrix once, in bf16 (exact), as `<first target>.<group>_input.weight`
+(compressed-tensors writes one copy of a shared transform; vLLM loads it into every layer).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from . import hub_formats, moe
+from . import hadamard, hub_formats, moe
 from .arch import set_module
 from .atomic import write_dir
 from .kv_fake_quant import enable_kv_quant
@@ -38,7 +43,7 @@ MAX_SHARD_BYTES = 5 * 2**30
 # --- config ------------------------------------------------------------------------------
 
 def quantization_config(groups: list[tuple[Scheme, list[str]]], ignore: list[str],
-                        kv: KVCacheScheme | None) -> dict:
+                        kv: KVCacheScheme | None, transforms: dict | None = None) -> dict:
     formats = {s.format for s, _ in groups}
     config_groups = {}
     for i, (scheme, targets) in enumerate(groups):
@@ -53,7 +58,7 @@ def quantization_config(groups: list[tuple[Scheme, list[str]]], ignore: list[str
         "ignore": ignore,
         "kv_cache_scheme": None if kv is None else kv.to_dict(),
         "sparsity_config": {},
-        "transform_config": {},
+        "transform_config": transforms or {},
         "global_compression_ratio": None,
         "version": CT_VERSION,
     }
@@ -91,6 +96,63 @@ def parse_quantization_config(qc: dict) -> tuple[list[Scheme], list[str], KVCach
     return schemes, list(qc.get("ignore") or []), kv
 
 
+DOWN_TARGET = "re:.*down_proj$"  # SpinQuant's R4 target, as llm-compressor writes it
+
+
+def transform_config(model: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(transform_config, its tensors) for the model's online input rotations (hadamard.attach): a group
+    per block size, "R4" (or "R4_<block>" beside another), targeting every down projection by
+    SpinQuant's pattern where they are exactly the rotated ones, else by name; ({}, {}) where none."""
+    rotated: dict[int, list[str]] = {}
+    for name, m in model.named_modules():
+        if hadamard.of(m) is not None:
+            rotated.setdefault(hadamard.of(m), []).append(name)
+    if not rotated:
+        return {}, {}
+    linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    groups, tensors = {}, {}
+    for block, names in sorted(rotated.items()):
+        group = "R4" if len(rotated) == 1 else f"R4_{block}"
+        pattern = [n for n in linears if re.match(DOWN_TARGET[3:], n)]
+        targets = [DOWN_TARGET] if pattern == names else names
+        groups[group] = {"type": "hadamard", "randomize": False, "requires_grad": False, "head_dim": block,
+                         "precision": "torch.float32",
+                         "apply": [{"targets": targets, "location": "input", "inverse": False, "ignore": []},
+                                   {"targets": targets, "location": "weight_input", "inverse": True, "ignore": []}]}
+        # +-1 is exact in bf16: half float32's bytes (1 MiB at 512), read into `precision` by every reader
+        tensors[f"{names[0]}.{group}_input.weight"] = (hadamard.sylvester(block) * block ** 0.5).to(torch.bfloat16)
+    return {"config_groups": groups}, tensors
+
+
+def parse_transform_config(tc: dict | None, model: nn.Module) -> tuple[dict[str, int], set[str]]:
+    """({module name: block} of the online input rotations a checkpoint's transform_config names,
+    the tensor names its groups may carry (suffixes `.<group>_input.weight`)). qtk applies compressed-
+    tensors' deterministic Hadamard (type "hadamard": Sylvester blocks of head_dim, or of the whole
+    input) on a layer's input, the inverse already in the weights; other transforms are refused."""
+    if not tc or not tc.get("config_groups"):
+        return {}, set()
+    blocks, suffixes = {}, set()
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    for group, g in tc["config_groups"].items():
+        where = {(a.get("location"), bool(a.get("inverse"))) for a in g.get("apply") or []}
+        if g.get("type") != "hadamard" or ("input", False) not in where or not where <= {("input", False),
+                                                                                         ("weight_input", True)}:
+            raise CheckpointError(f"transform_config group {group}: qtk applies a deterministic Hadamard on a layer's "
+                                  f"input (type hadamard, locations input + weight_input inverse); this is type "
+                                  f"{g.get('type')!r} at {sorted(where)}")
+        online = next(a for a in g["apply"] if a.get("location") == "input")
+        for name, m in modules:
+            if any(target_matches(name, m, t) for t in online.get("targets") or []) and not any(
+                    target_matches(name, m, t) for t in online.get("ignore") or []):
+                block = g.get("head_dim") or m.in_features
+                if block & (block - 1) or m.in_features % block:
+                    raise CheckpointError(f"transform_config group {group}: a Hadamard of {block} on {name}'s "
+                                          f"{m.in_features} inputs (a power of two dividing them)")
+                blocks[name] = block
+        suffixes.add(f".{group}_input.weight")
+    return blocks, suffixes
+
+
 # --- writing -----------------------------------------------------------------------------
 
 def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, groups: list[tuple[Scheme, list[str]]],
@@ -113,7 +175,7 @@ def tied_keys(model: nn.Module) -> set[str]:
 
 
 def _write(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files):
-    state = {}
+    transforms, state = transform_config(model)
     tied = tied_keys(model)
     for k, v in model.state_dict().items():
         if k in tied:
@@ -129,7 +191,7 @@ def _write(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files):
     # an ignored layer under the model's name (transformers' loader) and the hub's (vLLM's), where they differ
     names = ((i,) if i.startswith("re:") else (i, moe.hub_name(model.config.model_type, i)) for i in ignore)
     ignore = list(dict.fromkeys(n for pair in names for n in pair))
-    cfg["quantization_config"] = quantization_config(groups, ignore, kv)
+    cfg["quantization_config"] = quantization_config(groups, ignore, kv, transforms)
     (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(d)
@@ -254,6 +316,10 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device:
         has_gidx = f"{name}.weight_g_idx" in tensors
         set_module(model, name, QuantLinear(lin.in_features, lin.out_features, scheme, lin.bias is not None,
                                             dtype=dtype, device="meta", g_idx=has_gidx))
+    rotated, suffixes = parse_transform_config(qc.get("transform_config"), model)
+    tensors = {k: v for k, v in tensors.items() if not any(k.endswith(x) for x in suffixes)}
+    for name, block in rotated.items():
+        hadamard.attach(model.get_submodule(name), block)
     if kv is not None:
         attach_kv_scales(model, kv_modules(tensors), kv, device="meta")
         enable_kv_quant(model)  # transformers' attention fake-quantizes K and V with the scales

@@ -53,11 +53,16 @@ def inspect_checkpoint(model: str) -> dict:
                 original += math.prod(shape) * 2
         elif leaf not in ("k_scale", "v_scale"):
             original += math.prod(shape) * 2
+    rotations = [{"group": name, "type": g.get("type"), "block": g.get("head_dim"),
+                  "targets": next((a.get("targets") for a in g.get("apply") or [] if a.get("location") == "input"), None)}
+                 for name, g in ((qc or {}).get("transform_config") or {}).get("config_groups", {}).items()]
+    for r in rotations:  # the stored matrix is the transform's, not the model's
+        original -= sum(math.prod(shape) * 2 for n, (_, shape, _) in meta.items() if n.endswith(f".{r['group']}_input.weight"))
     on_disk = sum(f.stat().st_size for f in weight_files(path))
     described = (hub_formats.describe(qc) if hub else _describe(qc)) if qc else None
     source = None if gguf is None else {"path": str(gguf), "size_bytes": gguf.stat().st_size}
     return {"path": str(path), "gguf": source, "model_type": cfg.get("model_type"), "quantization": described,
-            "kv_cache": kv, "layers": layers, "size_bytes": on_disk, "bf16_size_bytes": original,
+            "kv_cache": kv, "rotations": rotations, "layers": layers, "size_bytes": on_disk, "bf16_size_bytes": original,
             "compression": original / on_disk if on_disk else None}
 
 
@@ -114,6 +119,9 @@ def render(info: dict) -> str:
         lines.append(f"  {g['group']}: {g['format']}, weights {g['weights']}, activations {g['activations'] or 'float'}, "
                      f"targets {g['targets']}")
     lines.append(f"  kv cache: {info['kv_cache'] or 'float'}")
+    for r in info.get("rotations") or []:
+        lines.append(f"  online rotation {r['group']}: {r['type']}, blocks of {r['block'] or 'the whole input'}, "
+                     f"on the input of {r['targets']}")
     if info["layers"]:
         lines.append(f"  {'layer':<40} {'format':<16} {'scale shape':<12} {'bits/w':>7} {'MiB':>7}")
         for name, l in info["layers"].items():

@@ -19,7 +19,7 @@ from .errors import InputError, OutputError, OutputExistsError
 from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, resolve
 from .moe import linearize_experts, router_names
 from .recipe import MIXED_WIDER, Override, Recipe, to_yaml
-from .rotation import rotate_values
+from .rotation import rotate_down, rotate_values
 from .self_text import self_generated_ids
 from .schemes import Scheme, check_group_divides, dividing_group_size
 from .sensitivity import bits_per_weight, choose_units, layer_sensitivity, weight_bits
@@ -61,11 +61,20 @@ class Job:
         """The unquantized model, fresh from disk, in the calibration dtype (MoE experts as Linears)."""
         model, _ = load_model(str(self.path), dtype=self.compute.dtype, tokenizer=self.tokenizer)
         linearize_experts(model)  # a MoE's experts as Linears: each quantized as its own layer
-        if "v_o" in self.recipe.rotate:  # before anything measures or calibrates
-            from .arch import discover
-
-            rotate_values(model, discover(model))
+        rotate(model, self.recipe)  # before anything measures or calibrates
         return model
+
+
+def rotate(model: nn.Module, recipe: Recipe) -> None:
+    """The recipe's rotations (rotation.py), in place: v_o fused, down online."""
+    if recipe.rotate:
+        from .arch import discover
+
+        arch = discover(model)
+        if "v_o" in recipe.rotate:
+            rotate_values(model, arch)
+        if "down" in recipe.rotate:
+            rotate_down(model, arch)
 
 
 def prepare(model_name: str, recipe: Recipe, output: Path, force: bool) -> Job:
@@ -129,6 +138,14 @@ def write(job: Job, model: nn.Module, recipe: Recipe, output: Path, force: bool,
 SENSITIVITY_SAMPLES = 2  # calibration samples the per-layer KL is measured on (1,022 positions at 512 tokens)
 
 
+def spread(ids: torch.Tensor, k: int) -> torch.Tensor:
+    """k of the samples ids [N, L], evenly spaced from the first to the last: with a mix of sources
+    (builtin+self, concatenated in order) each source is measured, not only the first."""
+    if len(ids) <= k:
+        return ids
+    return ids[torch.linspace(0, len(ids) - 1, k).round().long()]
+
+
 @dataclass
 class Sensitivity:
     """Each quantized layer's KL divergence when it alone is rounded to the recipe's scheme
@@ -167,8 +184,9 @@ class Sensitivity:
 
 def measure_sensitivity(model: nn.Module, recipe: Recipe, ids: torch.Tensor | None, progress: bool,
                         max_bits: float | None = None) -> Sensitivity:
-    """Each quantized layer's KL on SENSITIVITY_SAMPLES calibration samples (layers an override of
-    the recipe already names are left out); a budget below the scheme's own is refused first."""
+    """Each quantized layer's KL on SENSITIVITY_SAMPLES calibration samples spread over the mix (layers
+    an override of the recipe already names are left out); a budget below the scheme's own is refused
+    first."""
     from .arch import discover
 
     if ids is None:
@@ -183,7 +201,7 @@ def measure_sensitivity(model: nn.Module, recipe: Recipe, ids: torch.Tensor | No
         raise InputError(f"max_bits {max_bits:g} is below what the scheme alone takes ({floor:.3f} bits per "
                          "weight, with its scales): give more")
     t0 = time.perf_counter()
-    kl = layer_sensitivity(model, arch, targets, recipe.scheme, ids[:SENSITIVITY_SAMPLES], progress)
+    kl = layer_sensitivity(model, arch, targets, recipe.scheme, spread(ids, SENSITIVITY_SAMPLES), progress)
     groups = tuple(tuple(f"{arch.layers}.{i}.{n}" for n in g)
                    for i, layer in enumerate(arch.shared_input) for g in layer)
     return Sensitivity(kl, shapes, recipe.scheme, min(len(ids), SENSITIVITY_SAMPLES), time.perf_counter() - t0,

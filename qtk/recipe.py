@@ -83,7 +83,8 @@ class Recipe:
     # are kept at 8 bits (MIXED_WIDER) while the average bits per quantized weight stay <= max_bits
     # (qtk/sensitivity.py); the recipe.yaml written lists the layers chosen as overrides
     max_bits: float | None = None
-    # Hadamard rotations fused into the weights before calibration (qtk/rotation.py): "v_o"
+    # Hadamard rotations before calibration (qtk/rotation.py): "v_o" (fused into the weights), "down"
+    # (the down projections' inputs, online: compressed-tensors' transform config)
     rotate: tuple[str, ...] = ()
     kv_cache: KVCacheScheme | None = None
     gptq: GPTQArgs = field(default_factory=GPTQArgs)  # each method's options (METHODS[name].args)
@@ -210,8 +211,8 @@ def build(method: str | None = None, scheme: str | None = None, group_size: int 
         del data["max_bits"]
     if ignore:
         data["ignore"] = list(ignore)
-    if rotate:
-        data["rotate"] = list(rotate)
+    if rotate:  # ("none",): none of the recipe's
+        data["rotate"] = [] if tuple(rotate) == ("none",) else list(rotate)
     _check_top(data)
     sections = {}
     for name, cls in _SECTIONS.items():

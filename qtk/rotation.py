@@ -1,6 +1,5 @@
-"""Hadamard rotations fused into the weights offline, before calibration (QuaRot, Ashkboos et al.
-2024; SpinQuant's R2, Liu et al. 2024): the model computes the same function, and the checkpoint
-stays plain compressed-tensors with nothing to apply at run time.
+"""Hadamard rotations applied before calibration (QuaRot, Ashkboos et al. 2024; SpinQuant's R2 and
+R4, Liu et al. 2024): the model computes the same function, with flatter weights to round.
 
 `v_o` rotates each attention head's values: v' = H^T v per head (the v_proj rows of each KV head,
 and a fused qkv projection's value rows), so every head's attention output is H^T a, which o_proj
@@ -13,7 +12,15 @@ refused if they differ.
 
 Why: a rotation spreads a head's outlier channels over all of its channels, so the int4 groups of
 v_proj's rows and o_proj's columns (one head's 64 columns are one group at group size 64) see
-flatter weights.
+flatter weights. `v_o` is fused into the weights: nothing to apply at run time.
+
+`down` rotates each MLP down projection's input online (R4): its columns become W H, and the input
+x H is computed at every forward by a fast Walsh-Hadamard transform (hadamard.py; H block-diagonal,
+Sylvester blocks of the largest power of two dividing the intermediate size, at most 512). Nothing
+before the down projection can absorb H (the GLU's product is not linear), so the checkpoint carries
+it as compressed-tensors' transform config, which vLLM, transformers' compressed-tensors loader and
+qtk's runtime apply. Every down projection's inputs then mix all the channels of a block, so an
+outlier channel of the GLU's output no longer sets one column group's int4 range.
 """
 from __future__ import annotations
 
@@ -22,12 +29,13 @@ import logging
 import torch
 from torch import nn
 
+from . import hadamard as hd
 from .arch import Arch
 from .errors import InputError
 
 log = logging.getLogger(__name__)
 
-ROTATIONS = ("v_o",)
+ROTATIONS = ("v_o", "down")
 CHECK_TOKENS = 16
 MAX_KL = 1e-2  # nats, in float32: far above float32's rounding (about 1e-7), far below a changed function
 
@@ -36,10 +44,7 @@ def hadamard(n: int) -> torch.Tensor:
     """The n x n Sylvester Hadamard matrix / sqrt(n) (orthogonal and symmetric), float64."""
     if n < 1 or n & (n - 1):
         raise InputError(f"a Hadamard rotation of size {n}: only powers of two are built (the head size)")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / n ** 0.5
+    return hd.sylvester(n)
 
 
 def _rotate_rows(linear: nn.Linear, H: torch.Tensor, rows: slice) -> None:
@@ -87,33 +92,24 @@ def rotate_values(model: nn.Module, arch: Arch) -> int:
     if not pairs:
         raise InputError(f"model_type {arch.model_type!r}: no values -> output projection pair in its attention to "
                          "rotate (--rotate v_o)")
-    # the check runs in float32: a bf16 forward departs from float32's by up to KL 1.7 on these
-    # tokens (the bundled model), which would hide a changed function or refuse an exact one
-    dtypes = {p: p.dtype for p in model.parameters()}
-    for p in dtypes:
-        p.data = p.data.float()
-    try:
-        saved = [(prev.weight.data.clone(), None if prev.bias is None else prev.bias.data.clone(),
-                  o.weight.data.clone()) for prev, o, _ in pairs]
-        ids = torch.arange(1, CHECK_TOKENS + 1).unsqueeze(0) % model.config.get_text_config(decoder=True).vocab_size
-        before = model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
+    saved = [(prev.weight.data.clone(), None if prev.bias is None else prev.bias.data.clone(),
+              o.weight.data.clone()) for prev, o, _ in pairs]
+
+    def rotate():
         for prev, o, rows in pairs:
             _rotate_rows(prev, H, rows)
             _rotate_columns(o, H)
-        after = model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
-        kl = (before.exp() * (before - after)).sum(-1).max().item()
-        if not kl < MAX_KL:
-            for (prev, o, _), (w, b, wo) in zip(pairs, saved):
-                prev.weight.data.copy_(w)
-                if b is not None:
-                    prev.bias.data.copy_(b)
-                o.weight.data.copy_(wo)
-            raise InputError(f"model_type {arch.model_type!r}: rotating the values changes the model's outputs (KL "
-                             f"{kl:.3g} on {CHECK_TOKENS} tokens): something between v_proj and o_proj is not "
-                             "per-head linear; quantize without --rotate v_o")
-    finally:
-        for p, dtype in dtypes.items():  # the rotated weights rounded once, to the model's own dtype
-            p.data = p.data.to(dtype)
+
+    def undo():
+        for (prev, o, _), (w, b, wo) in zip(pairs, saved):
+            prev.weight.data.copy_(w)
+            if b is not None:
+                prev.bias.data.copy_(b)
+            o.weight.data.copy_(wo)
+
+    kl = _checked(model, rotate, undo, f"model_type {arch.model_type!r}: rotating the values changes the model's "
+                  "outputs (KL {kl:.3g} on {n} tokens): something between v_proj and o_proj is not per-head linear; "
+                  "quantize without --rotate v_o")
     log.info("rotation v_o: %d blocks, Hadamard %d per head (KL to the unrotated model %.2g)", len(pairs), d, kl)
     return len(pairs)
 
@@ -125,3 +121,57 @@ def _value_rows(model: nn.Module, prev: nn.Linear, tail: bool) -> int:
     config = model.config.get_text_config(decoder=True)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return kv_heads * head_dim(model)
+
+
+@torch.no_grad()
+def rotate_down(model: nn.Module, arch: Arch) -> int:
+    """Rotate every block's down projection's input online (see the module's docstring): its columns
+    become W H and it rotates its input at every forward (hadamard.attach). Returns how many were
+    rotated; refused (InputError, the model left as it was) where the model has none or would change."""
+    layers = model.get_submodule(arch.layers)
+    downs = [(f"{arch.layers}.{i}.{n}", m) for i, layer in enumerate(layers) for n, m in layer.named_modules()
+             if n.split(".")[-1] == "down_proj" and isinstance(m, nn.Linear)]
+    if not downs:
+        raise InputError(f"model_type {arch.model_type!r}: no down_proj Linear in its blocks to rotate (--rotate down)")
+    saved = [m.weight.data.clone() for _, m in downs]
+
+    def rotate():
+        for _, m in downs:
+            _rotate_columns(m, hd.sylvester(hd.block_size(m.in_features)))
+            hd.attach(m, hd.block_size(m.in_features))
+
+    def undo():
+        for (_, m), w in zip(downs, saved):
+            m.weight.data.copy_(w)
+            hd.detach(m)
+
+    kl = _checked(model, rotate, undo, f"model_type {arch.model_type!r}: rotating the down projections' inputs "
+                  "changes the model's outputs (KL {kl:.3g} on {n} tokens); quantize without --rotate down")
+    blocks = sorted({hd.of(m) for _, m in downs})
+    log.info("rotation down: %d down projections, Hadamard blocks of %s online (KL to the unrotated model %.2g)",
+             len(downs), "/".join(map(str, blocks)), kl)
+    return len(downs)
+
+
+def _checked(model: nn.Module, rotate, undo, refusal: str) -> float:
+    """rotate() the model, checked: the next-token distributions on CHECK_TOKENS tokens before and
+    after, in float32 (a bf16 forward departs from float32's by up to KL 1.7 on these tokens (the
+    bundled model), which would hide a changed function or refuse an exact one); undo() and
+    InputError(refusal) where they differ. The rotated weights are rounded once, to each parameter's
+    own dtype. Returns the KL."""
+    dtypes = {p: p.dtype for p in model.parameters()}
+    for p in dtypes:
+        p.data = p.data.float()
+    try:
+        ids = torch.arange(1, CHECK_TOKENS + 1).unsqueeze(0) % model.config.get_text_config(decoder=True).vocab_size
+        before = model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
+        rotate()
+        after = model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
+        kl = (before.exp() * (before - after)).sum(-1).max().item()
+        if not kl < MAX_KL:
+            undo()
+            raise InputError(refusal.format(kl=kl, n=CHECK_TOKENS))
+    finally:
+        for p, dtype in dtypes.items():
+            p.data = p.data.to(dtype)
+    return kl

@@ -150,6 +150,15 @@ def test_choose_keeps_the_most_sensitive_within_the_budget():
     assert chosen == ["a", "c"]  # b alone would fit; without d it may not go
 
 
+def test_sensitivity_samples_cover_every_source_of_a_mix():
+    """builtin+self is the sources' samples concatenated in order: the samples the per-layer KL is
+    measured on are spread from the first to the last, so each source is measured."""
+    ids = torch.arange(128).unsqueeze(1).repeat(1, 4)  # sample i is all i's
+    assert pipeline.spread(ids, 2)[:, 0].tolist() == [0, 127]
+    assert pipeline.spread(ids, 4)[:, 0].tolist() == [0, 42, 85, 127]
+    assert torch.equal(pipeline.spread(ids[:2], 4), ids[:2])
+
+
 def test_layers_reading_one_input_are_found_on_every_family(tiny_llama):
     """discover's shared_input: q/k/v and gate/up (vLLM's qkv_proj and gate_up_proj) on Llama; on
     every zoo type, groups of 2+ distinct layers of one block with equal in_features."""

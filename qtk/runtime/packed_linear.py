@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import hadamard
 from ..device import cpu_has_native_bf16
 from ..kernels import cpu as cpu_kernels
 from ..kernels.dispatch import CpuW8A8Vnni, CpuWOQ, build_runtime, cpu_packed_weight, packed_linear
@@ -329,8 +330,8 @@ def bf16_matmul(module: nn.Module | None):
     onednn = many.bf16_product
     dot = module.dot
     if dot is None:
-        return many.rows, onednn
-    return dot.lo, lambda x: dot(x) if x.shape[0] < dot.hi else onednn(x)
+        return many.rows, rotating_input(onednn, module)
+    return dot.lo, rotating_input(lambda x: dot(x) if x.shape[0] < dot.hi else onednn(x), module)
 
 
 def bf16_mlp(gate_up: nn.Module | None, down: nn.Module | None, glu):
@@ -346,8 +347,25 @@ def bf16_mlp(gate_up: nn.Module | None, down: nn.Module | None, glu):
 
 def direct(module: nn.Module | None):
     """What a runtime's plan calls for a layer: the kernel call itself for a packed one (PackedLinear,
-    KernelLinear; float32 [T, K] contiguous x), else the module (None stays None)."""
-    return module.direct() if isinstance(module, (PackedLinear, KernelLinear)) else module
+    KernelLinear; float32 [T, K] contiguous x, rotated first where the module rotates its input online),
+    else the module (None stays None)."""
+    if isinstance(module, (PackedLinear, KernelLinear)):
+        return rotating_input(module.direct(), module)
+    return module
+
+
+def rotating_input(f, module: nn.Module):
+    """f(x) for a call that bypasses `module` (its hook): with x rotated first where the module rotates its
+    input online (a down projection, hadamard.attach), by qtk's kernel (csrc/cpu_layers.cpp hadamard) where
+    it is built, else hadamard.fwht; f itself where it does not."""
+    block = hadamard.of(module)
+    if block is None or f is None:
+        return f
+    lib = cpu_kernels.ops()
+    if lib is None:
+        return hadamard.rotating(f, block)
+    op = lib.hadamard
+    return lambda x: f(op(x, block))
 
 
 def kept_in_bf16(weight: torch.Tensor, bias: torch.Tensor | None, many: bool = True) -> WOQLinear | None:
@@ -490,7 +508,8 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
         if isinstance(parent, QuantLinear):
             parent.pack_cpu_weight = True
         for new, names in (fuse or {}).items():
-            if all(isinstance(getattr(parent, n, None), nn.Module) for n in names):
+            if all(isinstance(getattr(parent, n, None), nn.Module) and hadamard.of(getattr(parent, n)) is None
+                   for n in names):  # (a layer rotating its input online is not joined: hadamard.carry)
                 siblings = [getattr(parent, n) for n in names]
                 on_gpu = isinstance(getattr(siblings[0], "weight", None), torch.Tensor) and siblings[0].weight.is_cuda
                 fused = concatenated(siblings) if on_gpu else _packed(siblings) or _fused_kernel(siblings, bf16)
@@ -503,7 +522,7 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
             packed = _packed([child]) if type(child) is nn.Linear else _fused_kernel([child], bf16) if isinstance(
                 child, QuantLinear) else None
             if packed is not None:
-                setattr(parent, name, packed)
+                setattr(parent, name, hadamard.carry(child, packed))
                 count += 1
     return count
 

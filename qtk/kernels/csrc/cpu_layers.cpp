@@ -12,6 +12,11 @@
 //                                      (HF's rotate_half layout: pairs (i, i + D/2)); cos, sin [T, D]
 //   silu_and_mul(x)                    x [T, 2I] -> silu(x[:, :I]) * x[:, I:]  (float32, or bf16 in and out)
 //   gelu_tanh_and_mul(x)               x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:]  (Gemma's GeGLU)
+//   hadamard(x, block)                 x [T, n] -> x H, H block-diagonal: the normalized Sylvester matrix of
+//                                      size block (a power of two dividing n) along each row; the fast
+//                                      Walsh-Hadamard transform, log2(block) passes of sums and differences
+//                                      (an online rotation of a down projection's input: qtk/hadamard.py)
+//                                      (float32, or bf16 in and out with the math in float32)
 //   rms_norm_quant(x, w, eps, static_scale), add_rms_norm_quant_(residual, x, w, eps, static_scale),
 //   silu_and_mul_quant(x, static_scale), gelu_tanh_and_mul_quant(x, static_scale)
 //                                      the same on float32 rows, the result quantized for a W8A8 layer
@@ -262,6 +267,52 @@ at::Tensor act_and_mul(const at::Tensor& x, const char* name) {
 
 at::Tensor silu_and_mul(const at::Tensor& x) { return act_and_mul<Glu::SILU>(x, "silu_and_mul"); }
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x) { return act_and_mul<Glu::GELU_TANH>(x, "gelu_tanh_and_mul"); }
+
+// One block of `n` floats in place: butterflies of elements h apart, h = 1, 2, 4, ... (Sylvester's order,
+// H_2m = [[H_m, H_m], [H_m, -H_m]]), then the 1/sqrt(n) that makes it orthogonal.
+inline void fwht_block(float* v, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+#pragma omp simd
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = v[j], b = v[j + h];
+        v[j] = a + b;
+        v[j + h] = a - b;
+      }
+  const float s = 1.f / std::sqrt(static_cast<float>(n));
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) v[i] *= s;
+}
+
+template <typename T>
+void hadamard_rows(const at::Tensor& x, at::Tensor& y, int64_t block) {
+  const int64_t rows = x.size(0), n = x.size(1), blocks = n / block, xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, rows * blocks, std::max<int64_t>(1, 4096 / block), [&](int64_t i0, int64_t i1) {
+    float* v = row_buffer(block);
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* src = xp + (i / blocks) * xs + (i % blocks) * block;
+      T* dst = yp + (i / blocks) * n + (i % blocks) * block;
+      for (int64_t j = 0; j < block; ++j) v[j] = static_cast<float>(src[j]);
+      fwht_block(v, block);
+      for (int64_t j = 0; j < block; ++j) dst[j] = static_cast<T>(v[j]);
+    }
+  });
+}
+
+at::Tensor hadamard(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              x.dim() == 2 && x.stride(1) == 1, "hadamard: expects a float32 or bf16 CPU matrix with contiguous rows");
+  TORCH_CHECK(block > 0 && (block & (block - 1)) == 0 && x.size(1) % block == 0, "hadamard: block ", block,
+              " must be a power of two dividing the ", x.size(1), " columns");
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.scalar_type() == at::kFloat)
+    hadamard_rows<float>(x, y, block);
+  else
+    hadamard_rows<c10::BFloat16>(x, y, block);
+  return y;
+}
 
 // silu_and_mul / gelu_tanh_and_mul of float32 rows with the result quantized for a W8A8 layer as each row is
 // written (quantize_row on the row act_and_mul writes): the same codes and scales as
@@ -858,6 +909,7 @@ QTK_FRAGMENT(QTK_LIB, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
+  m.def("hadamard(Tensor x, int block) -> Tensor");
   m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots, Tensor? k_scale, "
         "Tensor? v_scale) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, "
@@ -872,6 +924,7 @@ QTK_IMPL(QTK_LIB, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
+  m.impl("hadamard", &hadamard);
   m.impl("store_kv_", &store_kv_);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("sample_rows", &sample_rows);
@@ -889,6 +942,7 @@ void bind_layers(pybind11::module_& m) {
   m.def("rope_", &rope_, nogil);
   m.def("silu_and_mul", &silu_and_mul, nogil);
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, nogil);
+  m.def("hadamard", &hadamard, nogil, py::arg("x"), py::arg("block"));
   m.def("rms_norm_quant", &rms_norm_quant, nogil, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("static_scale"));
   m.def("add_rms_norm_quant_", &add_rms_norm_quant_, nogil, py::arg("residual"), py::arg("x"), py::arg("w"), py::arg("eps"),
         py::arg("static_scale"));

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ... import hadamard
 from ..attention import NO_TERMS, AttentionMetadata, KVCache, ScoreTerms, paged_attention
 from . import moe
 
@@ -373,8 +374,8 @@ class NativeModel(nn.Module):
         [T, 2I] output in memory (SmolLM2's W8A8 prefill: 12% off the MLP's first half)."""
         from ..packed_linear import W8A8Linear
 
-        def quantized(m):
-            return m.quantized_input() if isinstance(m, W8A8Linear) else None
+        def quantized(m):  # not a layer whose input is rotated online: its input is the rotation's output
+            return m.quantized_input() if isinstance(m, W8A8Linear) and hadamard.of(m) is None else None
 
         attn, mlp = layer.self_attn, layer.mlp
         gate_up = getattr(mlp, "gate_up_proj", None)

@@ -1,0 +1,91 @@
+"""Hadamard matrices, the fast Walsh-Hadamard transform, and a Linear whose input is rotated online.
+
+An online rotation of a Linear's input (QuaRot's and SpinQuant's R4 on the down projection) keeps
+y = W x with x' = H x and W' = W H^T, where H is block-diagonal: the normalized Sylvester matrix of
+size `block` (a power of two dividing in_features) repeated along the input. The Sylvester matrix is
+symmetric, so x' = x H per row and W' = W H. The weights are rotated once, offline; x is rotated at
+every forward by the transform below, log2(block) passes of sums and differences, not a matmul.
+
+In a checkpoint this is compressed-tensors' transform config (`transform_config`, type "hadamard",
+`head_dim` the block, an "input" rotation and the inverse "weight_input" one already fused into the
+weights), as llm-compressor's SpinQuant R4 writes it; checkpoint.py reads and writes it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ATTRIBUTE = "input_hadamard"  # the block size on a Linear whose input is rotated online
+MAX_BLOCK = 512  # the largest block qtk chooses: a power of two dividing in_features, at most this
+
+
+def sylvester(n: int) -> torch.Tensor:
+    """The n x n Sylvester Hadamard matrix / sqrt(n) (orthogonal and symmetric), float64."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix of size {n}: only powers of two")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def block_size(n: int, cap: int = MAX_BLOCK) -> int:
+    """The largest power of two that divides n, at most cap (1536 = 3 x 512 -> 512)."""
+    return min(n & -n, cap)
+
+
+def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., n] times the block-diagonal normalized Sylvester matrix of size `block` (x H per block of
+    the last dimension), in float32, returned in x's dtype: the butterfly of sums and differences of
+    elements `h` apart, h = 1, 2, 4, ... (Sylvester's order: H_2m = [[H_m, H_m], [H_m, -H_m]])."""
+    shape, dtype = x.shape, x.dtype
+    if shape[-1] % block:
+        raise ValueError(f"a Hadamard block of {block} does not divide the input's {shape[-1]} features")
+    y = x.reshape(-1, block).float()
+    h = 1
+    while h < block:
+        y = y.view(-1, block // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y.reshape(shape) * block ** -0.5).to(dtype)
+
+
+def _rotate_input(module: nn.Module, args: tuple) -> tuple:
+    return (fwht(args[0], getattr(module, ATTRIBUTE)), *args[1:])
+
+
+def attach(linear: nn.Module, block: int) -> nn.Module:
+    """Make `linear` rotate its input by the block Hadamard before it multiplies (a forward pre-hook,
+    so any module that replaces it must be handed on with `carry`)."""
+    if getattr(linear, ATTRIBUTE, None) is None:
+        linear._input_hadamard_hook = linear.register_forward_pre_hook(_rotate_input)
+    setattr(linear, ATTRIBUTE, block)
+    return linear
+
+
+def detach(linear: nn.Module) -> None:
+    """Undo `attach` (the weights are the caller's)."""
+    if of(linear) is not None:
+        linear._input_hadamard_hook.remove()
+        del linear._input_hadamard_hook
+        delattr(linear, ATTRIBUTE)
+
+
+def of(module: nn.Module | None) -> int | None:
+    """The block of `module`'s online input rotation, or None."""
+    return getattr(module, ATTRIBUTE, None)
+
+
+def carry(old: nn.Module, new: nn.Module) -> nn.Module:
+    """`new` takes `old`'s place: it rotates its input as `old` did."""
+    if of(old) is not None:
+        attach(new, of(old))
+    return new
+
+
+def rotating(f, block: int | None):
+    """f(x) with x rotated first, for a callable that bypasses the module (the runtime's kernels)."""
+    if block is None or f is None:
+        return f
+    return lambda x: f(fwht(x, block))
