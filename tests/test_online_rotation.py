@@ -267,3 +267,21 @@ def test_the_command_line_rotates_and_inspect_says_so(tiny_dir, tmp_path):
     bad = CliRunner().invoke(main, ["quantize", str(tiny_dir), "--method", "rtn", "--rotate", "r1", "-o",
                                     str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "r1" in bad.output and not (tmp_path / "bad").exists()
+
+
+def test_the_engine_runs_a_rotated_bundled_checkpoint_as_the_loader_does(bundled_dir, tmp_path):
+    """The bundled model rotated and rounded to int4 (RTN): the engine's perplexity (its real paths on
+    this CPU: the int4 kernels, with bf16 units their bf16 kernel for prefill chunks) is the loader's
+    transformers forward's, within the bf16 rounding of those paths; a path that skipped the rotation
+    (an unrotated input to a rotated W) gives a perplexity of 1e9 and more."""
+    from qtk import LLM
+    from qtk.evals.perplexity import engine_perplexity, eval_windows, perplexity
+    from qtk.loading import load_model
+
+    recipe = build(method="rtn", scheme="w4a16_asym", group_size=64, rotate=("down",))
+    pipeline.quantize(str(bundled_dir), recipe, tmp_path / "q", progress=False)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_model_len=512)
+    windows = eval_windows(llm.tokenizer, "builtin", 256, 2)
+    engine = engine_perplexity(llm, windows, batch_size=2, progress=False).ppl
+    loader = perplexity(load_model(str(tmp_path / "q"))[0], windows, progress=False).ppl
+    assert loader < 40 and abs(engine / loader - 1) < 0.02, (engine, loader)

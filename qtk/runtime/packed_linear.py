@@ -324,7 +324,7 @@ def bf16_matmul(module: nn.Module | None):
     (a prefill chunk's [T, 2I] MLP activations in half the bytes: 5-10% of a W4A16 prefill); else None."""
     many = getattr(module, "many", None)
     if isinstance(many, QuantBF16Matmul):  # y rounded to bf16 where oneDNN would take a bf16 weight's rows
-        return many.rows, lambda x: many(x, x.shape[0] >= BF16_DOT_ROWS[1])
+        return many.rows, rotating_input(lambda x: many(x, x.shape[0] >= BF16_DOT_ROWS[1]), module)
     if many is None or not many.bf16 or many.bias is not None:
         return None
     onednn = many.bf16_product
