@@ -123,22 +123,34 @@ def _value_rows(model: nn.Module, prev: nn.Linear, tail: bool) -> int:
     return kv_heads * head_dim(model)
 
 
+def _rotate_inputs(linear: nn.Linear, block: int) -> None:
+    """linear's columns -> W H, H the block-diagonal Sylvester matrix: each row of W through the fast
+    Walsh-Hadamard transform (H is symmetric), in float32."""
+    w = linear.weight.data
+    w.copy_(hd.fwht(w.float(), block).to(w.dtype))
+
+
 @torch.no_grad()
 def rotate_down(model: nn.Module, arch: Arch) -> int:
     """Rotate every block's down projection's input online (see the module's docstring): its columns
     become W H and it rotates its input at every forward (hadamard.attach). Returns how many were
-    rotated; refused (InputError, the model left as it was) where the model has none or would change."""
+    rotated: 0, with a warning, where the model has no down_proj (GPT-NeoX's and OPT's MLPs are
+    named otherwise and their activation is not a GLU: the recipe's rotation is then not applied);
+    refused (InputError, the model left as it was) where rotating would change the model."""
     layers = model.get_submodule(arch.layers)
     downs = [(f"{arch.layers}.{i}.{n}", m) for i, layer in enumerate(layers) for n, m in layer.named_modules()
              if n.split(".")[-1] == "down_proj" and isinstance(m, nn.Linear)]
     if not downs:
-        raise InputError(f"model_type {arch.model_type!r}: no down_proj Linear in its blocks to rotate (--rotate down)")
+        log.warning("model_type %r: no down_proj Linear in its blocks; the down projections' rotation (rotate: "
+                    "[down]) is not applied", arch.model_type)
+        return 0
     saved = [m.weight.data.clone() for _, m in downs]
 
     def rotate():
         for _, m in downs:
-            _rotate_columns(m, hd.sylvester(hd.block_size(m.in_features)))
-            hd.attach(m, hd.block_size(m.in_features))
+            block = hd.block_size(m.in_features)
+            _rotate_inputs(m, block)
+            hd.attach(m, block)
 
     def undo():
         for (_, m), w in zip(downs, saved):
@@ -146,7 +158,8 @@ def rotate_down(model: nn.Module, arch: Arch) -> int:
             hd.detach(m)
 
     kl = _checked(model, rotate, undo, f"model_type {arch.model_type!r}: rotating the down projections' inputs "
-                  "changes the model's outputs (KL {kl:.3g} on {n} tokens); quantize without --rotate down")
+                  "changes the model's outputs (KL {kl:.3g} on {n} tokens); quantize without --rotate down "
+                  "(--rotate none)")
     blocks = sorted({hd.of(m) for _, m in downs})
     log.info("rotation down: %d down projections, Hadamard blocks of %s online (KL to the unrotated model %.2g)",
              len(downs), "/".join(map(str, blocks)), kl)
