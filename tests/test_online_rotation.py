@@ -16,6 +16,7 @@ from qtk import hadamard, pipeline, rotation
 from qtk.arch import discover
 from qtk.errors import CheckpointError, InputError
 from qtk.recipe import build
+from test_rotation import _logits  # noqa: E402  (the same no-grad forward as the fused rotation's tests)
 
 
 @pytest.mark.parametrize("block", [1, 2, 8, 64, 512])
@@ -32,11 +33,6 @@ def test_the_transform_is_the_block_diagonal_sylvester_matrix(block):
 def test_the_block_is_the_largest_power_of_two_dividing_the_input():
     assert [hadamard.block_size(n) for n in (1536, 576, 4096, 11008, 8960, 96)] == [512, 64, 512, 256, 256, 32]
     assert hadamard.sylvester(2).mul(2 ** 0.5).tolist() == [[1.0, 1.0], [1.0, -1.0]]
-
-
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
 
 
 @pytest.mark.parametrize("model_type", sorted(zoo.DENSE))
