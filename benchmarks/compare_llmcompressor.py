@@ -57,6 +57,9 @@ def qtk_recipes(group_size: int, iters: int = 200) -> dict:
         # qtk's default recipe, its best at 4 bits (calibration/recipes/awq-gptq-w4a16.yaml): the down projections
         # rotated online, AWQ, then GPTQ, the layers int4 hurts most kept at int8 within the recipe's bits per
         # weight; and the same in int4 alone
+        # the same methods after the down projections' input is rotated online (SpinQuant's R4, qtk --rotate down)
+        "gptq_rotate_down": replace(from_flags("gptq", scheme="w4a16", group_size=group_size), rotate=("down",)),
+        "awq_rotate_down": replace(from_flags("awq", scheme="w4a16_asym", group_size=group_size), rotate=("down",)),
         "qtk_best": build(group_size=group_size),
         "qtk_best_int4": build(group_size=group_size, max_bits=0),
     }

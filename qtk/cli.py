@@ -114,8 +114,10 @@ def _section(**kw):
               help="Mixed precision: keep the layers that cost the most (KL divergence when each alone is "
                    "quantized, on calibration samples; q/k/v and gate/up together) at 8 bits while the average "
                    "bits per quantized weight stay within this (e.g. 4.6 beside w4a16's 4.3; 0: none).")
-@click.option("--rotate", multiple=True, type=click.Choice(["v_o", "down", "none"]),
-              help="Hadamard rotations before calibration, instead of the recipe's: v_o rotates each attention "
+@click.option("--rotate", multiple=True, type=click.Choice(["residual", "v_o", "down", "none"]),
+              help="Hadamard rotations before calibration, instead of the recipe's: residual rotates the residual "
+                   "stream (the norms' weights folded into the next layers, embeddings, every layer's rows or "
+                   "columns on it; fused; tied embeddings are untied, lm_head then written apart); v_o rotates each attention "
                    "head's values (v_proj rows, o_proj columns; fused, nothing to apply at run time); down rotates "
                    "each down_proj's input online (its columns, and a fast Walsh-Hadamard transform of its input "
                    "at run time, written as compressed-tensors' transform config, which qtk and vLLM apply and "

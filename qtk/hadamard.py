@@ -29,6 +29,54 @@ def sylvester(n: int) -> torch.Tensor:
     return h / n ** 0.5
 
 
+def _is_prime(q: int) -> bool:
+    return q > 1 and all(q % d for d in range(2, int(q ** 0.5) + 1))
+
+
+def _jacobsthal(q: int) -> torch.Tensor:
+    """Q[i, j] = the quadratic character of (j - i) mod q, q prime: 0, 1 (a square) or -1."""
+    squares = {i * i % q for i in range(1, q)}
+    chi = torch.tensor([0.0] + [1.0 if r in squares else -1.0 for r in range(1, q)], dtype=torch.float64)
+    i = torch.arange(q)
+    return chi[(i[None, :] - i[:, None]) % q]
+
+
+def paley(n: int) -> torch.Tensor | None:
+    """An unnormalized n x n Hadamard matrix by Paley's constructions (q prime), or None:
+    I:  n = q + 1, q = 3 mod 4: H = I + [[0, 1], [-1, Q]] (Q, the Jacobsthal matrix, skew)
+    II: n = 2(q + 1), q = 1 mod 4: C = [[0, 1], [1, Q]] (symmetric), H = C x [[1, 1], [1, -1]] + I x [[1, -1], [-1, -1]]."""
+    def bordered(q: int, sign: float) -> torch.Tensor:
+        c = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+        c[0, 1:], c[1:, 0], c[1:, 1:] = 1.0, sign, _jacobsthal(q)
+        return c
+
+    if _is_prime(n - 1) and (n - 1) % 4 == 3:
+        return torch.eye(n, dtype=torch.float64) + bordered(n - 1, -1.0)
+    if n % 2 == 0 and _is_prime(n // 2 - 1) and (n // 2 - 1) % 4 == 1:
+        c = bordered(n // 2 - 1, 1.0)
+        one = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        eye = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+        return torch.kron(c, one) + torch.kron(torch.eye(n // 2, dtype=torch.float64), eye)
+    return None
+
+
+def hadamard_matrix(n: int) -> torch.Tensor | None:
+    """A normalized n x n Hadamard matrix (orthogonal, entries +-1/sqrt(n)), float64, or None where
+    qtk builds none of that order: Sylvester's for a power of two, else Paley's of order m = n / 2^k
+    (the smallest such m that Paley's constructions reach) Kronecker Sylvester's of 2^k. SmolLM2's
+    576 = 36 x 16 (Paley II, q = 17); 896 = 28 x 32, 960 = 60 x 16, 1536 = 12 x 128, 3072, 5120."""
+    if n >= 1 and not n & (n - 1):
+        return sylvester(n)
+    power = n & -n
+    m = n // power
+    while m <= n:
+        h = paley(m)
+        if h is not None:
+            return torch.kron(h / m ** 0.5, sylvester(n // m))
+        m *= 2
+    return None
+
+
 def block_size(n: int, cap: int = MAX_BLOCK) -> int:
     """The largest power of two that divides n, at most cap (1536 = 3 x 512 -> 512)."""
     return min(n & -n, cap)

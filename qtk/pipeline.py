@@ -19,7 +19,7 @@ from .errors import InputError, OutputError, OutputExistsError
 from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, resolve
 from .moe import linearize_experts, router_names
 from .recipe import MIXED_WIDER, Override, Recipe, to_yaml
-from .rotation import rotate_down, rotate_values
+from .rotation import rotate_down, rotate_residual, rotate_values
 from .self_text import self_generated_ids
 from .schemes import Scheme, check_group_divides, dividing_group_size
 from .sensitivity import bits_per_weight, choose_units, layer_sensitivity, weight_bits
@@ -66,11 +66,13 @@ class Job:
 
 
 def rotate(model: nn.Module, recipe: Recipe) -> None:
-    """The recipe's rotations (rotation.py), in place: v_o fused, down online."""
+    """The recipe's rotations (rotation.py), in place: residual and v_o fused, down online."""
     if recipe.rotate:
         from .arch import discover
 
         arch = discover(model)
+        if "residual" in recipe.rotate:
+            rotate_residual(model, arch)
         if "v_o" in recipe.rotate:
             rotate_values(model, arch)
         if "down" in recipe.rotate:

@@ -14,6 +14,18 @@ Why: a rotation spreads a head's outlier channels over all of its channels, so t
 v_proj's rows and o_proj's columns (one head's 64 columns are one group at group size 64) see
 flatter weights. `v_o` is fused into the weights: nothing to apply at run time.
 
+`residual` rotates the residual stream (QuaRot's Q, SpinQuant's R1), fused into the weights: every
+norm that reads the residual first gives its weight to the Linear layers it feeds (their columns
+W diag(g), the norm's weight then 1: an RMSNorm without a weight commutes with any rotation), then
+the residual becomes x Q: the embeddings' rows E Q, the columns of every Linear that reads the
+residual (q/k/v, gate/up, lm_head) W Q, the rows of every one that writes it (o_proj, down_proj)
+Q^T W (bias b Q). Q = diag(s) H: H a Hadamard matrix of the hidden size (hadamard_matrix: 576 = 36 x
+16 for SmolLM2), s random signs (seeded), as QuaRot's randomized Hadamard; a random orthogonal
+matrix where no Hadamard matrix of that order is built. Tied embeddings are untied first: the
+embedding takes E Q, and lm_head, which must also take the final norm's weight, W diag(g) Q, so the
+checkpoint then holds lm_head's weight (vocab x hidden more bytes: 56 MB at bf16 on SmolLM2-135M).
+Only weights change: the checkpoint is plain compressed-tensors, for vLLM and transformers alike.
+
 `down` rotates each MLP down projection's input online (R4): its columns become W H, and the input
 x H is computed at every forward by a fast Walsh-Hadamard transform (hadamard.py; H block-diagonal,
 Sylvester blocks of the largest power of two dividing the intermediate size, at most 512). Nothing
@@ -35,9 +47,13 @@ from .errors import InputError
 
 log = logging.getLogger(__name__)
 
-ROTATIONS = ("v_o", "down")
+ROTATIONS = ("residual", "v_o", "down")  # applied in this order
+SEED = 0  # the residual rotation's random signs (and random orthogonal matrix, where no Hadamard)
 CHECK_TOKENS = 16
 MAX_KL = 1e-2  # nats, in float32: far above float32's rounding (about 1e-7), far below a changed function
+# ... and no log-probability moved by more than this fraction of the largest: a random tiny model's
+# near-uniform distributions keep the KL of a changed function small (a post-norm rotated: 0.5 apart)
+MAX_MOVED = 1e-3
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -166,9 +182,116 @@ def rotate_down(model: nn.Module, arch: Arch) -> int:
     return len(downs)
 
 
+def residual_matrix(n: int, seed: int = SEED) -> torch.Tensor:
+    """Q [n, n] float64, orthogonal: diag(s) H, H the normalized Hadamard matrix of order n (else a
+    random orthogonal matrix, the QR of a Gaussian one), s random signs."""
+    g = torch.Generator().manual_seed(seed)
+    h = hd.hadamard_matrix(n)
+    if h is None:
+        log.info("rotation residual: no Hadamard matrix of order %d built; a random orthogonal matrix instead", n)
+        q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+        h = q * torch.sign(torch.diagonal(r))
+    signs = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
+    return signs[:, None] * h
+
+
+def _final_norm(model: nn.Module, arch: Arch) -> nn.Module:
+    """The norm between the last block and lm_head: the one module outside the blocks named *norm."""
+    norms = [m for n, m in model.named_modules() if not n.startswith(arch.layers + ".") and n != arch.layers
+             and "norm" in n.split(".")[-1].lower() and getattr(m, "weight", None) is not None]
+    if len(norms) != 1:
+        raise InputError(f"model_type {arch.model_type!r}: {len(norms)} norms outside the blocks where one final norm "
+                         "before lm_head was expected; quantize without --rotate residual")
+    return norms[0]
+
+
+def _untie(model: nn.Module, embed: nn.Module, head: nn.Module) -> bool:
+    """Give lm_head a weight of its own where it shares the embeddings' (and say so in the config).
+    Returns whether it did."""
+    if head.weight is not embed.weight:
+        return False
+    head.weight = nn.Parameter(embed.weight.data.clone(), requires_grad=False)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
+        config.tie_word_embeddings = False
+    return True
+
+
+def _retie(model: nn.Module, embed: nn.Module, head: nn.Module) -> None:
+    head.weight = embed.weight
+    for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
+        config.tie_word_embeddings = True
+
+
+@torch.no_grad()
+def rotate_residual(model: nn.Module, arch: Arch) -> int:
+    """Fold the norms and rotate the residual stream (see the module's docstring); returns how many
+    blocks. Refused (InputError, the model left as it was) where a norm has a bias (a LayerNorm, which
+    subtracts the mean: not rotation-invariant) or the rotated model's outputs differ."""
+    config = model.config.get_text_config(decoder=True)
+    n = config.hidden_size
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is None or head is None or getattr(head, "weight", None) is None:
+        raise InputError(f"model_type {arch.model_type!r}: no input and output embeddings to rotate "
+                         "(--rotate residual)")
+    final = _final_norm(model, arch)
+    layers = model.get_submodule(arch.layers)
+    offsets = [p.offset for pairs in arch.smooth for p in pairs]
+    norms, readers, writers = [(final, [head], offsets[0] if offsets else 0.0)], [head], []  # the blocks' norms' kind
+    for i, layer in enumerate(layers):
+        pairs = [p for p in arch.smooth[i] if not isinstance(layer.get_submodule(p.prev), nn.Linear)]
+        reads = {name for p in pairs for name in p.linears}
+        for p in pairs:
+            norms.append((layer.get_submodule(p.prev), [layer.get_submodule(x) for x in p.linears], p.offset))
+        readers += [layer.get_submodule(x) for x in reads]
+        writers += [m for name, m in layer.named_modules()
+                    if isinstance(m, nn.Linear) and name not in reads and m.out_features == n]
+    for norm, _, _ in norms:
+        if getattr(norm, "bias", None) is not None:
+            raise InputError(f"model_type {arch.model_type!r}: its norms have a bias (LayerNorm subtracts the mean, "
+                             "which a rotation does not keep); quantize without --rotate residual")
+    if any(not isinstance(m, nn.Linear) or m.in_features != n for m in readers):
+        raise InputError(f"model_type {arch.model_type!r}: a layer that reads the residual stream is not a Linear of "
+                         f"{n} inputs; quantize without --rotate residual")
+    untied = _untie(model, embed, head)
+    touched = [embed, *readers, *writers, *(norm for norm, _, _ in norms)]
+    saved = [(m, {k: v.data.clone() for k, v in m.named_parameters(recurse=False)}) for m in touched]
+    Q = residual_matrix(n)
+
+    def rotate():
+        q = Q.float()
+        for norm, linears, offset in norms:  # y = x / rms(x) * (offset + g): (offset + g) into the columns
+            g = norm.weight.data.float() + offset
+            for lin in linears:
+                lin.weight.data.mul_(g.to(lin.weight.dtype))
+            norm.weight.data.fill_(1.0 - offset)
+        embed.weight.data.copy_(embed.weight.data.float() @ q)
+        for lin in readers:
+            lin.weight.data.copy_(lin.weight.data.float() @ q)
+        for lin in writers:
+            lin.weight.data.copy_(q.t() @ lin.weight.data.float())
+            if lin.bias is not None:
+                lin.bias.data.copy_(lin.bias.data.float() @ q)
+
+    def undo():
+        for m, params in saved:
+            for k, v in params.items():
+                getattr(m, k).data = v
+        if untied:
+            _retie(model, embed, head)
+
+    kl = _checked(model, rotate, undo, f"model_type {arch.model_type!r}: rotating the residual stream changes the "
+                  "model's outputs (KL {kl:.3g} on {n} tokens): something reads or writes it other than the norms' "
+                  "Linear layers and the blocks' output projections; quantize without --rotate residual")
+    log.info("rotation residual: %d blocks, %s of %d fused%s (KL to the unrotated model %.2g)", len(layers),
+             "Hadamard" if hd.hadamard_matrix(n) is not None else "random orthogonal", n,
+             f"; the tied embeddings untied (lm_head's {head.weight.numel() * head.weight.element_size() / 1e6:.0f} MB "
+             "written apart)" if untied else "", kl)
+    return len(layers)
+
+
 def _checked(model: nn.Module, rotate, undo, refusal: str) -> float:
     """rotate() the model, checked: the next-token distributions on CHECK_TOKENS tokens before and
-    after, in float32 (a bf16 forward departs from float32's by up to KL 1.7 on these tokens (the
+    after (their KL, and the largest change of a log-probability), in float32 (a bf16 forward departs from float32's by up to KL 1.7 on these tokens (the
     bundled model), which would hide a changed function or refuse an exact one); undo() and
     InputError(refusal) where they differ. The rotated weights are rounded once, to each parameter's
     own dtype. Returns the KL."""
@@ -181,7 +304,8 @@ def _checked(model: nn.Module, rotate, undo, refusal: str) -> float:
         rotate()
         after = model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
         kl = (before.exp() * (before - after)).sum(-1).max().item()
-        if not kl < MAX_KL:
+        moved = ((after - before).abs().max() / before.abs().max().clamp(min=1.0)).item()
+        if not (kl < MAX_KL and moved < MAX_MOVED):
             undo()
             raise InputError(refusal.format(kl=kl, n=CHECK_TOKENS))
     finally:
