@@ -60,6 +60,9 @@ def qtk_recipes(group_size: int, iters: int = 200) -> dict:
         # the same methods after the down projections' input is rotated online (SpinQuant's R4, qtk --rotate down)
         "gptq_rotate_down": replace(from_flags("gptq", scheme="w4a16", group_size=group_size), rotate=("down",)),
         "awq_rotate_down": replace(from_flags("awq", scheme="w4a16_asym", group_size=group_size), rotate=("down",)),
+        # ... and every rotation: the residual stream, each head's values and the down projections (SpinQuant's R1, R2, R4)
+        "gptq_rotate_all": replace(from_flags("gptq", scheme="w4a16", group_size=group_size),
+                                   rotate=("residual", "v_o", "down")),
         "qtk_best": build(group_size=group_size),
         "qtk_best_int4": build(group_size=group_size, max_bits=0),
     }

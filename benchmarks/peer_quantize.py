@@ -41,14 +41,15 @@ def recipe(method: str, group_size: int, iters: int = 200):
         return [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", ignore=ignore)]
     if method == "fp8":
         return QuantizationModifier(scheme="FP8_DYNAMIC", ignore=ignore)
-    if method.endswith("_rotate_down"):  # SpinQuant's R4 (the down projections' input, online), then the method
-        from llmcompressor.modifiers.transform import SpinQuantModifier
+    for suffix, rotations in (("_rotate_down", ["R4"]), ("_rotate_all", ["R1", "R2", "R4"])):
+        if method.endswith(suffix):  # SpinQuant's rotations (R4: the down projections' input, online), then the method
+            from llmcompressor.modifiers.transform import SpinQuantModifier
 
-        # a block that divides the hidden size (576) and the head size (64): SpinQuant checks every
-        # rotation's size even when only R4 is asked for
-        rotation = SpinQuantModifier(rotations=["R4"], transform_type="hadamard", transform_block_size=64)
-        then = recipe(method.removesuffix("_rotate_down"), group_size, iters)
-        return [rotation, *(then if isinstance(then, list) else [then])]
+            # a block that divides the hidden size (576) and the head size (64): SpinQuant checks every
+            # rotation's size even when not asked for it
+            rotation = SpinQuantModifier(rotations=rotations, transform_type="hadamard", transform_block_size=64)
+            then = recipe(method.removesuffix(suffix), group_size, iters)
+            return [rotation, *(then if isinstance(then, list) else [then])]
     raise SystemExit(f"unknown method {method}")
 
 

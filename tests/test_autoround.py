@@ -219,3 +219,25 @@ def test_after_awq_and_through_the_cli(tiny_dir, tmp_path, kl_of):
     assert kl_of(tmp_path / "awq-ar") < kl_of(tmp_path / "awq")
     config = json.loads((tmp_path / "awq-ar" / "config.json").read_text())["quantization_config"]
     assert next(iter(config["config_groups"].values()))["weights"]["symmetric"] is False
+
+
+def test_composes_with_the_rotations(tiny_dir, tmp_path, kl_of):
+    """AWQ then learned rounding on a model rotated every way (the residual stream and each head's
+    values fused, the down projections online): the checkpoint carries the online rotation, and is
+    closer to the float model than round-to-nearest on the same rotated model."""
+    from click.testing import CliRunner
+
+    from qtk.cli import main
+
+    common = ["--group-size", "32", "--dtype", "float32", "--rotate", "residual", "--rotate", "v_o", "--rotate", "down"]
+    r = CliRunner().invoke(main, ["quantize", str(tiny_dir), "--method", "awq", "--weights", "autoround", "--iters",
+                                  "60", "--num-samples", "16", "--seq-len", "64", "--batch-size", "4", *common,
+                                  "-o", str(tmp_path / "ar")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["quantize", str(tiny_dir), "--method", "rtn", "--scheme", "w4a16_asym", *common,
+                                  "-o", str(tmp_path / "rtn")])
+    assert r.exit_code == 0, r.output
+    assert kl_of(tmp_path / "ar") < kl_of(tmp_path / "rtn")
+    config = json.loads((tmp_path / "ar" / "config.json").read_text())
+    assert "R4" in config["quantization_config"]["transform_config"]["config_groups"]
+    assert config["tie_word_embeddings"] is False
