@@ -124,17 +124,24 @@ def transform_config(model: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
     return {"config_groups": groups}, tensors
 
 
+FUSED = {"weight_input", "weight_output"}  # transform locations compressed-tensors fuses into the weights
+
+
 def parse_transform_config(tc: dict | None, model: nn.Module) -> tuple[dict[str, int], set[str]]:
     """({module name: block} of the online input rotations a checkpoint's transform_config names,
     the tensor names its groups may carry (suffixes `.<group>_input.weight`)). qtk applies compressed-
     tensors' deterministic Hadamard (type "hadamard": Sylvester blocks of head_dim, or of the whole
-    input) on a layer's input, the inverse already in the weights; other transforms are refused."""
+    input) on a layer's input, the inverse already in the weights; a group applied to weights only
+    (SpinQuant's R1 and R2) was fused into them when written and needs nothing; other transforms are
+    refused."""
     if not tc or not tc.get("config_groups"):
         return {}, set()
     blocks, suffixes = {}, set()
     modules = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))]
     for group, g in tc["config_groups"].items():
         where = {(a.get("location"), bool(a.get("inverse"))) for a in g.get("apply") or []}
+        if where and {loc for loc, _ in where} <= FUSED:  # SpinQuant's R1 and R2: in the weights already
+            continue
         if g.get("type") != "hadamard" or ("input", False) not in where or not where <= {("input", False),
                                                                                          ("weight_input", True)}:
             raise CheckpointError(f"transform_config group {group}: qtk applies a deterministic Hadamard on a layer's "

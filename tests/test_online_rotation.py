@@ -201,6 +201,31 @@ def test_other_transforms_are_refused_with_what_qtk_applies(rotated, tmp_path):
         load_model(str(bad))
 
 
+def test_rotations_fused_into_the_weights_need_nothing_at_load(rotated, tmp_path):
+    """SpinQuant's R1 and R2 as llm-compressor writes them: groups applied at weight_output and
+    weight_input only, fused into the weights when saved. The loader applies nothing for them (the
+    same logits as without them); R4's online rotation is still applied."""
+    import shutil
+
+    from qtk.loading import load_model
+
+    q1, _ = rotated
+    fused = tmp_path / "fused"
+    shutil.copytree(q1, fused)
+    cfg = json.loads((fused / "config.json").read_text())
+    cfg["quantization_config"]["transform_config"]["config_groups"]["R1"] = {
+        "type": "hadamard", "head_dim": 64, "randomize": False, "requires_grad": False, "precision": "torch.float64",
+        "apply": [{"targets": ["re:.*embed_tokens$", "re:.*o_proj$", "re:.*down_proj$"], "location": "weight_output",
+                   "inverse": False, "ignore": []},
+                  {"targets": ["re:.*q_proj$", "lm_head"], "location": "weight_input", "inverse": True, "ignore": []}]}
+    (fused / "config.json").write_text(json.dumps(cfg))
+    ids = torch.randint(3, 2000, (1, 16), generator=torch.Generator().manual_seed(2))
+    want = _logits(load_model(str(q1), dtype=torch.float32)[0], ids)
+    model = load_model(str(fused), dtype=torch.float32)[0]
+    assert hadamard.of(model.model.layers[0].mlp.down_proj) is not None
+    torch.testing.assert_close(_logits(model, ids), want, rtol=0, atol=0)
+
+
 def test_the_runtimes_direct_calls_rotate_the_input():
     """The runtime's plan calls kernels directly, past the module's hook: packed_linear.direct and
     bf16_matmul (the bf16 MLP of prefill chunks) rotate a rotating layer's input themselves."""
