@@ -205,21 +205,24 @@ def _final_norm(model: nn.Module, arch: Arch) -> nn.Module:
     return norms[0]
 
 
+def _set_tied(model: nn.Module, tied: bool) -> None:
+    for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
+        config.tie_word_embeddings = tied
+
+
 def _untie(model: nn.Module, embed: nn.Module, head: nn.Module) -> bool:
     """Give lm_head a weight of its own where it shares the embeddings' (and say so in the config).
     Returns whether it did."""
     if head.weight is not embed.weight:
         return False
     head.weight = nn.Parameter(embed.weight.data.clone(), requires_grad=False)
-    for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
-        config.tie_word_embeddings = False
+    _set_tied(model, False)
     return True
 
 
 def _retie(model: nn.Module, embed: nn.Module, head: nn.Module) -> None:
     head.weight = embed.weight
-    for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
-        config.tie_word_embeddings = True
+    _set_tied(model, True)
 
 
 @torch.no_grad()

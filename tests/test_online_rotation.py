@@ -158,7 +158,6 @@ def test_the_runtime_runs_what_the_loader_runs(rotated):
     engine's greedy tokens its generate's."""
     from test_runtime import greedy_through_runtime
 
-    from qtk import LLM, SamplingParams
     from qtk.loading import load_model
 
     q1, _ = rotated
@@ -177,12 +176,19 @@ def test_the_runtime_runs_what_the_loader_runs(rotated):
         want = _logits(ref, torch.tensor([s.token_ids]))[0, s.num_prompt_tokens - 1:len(s) - 1]
         got = torch.stack(logits[s.seq_id]).float()
         assert (got - want).abs().max() < 0.05 * want.abs().max(), (got - want).abs().max()
-    llm = LLM(str(q1), dtype="float32", max_model_len=128, kv_cache_memory=2**22, block_size=8)
+    assert_engine_greedy_is_the_loaders(q1, ref)
+
+
+def assert_engine_greedy_is_the_loaders(path, model):
+    """qtk's engine on the checkpoint at `path` decodes greedily the tokens `model` (its loader's) does."""
+    from qtk import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory=2**22, block_size=8)
     out = llm.generate(["The capital of France is a city that"],
                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     ids = llm.tokenizer("The capital of France is a city that", return_tensors="pt").input_ids
-    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
-                        do_sample=False)[0, ids.shape[1]:].tolist()
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                          do_sample=False)[0, ids.shape[1]:].tolist()
     assert out.outputs[0].token_ids == want
 
 

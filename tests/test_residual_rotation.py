@@ -15,6 +15,7 @@ from qtk import hadamard, pipeline, rotation
 from qtk.arch import discover
 from qtk.errors import InputError
 from qtk.recipe import build
+from test_online_rotation import assert_engine_greedy_is_the_loaders  # noqa: E402
 from test_rotation import _logits  # noqa: E402  (the same no-grad forward as the other rotations' tests)
 
 # the dense types whose residual stream only norms read and only the blocks' output projections write
@@ -133,7 +134,6 @@ def test_quantize_with_the_residual_rotation(rotated):
     rounding allows, through the loader and through qtk's runtime."""
     from safetensors import safe_open
 
-    from qtk import LLM, SamplingParams
     from qtk.evals.perplexity import eval_windows
     from qtk.loading import load_model
 
@@ -152,10 +152,4 @@ def test_quantize_with_the_residual_rotation(rotated):
     got = _logits(model, windows).log_softmax(-1)
     assert (p.exp() * (p - got)).sum(-1).mean().item() < 1e-3
 
-    llm = LLM(str(q), dtype="float32", max_model_len=128, kv_cache_memory=2**22, block_size=8)
-    out = llm.generate(["The capital of France is a city that"],
-                       SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
-    ids = llm.tokenizer("The capital of France is a city that", return_tensors="pt").input_ids
-    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
-                          do_sample=False)[0, ids.shape[1]:].tolist()
-    assert out.outputs[0].token_ids == want
+    assert_engine_greedy_is_the_loaders(q, model)
