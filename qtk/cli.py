@@ -107,6 +107,10 @@ def _section(**kw):
 @click.option("--alpha", type=float, default=None, help="SmoothQuant migration strength (0.5).")
 @click.option("--iters", type=int, default=None, help="AutoRound: signed-gradient steps per block, one calibration "
               "batch each (200, as auto-round; its light preset 50).")
+@click.option("--distill-samples", type=int, default=None,
+              help="After the block-wise method, train every group's scale end to end against the unquantized "
+                   "model's next-token distributions (KL; codes fixed) on this many calibration samples, one "
+                   "step each (the default recipe's 64; 0: not done).")
 @click.option("--kv-cache", type=click.Choice(["fp8", "int8"]), default=None, help="Also calibrate KV-cache scales.")
 @click.option("--kv-strategy", type=click.Choice(["tensor", "head"]), default=None, help="KV scales per tensor or per head.")
 @click.option("--ignore", multiple=True, help="Extra layer names or 're:REGEX' patterns to keep in float (lm_head always).")
@@ -143,14 +147,15 @@ def _section(**kw):
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default=None,
               help="Model dtype while calibrating (auto: bfloat16 on CUDA and CPUs with bf16 units, float32 "
                    "elsewhere): block forwards run in it; Hessians, solves and searches accumulate in float32.")
-def quantize(model, output, force, recipe_file, gates_spec, act_order, dampening, alpha, iters, dataset, num_samples,
-             seq_len, batch_size, chat_template, seed, calibrate_all_experts, **top):
+def quantize(model, output, force, recipe_file, gates_spec, act_order, dampening, alpha, iters, distill_samples, dataset,
+             num_samples, seq_len, batch_size, chat_template, seed, calibrate_all_experts, **top):
     """Quantize MODEL and write a compressed-tensors checkpoint to --output."""
     from . import pipeline, recipe as rec
 
     recipe = rec.build(recipe_file=recipe_file, **top,
                        gptq=_section(act_order=act_order, dampening=dampening),
                        smoothquant=_section(alpha=alpha), autoround=_section(iters=iters),
+                       distill=_section(samples=distill_samples),
                        calibration=_section(dataset=dataset, num_samples=num_samples, seq_len=seq_len,
                                             batch_size=batch_size, chat_template=chat_template, seed=seed,
                                             calibrate_all_experts=calibrate_all_experts))

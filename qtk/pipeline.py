@@ -14,6 +14,7 @@ from torch import nn
 from .calibrate import checkpoint_groups, override_schemes, quantize_model, targeted_linears
 from .checkpoint import check_weight_files, save_quantized, target_matches
 from .data import calibration_ids
+from .distill import distill_scales
 from .device import DtypeChoice, check_device, choose_dtype
 from .errors import InputError, OutputError, OutputExistsError
 from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, resolve
@@ -62,6 +63,14 @@ class Job:
         model, _ = load_model(str(self.path), dtype=self.compute.dtype, tokenizer=self.tokenizer)
         linearize_experts(model)  # a MoE's experts as Linears: each quantized as its own layer
         rotate(model, self.recipe)  # before anything measures or calibrates
+        return model
+
+    def teacher(self) -> nn.Module:
+        """The unquantized model in float32 on the calibration device, as the user gave it (rotations
+        change no output, so it is not rotated): the target of the distillation."""
+        model, _ = load_model(str(self.path), dtype=torch.float32, device=self.recipe.device, tokenizer=self.tokenizer)
+        for p in model.parameters():
+            p.requires_grad_(False)
         return model
 
 
@@ -123,6 +132,10 @@ def write(job: Job, model: nn.Module, recipe: Recipe, output: Path, force: bool,
     """Calibrate `model` (job.load()'s) with `recipe` block by block and write the checkpoint to
     `output` atomically; returns the report (also written as qtk_report.json)."""
     report = quantize_model(model, recipe, job.ids, progress=progress)
+    if recipe.distill.samples:
+        model.to(recipe.device)
+        report["distill"] = distill_scales(model, job.teacher(), job.ids, recipe.distill, progress)
+        model.to("cpu")
     if mixed is not None:
         report["mixed_precision"] = mixed
     report.update(extra_report or {})

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from . import assets
 from .errors import InputError, NotFoundError
 from .methods import FP8, METHODS, SMOOTHING, WEIGHTS, named
-from .methods.args import AutoRoundArgs, AWQArgs, GPTQArgs, SmoothQuantArgs, check_types
+from .methods.args import AutoRoundArgs, AWQArgs, DistillArgs, GPTQArgs, SmoothQuantArgs, check_types
 from .rotation import ROTATIONS
 from .schemes import KVCacheScheme, Scheme, kv_cache_scheme, preset
 
@@ -92,6 +92,8 @@ class Recipe:
     smoothquant: SmoothQuantArgs = field(default_factory=SmoothQuantArgs)
     autoround: AutoRoundArgs = field(default_factory=AutoRoundArgs)
     calibration: CalibrationArgs = field(default_factory=CalibrationArgs)
+    # after the block-wise methods, every scale trained end to end against the float model (qtk/distill.py)
+    distill: DistillArgs = field(default_factory=DistillArgs)
     device: str = "cpu"
     # the model's dtype while calibrating (blocks run in it; solves stay float32); auto: bf16 where the
     # device has bf16 units, float32 elsewhere (qtk.device.choose_dtype)
@@ -127,6 +129,10 @@ class Recipe:
         unknown = [r for r in self.rotate if r not in ROTATIONS]
         if unknown or not isinstance(self.rotate, tuple):
             raise InputError(f"rotate must list rotations of {ROTATIONS}, got {self.rotate!r}")
+        if self.distill.samples and (self.scheme.input_activations is not None or self.scheme.weights.type != "int"):
+            raise InputError("distill trains the scales of weight-only int schemes (w4a16, w4a16_asym, w8a16); this "
+                             f"scheme has weights {self.scheme.weights.type}{self.scheme.weights.num_bits}"
+                             + (" and quantized activations" if self.scheme.input_activations is not None else ""))
         if "lm_head" not in self.ignore:
             raise InputError("qtk quantizes the decoder blocks only: keep 'lm_head' in ignore")
         check_patterns(self.ignore, "ignore pattern")
@@ -147,7 +153,8 @@ class Recipe:
     def needs_data(self) -> bool:
         a = self.scheme.input_activations
         return (any(METHODS[name].calibrates for name in (self.weights, self.smoothing) if name is not None)
-                or self.kv_cache is not None or (a is not None and not a.dynamic) or self.max_bits is not None)
+                or self.kv_cache is not None or (a is not None and not a.dynamic) or self.max_bits is not None
+                or self.distill.samples > 0)
 
 
 def _either(names: tuple[str, ...]) -> str:
@@ -175,7 +182,8 @@ def from_flags(method: str, scheme: str | None = None, group_size: int | None = 
                   kv_cache=kv_cache_scheme(kv_cache, kv_strategy), **sections)
 
 
-_SECTIONS = {**{name: m.args for name, m in METHODS.items() if m.args}, "calibration": CalibrationArgs}
+_SECTIONS = {**{name: m.args for name, m in METHODS.items() if m.args}, "calibration": CalibrationArgs,
+             "distill": DistillArgs}
 _TOP = {"method", "scheme", "group_size", "weights", "kv_cache", "kv_strategy", "ignore", "overrides", "max_bits", "rotate",
         "device", "dtype", *_SECTIONS}
 
@@ -278,7 +286,7 @@ def _check_applies(recipe: Recipe, kv_strategy: str | None, section_overrides: d
     if flags and not recipe.needs_data:
         raise InputError(f"{flags}: calibration option(s), but this recipe (method {recipe.method}, "
                          f"{recipe.weights} weights) takes no calibration data; only gptq weights, awq, smoothquant, "
-                         "static activation scales, --kv-cache scales and --max-bits calibrate")
+                         "static activation scales, --kv-cache scales, --max-bits and --distill-samples calibrate")
 
 
 def _given_flags(section_overrides: dict, section: str) -> str:

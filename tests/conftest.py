@@ -86,3 +86,24 @@ def bundled_model(bundled_dir):
     from qtk.loading import load_model
 
     return load_model(str(bundled_dir))
+
+
+@pytest.fixture(scope="session")
+def kl_of(tiny_dir):
+    """KL divergence of a checkpoint's next-token distributions from tiny_dir's, on 8 windows of 64 tokens
+    of the built-in text's evaluation split (no calibration sample is drawn from it)."""
+    from qtk.evals.perplexity import eval_windows
+    from qtk.loading import load_model
+
+    base, tok = load_model(str(tiny_dir), dtype=torch.float32)
+    windows = eval_windows(tok, "builtin", 64, 8)
+    with torch.no_grad():
+        p = base(windows).logits.log_softmax(-1)
+
+    def kl(path) -> float:
+        model, _ = load_model(str(path), dtype=torch.float32)
+        with torch.no_grad():
+            q = model(windows).logits.log_softmax(-1)
+        return (p.exp() * (p - q)).sum(-1).mean().item()
+
+    return kl

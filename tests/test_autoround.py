@@ -141,26 +141,6 @@ def test_refuses_what_it_cannot_round():
         build(method="gptq", autoround={"iters": 10})
 
 
-@pytest.fixture(scope="module")
-def kl_of(tiny_dir):
-    """KL divergence of a checkpoint's next-token distributions from the float model's."""
-    from qtk.evals.perplexity import eval_windows
-    from qtk.loading import load_model
-
-    base, tok = load_model(str(tiny_dir), dtype=torch.float32)
-    windows = eval_windows(tok, "builtin", 64, 8)
-    with torch.no_grad():
-        p = base(windows).logits.log_softmax(-1)
-
-    def kl(path) -> float:
-        model, _ = load_model(str(path), dtype=torch.float32)
-        with torch.no_grad():
-            q = model(windows).logits.log_softmax(-1)
-        return (p.exp() * (p - q)).sum(-1).mean().item()
-
-    return kl
-
-
 CALIBRATION = {"num_samples": 16, "seq_len": 64, "batch_size": 4}
 
 

@@ -223,7 +223,8 @@ def test_recipe_values_of_the_wrong_type(tiny_dir, tmp_path, recipe, message):
                                                                   "recipe (method rtn, rtn weights) takes no"),
     (("--method", "fp8", "--seq-len", "64", "--batch-size", "2", "--seed", "3"),
      "--batch-size, --seed, --seq-len: calibration option(s), but this recipe (method fp8, rtn weights) takes no "
-     "calibration data; only gptq weights, awq, smoothquant, static activation scales, --kv-cache scales and --max-bits calibrate"),
+     "calibration data; only gptq weights, awq, smoothquant, static activation scales, --kv-cache scales, "
+     "--max-bits and --distill-samples calibrate"),
 ])
 def test_quantize_options_that_cannot_work(tiny_dir, tmp_path, args, message):
     assert message in error_line(run("quantize", tiny_dir, *args, "-o", tmp_path / "out"))

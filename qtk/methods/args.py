@@ -81,3 +81,18 @@ class AutoRoundArgs:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
                 raise InputError(f"autoround.{name} must be a positive number (or left out), got {value!r}")
+
+
+@dataclass(frozen=True)
+class DistillArgs:
+    """The recipe's `distill:` section: the scales trained end to end against the float model after
+    the block-wise methods (qtk/distill.py). samples 0: not run."""
+    samples: int = 0  # calibration samples, one optimizer step each (one pass)
+    lr: float = 1e-3  # Adam's step on each scale's log ratio to its block-wise value, cosine-decayed to 0
+
+    def __post_init__(self):
+        check_types(self, "distill")
+        if self.samples < 0:
+            raise InputError(f"distill.samples must be >= 0 (0: no distillation), got {self.samples}")
+        if not self.lr > 0:
+            raise InputError(f"distill.lr must be positive, got {self.lr}")
