@@ -198,6 +198,7 @@ def test_default_recipe_is_the_best_4bit_recipe_file():
     assert rec.build(scheme="w8a16").max_bits is None  # its budget is for its own 4-bit scheme
     assert rec.build(max_bits=0).max_bits is None  # --max-bits 0: int4 everywhere
     assert default.rotate == ("down",) and rec.build(rotate=("none",)).rotate == ()  # R4 online; --rotate none
+    assert default.distill.samples == 64  # the scales distilled after the blocks
 
 
 def test_yaml_flags_override_file(tmp_path):
