@@ -1,10 +1,13 @@
 """The quality table of docs/quality.md: quantize the bundled model with each scheme qtk writes, gate every
 checkpoint against the unquantized model with the default gates, and tabulate perplexity, needle
-accuracy, JSON parse and schema-valid rates (unaided), size on disk and the verdict.
+accuracy, JSON parse and schema-valid rates (unaided), KL divergence from the baseline, size on disk,
+the soft score and the verdict.
 
-    python benchmarks/quality_table.py [--num-samples 64] [--gates default] [--docs] [--render]
+    python benchmarks/quality_table.py [--gates default] [--docs] [--render] [--only NAME,...]
 
-Checkpoints go to build/quality/NAME (kept, and reused on a rerun unless --requantize); each
+Each scheme is quantized as a user runs it (its recipe's calibration samples; --num-samples N for
+all). Checkpoints go to build/quality/NAME (kept, and reused on a rerun of the same command unless
+--requantize); each
 candidate's gate report (Markdown, JSON, heatmaps) to benchmarks/results/quality/NAME; the table
 to benchmarks/results/quality.md and .json, and with --docs into docs/quality.md between the
 quality-table markers. Everything runs through qtk's runtime in float32, one model at a time.
@@ -26,7 +29,8 @@ BASE = "smollm2-135m"
 # (name, label, quantize arguments or None for the baseline's weights, KV cache the runtime serves)
 ROWS = [
     ("baseline", "baseline (bf16 weights, float32 compute)", None, "auto"),
-    ("default-w4a16", "default recipe: AWQ + GPTQ w4a16 asym g64, sensitive layers w8a16 (4.75 bits)", [], "auto"),
+    ("default-w4a16", "default recipe (no flags): down_proj input rotated, AWQ + GPTQ w4a16 asym g64, the most "
+     "sensitive layers w8a16 (5.1 bits), scales distilled", [], "auto"),
     ("default-int4", "default recipe, int4 everywhere (--max-bits 0)", ["--max-bits", "0"], "auto"),
     ("gptq-w4a16", "GPTQ w4a16 sym g64", ["--recipe", RECIPES / "gptq-w4a16.yaml"], "auto"),
     ("awq-w4a16", "AWQ w4a16 asym g64", ["--recipe", RECIPES / "awq-w4a16.yaml"], "auto"),
@@ -41,25 +45,29 @@ def size_on_disk(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*.safetensors"))
 
 
-def quantize(name: str, args: list, num_samples: int, requantize: bool) -> Path:
+def quantize(name: str, args: list, num_samples: int | None, requantize: bool) -> Path:
+    """build/quality/NAME, quantized by `qtk quantize` as a user runs it (the recipe's own number of
+    calibration samples unless num_samples is given); a checkpoint the same command wrote is reused
+    (the command is kept beside it, in NAME.cmd), anything else is quantized again."""
     out = ROOT / "build" / "quality" / name
+    cmd = ["qtk", "quantize", BASE, "--output", str(out), "--force",
+           *(["--num-samples", str(num_samples)] if num_samples else []), *map(str, args)]
+    made_by = out.with_name(name + ".cmd")
     if (out / "config.json").is_file() and not requantize:
-        report = out / "qtk_report.json"
-        made_with = json.loads(report.read_text()).get("calibration_samples") if report.is_file() else None
-        if made_with in (0, num_samples):  # 0: a recipe without calibration data
+        if made_by.is_file() and made_by.read_text() == " ".join(cmd):
             print(f"[{name}] reusing {out}", flush=True)
             return out
-        print(f"[{name}] {out} was calibrated on {made_with} samples, not {num_samples}: quantizing again", flush=True)
-    cmd = ["qtk", "quantize", BASE, "--output", str(out), "--force", "--num-samples", str(num_samples),
-           *map(str, args)]
+        print(f"[{name}] {out} was not written by this command: quantizing again", flush=True)
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
+    made_by.write_text(" ".join(cmd))
     return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-samples", type=int, default=64, help="calibration samples for every scheme")
+    ap.add_argument("--num-samples", type=int, default=None,
+                    help="calibration samples for every scheme (default: each recipe's own, as a user runs it)")
     ap.add_argument("--gates", default="default", help="gates file (default: qtk's default gates)")
     ap.add_argument("--only", default=None, help="comma-separated row names to run (others are read back)")
     ap.add_argument("--requantize", action="store_true", help="quantize again even where a checkpoint exists")
@@ -127,6 +135,7 @@ def row(name: str, label: str, kv: str, model: str, metrics: dict, passed: bool,
             "json_constrained_valid": metrics["constrained_valid_rate"],
             "json_constrained_truncated": metrics["constrained_truncated_rate"],
             "mc_acc": metrics["qtk_mc/acc"], "bpb": metrics["qtk_paragraphs/bits_per_byte"],
+            "kld": 0.0 if name == "baseline" else metrics.get("kld"),
             "soft_score_pct": soft, "passed": passed, "failed": failed, "report": report, "seconds": seconds}
 
 
@@ -152,7 +161,7 @@ def rows_from_reports(args) -> dict:
     return {"gates": gates_path, "num_samples": args.num_samples, "rows": rows}
 
 
-def write_tables(rows: list[dict], gates_path, num_samples: int, docs: bool) -> None:
+def write_tables(rows: list[dict], gates_path, num_samples: int | None, docs: bool) -> None:
     table = render(rows, gates_path, num_samples)
     (ROOT / "benchmarks" / "results" / "quality.md").write_text(
         "# Quality of each scheme on the bundled model\n\nWritten by `python benchmarks/quality_table.py`.\n\n"
@@ -168,23 +177,28 @@ def write_tables(rows: list[dict], gates_path, num_samples: int, docs: bool) -> 
                           + "\n" + MARK_END + rest.split(MARK_END, 1)[1])
 
 
-def render(rows: list[dict], gates_path, num_samples: int) -> str:
-    lines = ["| scheme | KV cache | perplexity | needle | JSON parse | JSON valid | JSON valid, constrained | "
-             "size on disk | default gates |", "|---|---|---|---|---|---|---|---|---|"]
+def render(rows: list[dict], gates_path, num_samples: int | None) -> str:
+    lines = ["| scheme | KV cache | perplexity | KL (nats) | needle | JSON parse | JSON valid | JSON valid, constrained | "
+             "size on disk | soft score | default gates |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         verdict = "baseline" if r["report"] is None else (
             f"[{'PASS' if r['passed'] else 'FAIL'}]({Path(r['report']).relative_to('benchmarks/results')}/report.md)"
             + ("" if r["passed"] else f": {', '.join(r['failed'])}"))
         kv = {"auto": "float32", "fp8": "FP8 e4m3", "int8": "INT8"}[r["kv_cache_dtype"]]
-        lines.append(f"| {r['label']} | {kv} | {r['ppl']:.2f} | {r['needle']:.0%} | {r['json_parse']:.0%} | "
-                     f"{r['json_valid']:.0%} | {r['json_constrained_valid']:.0%} | {r['size_bytes'] / 1e6:.0f} MB | {verdict} |")
+        kld = "-" if r.get("kld") is None else f"{r['kld']:.3f}"
+        soft = "" if r["report"] is None or r.get("soft_score_pct") is None else f"{r['soft_score_pct']:.1f}%"
+        lines.append(f"| {r['label']} | {kv} | {r['ppl']:.2f} | {kld} | {r['needle']:.0%} | {r['json_parse']:.0%} | "
+                     f"{r['json_valid']:.0%} | {r['json_constrained_valid']:.0%} | {r['size_bytes'] / 1e6:.1f} MB | "
+                     f"{soft} | {verdict} |")
     return "\n".join(lines + [
         "",
-        f"Perplexity: 8 windows of 1024 tokens of the built-in text; needle: lengths 256/1024/2048 x depths "
+        f"Perplexity: 8 windows of 1024 tokens of the built-in text; KL: mean over 8 windows of 512 tokens; needle: lengths 256/1024/2048 x depths "
         f"0-100%; JSON: 30 prompts of qtk's set, greedy, 256 tokens at most, unaided and with structured outputs "
         f"(constrained: an answer cut off by max_tokens counts as invalid); gates: "
         f"`{Path(gates_path).relative_to(ROOT) if Path(gates_path).is_relative_to(ROOT) else gates_path}`. "
-        f"{num_samples} calibration samples of 512 tokens for every scheme; size: the safetensors files."])
+        + (f"{num_samples} calibration samples of 512 tokens for every scheme" if num_samples else
+           "each recipe's own calibration samples of 512 tokens (128; the FP8 recipe 64), as `qtk quantize` runs it")
+        + "; size: the safetensors files."])
 
 
 if __name__ == "__main__":
