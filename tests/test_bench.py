@@ -305,22 +305,22 @@ def test_compare_llmcompressor_records_the_cpu_it_ran_on(monkeypatch, tmp_path):
     assert "| +25.0% ± 0.0 | +25.0% ± 0.0 |" in md and "(builtin+self, seed 0)" in md  # held-out vs 10.0
 
 
-def test_quality_table_reuses_a_checkpoint_only_if_calibrated_as_the_table_says(monkeypatch, tmp_path):
-    """The table states one calibration sample count for every scheme: a kept checkpoint made with
-    another count is quantized again, not reused under the new label."""
+def test_quality_table_reuses_a_checkpoint_only_if_the_same_command_wrote_it(monkeypatch, tmp_path):
+    """Each row is quantized as a user runs it (the recipe's own samples unless --num-samples): a kept
+    checkpoint is reused only when the same command wrote it, not under a label it does not match."""
     qt = load_script("quality_table")
     runs = []
     monkeypatch.setattr(qt, "ROOT", tmp_path)
     monkeypatch.setattr(qt, "subprocess", types.SimpleNamespace(run=lambda cmd, check: runs.append(cmd)))
     out = tmp_path / "build" / "quality" / "gptq"
     out.mkdir(parents=True)
-    (out / "config.json").write_text("{}")
-    (out / "qtk_report.json").write_text(json.dumps({"calibration_samples": 32}))
-    assert qt.quantize("gptq", [], 32, False) == out and runs == []
-    assert qt.quantize("gptq", [], 64, False) == out and "--num-samples" in runs[0] and "64" in runs[0]
-    (out / "qtk_report.json").write_text(json.dumps({"calibration_samples": 0}))  # a recipe without data
-    runs.clear()
-    assert qt.quantize("gptq", [], 64, False) == out and runs == []
+    (out / "config.json").write_text("{}")  # a checkpoint nobody recorded the command of
+    assert qt.quantize("gptq", ["--method", "gptq"], None, False) == out and len(runs) == 1
+    assert "--num-samples" not in runs[0]  # the recipe's own count, as `qtk quantize` runs it
+    assert qt.quantize("gptq", ["--method", "gptq"], None, False) == out and len(runs) == 1  # reused
+    assert qt.quantize("gptq", ["--method", "gptq"], 64, False) == out and len(runs) == 2  # another command
+    assert runs[1][runs[1].index("--num-samples") + 1] == "64"
+    assert qt.quantize("gptq", ["--method", "gptq"], 64, True) == out and len(runs) == 3  # --requantize
 
 
 def test_cpu_core_peak_compiles_runs_and_records_every_figure(tmp_path, capsys, monkeypatch):
