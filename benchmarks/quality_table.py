@@ -9,8 +9,8 @@ Each scheme is quantized as a user runs it (its recipe's calibration samples; --
 all). Checkpoints go to build/quality/NAME (kept, and reused on a rerun of the same command unless
 --requantize); each
 candidate's gate report (Markdown, JSON, heatmaps) to benchmarks/results/quality/NAME; the table
-to benchmarks/results/quality.md and .json, and with --docs into docs/quality.md between the
-quality-table markers. Everything runs through qtk's runtime in float32, one model at a time.
+to benchmarks/results/quality.md and .json, and with --docs into the README and docs/quality.md
+between the quality-table markers. Everything runs through qtk's runtime in float32, one model at a time.
 """
 from __future__ import annotations
 
@@ -167,14 +167,15 @@ def write_tables(rows: list[dict], gates_path, num_samples: int | None, docs: bo
         "# Quality of each scheme on the bundled model\n\nWritten by `python benchmarks/quality_table.py`.\n\n"
         + table + "\n")
     print(table)
-    if docs:
-        doc = ROOT / "docs" / "quality.md"
-        text = doc.read_text()
-        if MARK_BEGIN not in text or MARK_END not in text:
-            sys.exit(f"docs/quality.md has no {MARK_BEGIN} ... {MARK_END} block to replace")
-        head, rest = text.split(MARK_BEGIN, 1)
-        doc.write_text(head + MARK_BEGIN + "\n" + table.replace("](quality/", "](../benchmarks/results/quality/")
-                          + "\n" + MARK_END + rest.split(MARK_END, 1)[1])
+    if docs:  # the README's quality table and docs/quality.md's, each with links relative to itself
+        for doc, reports in ((ROOT / "README.md", "benchmarks/results/quality/"),
+                             (ROOT / "docs" / "quality.md", "../benchmarks/results/quality/")):
+            text = doc.read_text()
+            if MARK_BEGIN not in text or MARK_END not in text:
+                sys.exit(f"{doc.relative_to(ROOT)} has no {MARK_BEGIN} ... {MARK_END} block to replace")
+            head, rest = text.split(MARK_BEGIN, 1)
+            doc.write_text(head + MARK_BEGIN + "\n" + table.replace("](quality/", f"]({reports}")
+                           + "\n" + MARK_END + rest.split(MARK_END, 1)[1])
 
 
 def render(rows: list[dict], gates_path, num_samples: int | None) -> str:
@@ -197,7 +198,7 @@ def render(rows: list[dict], gates_path, num_samples: int | None) -> str:
         f"(constrained: an answer cut off by max_tokens counts as invalid); gates: "
         f"`{Path(gates_path).relative_to(ROOT) if Path(gates_path).is_relative_to(ROOT) else gates_path}`. "
         + (f"{num_samples} calibration samples of 512 tokens for every scheme" if num_samples else
-           "each recipe's own calibration samples of 512 tokens (128; the FP8 recipe 64), as `qtk quantize` runs it")
+           "Each recipe's own calibration samples of 512 tokens (128; the FP8 recipe 64), as `qtk quantize` runs it")
         + "; size: the safetensors files."])
 
 
