@@ -4,7 +4,8 @@ An online rotation of a Linear's input (QuaRot's and SpinQuant's R4 on the down 
 y = W x with x' = H x and W' = W H^T, where H is block-diagonal: the normalized Sylvester matrix of
 size `block` (a power of two dividing in_features) repeated along the input. The Sylvester matrix is
 symmetric, so x' = x H per row and W' = W H. The weights are rotated once, offline; x is rotated at
-every forward by the transform below, log2(block) passes of sums and differences, not a matmul.
+every forward by the transform below, H's Kronecker factors applied in turn, not a dense matmul (qtk's
+runtime calls its own C++ butterfly, csrc/cpu_layers.cpp, where it is built).
 
 In a checkpoint this is compressed-tensors' transform config (`transform_config`, type "hadamard",
 `head_dim` the block, an "input" rotation and the inverse "weight_input" one already fused into the
@@ -84,19 +85,32 @@ def block_size(n: int, cap: int = MAX_BLOCK) -> int:
 
 def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
     """x [..., n] times the block-diagonal normalized Sylvester matrix of size `block` (x H per block of
-    the last dimension), in float32, returned in x's dtype: the butterfly of sums and differences of
-    elements `h` apart, h = 1, 2, 4, ... (Sylvester's order: H_2m = [[H_m, H_m], [H_m, -H_m]])."""
+    the last dimension), in float32, returned in x's dtype.
+
+    Sylvester's construction makes H a Kronecker product, H_ab = H_a (x) H_b (a, b powers of two), so
+    with each block's row viewed as an a x b matrix X, x H is H_a X H_b: two small matmuls, a + b
+    multiply-adds per element instead of a dense block's `block` (16 and 32 for 512): the fast
+    transform's factorization, run by matmul kernels, which beat log2(block) torch passes of sums and
+    differences several times over on a CPU; and differentiable, as calibration needs."""
     shape, dtype = x.shape, x.dtype
     if shape[-1] % block:
         raise ValueError(f"a Hadamard block of {block} does not divide the input's {shape[-1]} features")
-    y = x.reshape(-1, block).float()
-    h = 1
-    while h < block:
-        y = y.view(-1, block // (2 * h), 2, h)
-        a, b = y[:, :, 0], y[:, :, 1]
-        y = torch.stack((a + b, a - b), dim=2)
-        h *= 2
-    return (y.reshape(shape) * block ** -0.5).to(dtype)
+    a = 1 << ((block.bit_length() - 1) // 2)  # block = a * b, a <= b
+    h_a, h_b = _sylvester32(a, x.device), _sylvester32(block // a, x.device)
+    y = x.reshape(-1, a, block // a).float()
+    y = torch.matmul(h_a, torch.matmul(y, h_b))  # H_a is symmetric: H_a^T X H_b
+    return y.reshape(shape).to(dtype)
+
+
+_FACTORS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _sylvester32(n: int, device: torch.device) -> torch.Tensor:
+    """sylvester(n) in float32 on `device`, built once per size and device."""
+    key = (n, str(device))
+    if key not in _FACTORS:
+        _FACTORS[key] = sylvester(n).float().to(device)
+    return _FACTORS[key]
 
 
 def _rotate_input(module: nn.Module, args: tuple) -> tuple:
