@@ -7,8 +7,8 @@ the soft score and the verdict.
 
 Each scheme is quantized as a user runs it (its recipe's calibration samples; --num-samples N for
 all). Checkpoints go to build/quality/NAME (kept, and reused on a rerun of the same command unless
---requantize); each
-candidate's gate report (Markdown, JSON, heatmaps) to benchmarks/results/quality/NAME; the table
+--requantize); each candidate's gate report (Markdown, JSON, heatmaps) to
+benchmarks/results/quality/NAME; the table
 to benchmarks/results/quality.md and .json, and with --docs into the README and docs/quality.md
 between the quality-table markers. Everything runs through qtk's runtime in float32, one model at a time.
 """
@@ -52,15 +52,15 @@ def quantize(name: str, args: list, num_samples: int | None, requantize: bool) -
     out = ROOT / "build" / "quality" / name
     cmd = ["qtk", "quantize", BASE, "--output", str(out), "--force",
            *(["--num-samples", str(num_samples)] if num_samples else []), *map(str, args)]
-    made_by = out.with_name(name + ".cmd")
+    line, made_by = " ".join(cmd), out.with_name(name + ".cmd")
     if (out / "config.json").is_file() and not requantize:
-        if made_by.is_file() and made_by.read_text() == " ".join(cmd):
+        if made_by.is_file() and made_by.read_text() == line:
             print(f"[{name}] reusing {out}", flush=True)
             return out
         print(f"[{name}] {out} was not written by this command: quantizing again", flush=True)
-    print("$", " ".join(cmd), flush=True)
+    print("$", line, flush=True)
     subprocess.run(cmd, check=True)
-    made_by.write_text(" ".join(cmd))
+    made_by.write_text(line)
     return out
 
 

@@ -13,6 +13,8 @@ weights), as llm-compressor's SpinQuant R4 writes it; checkpoint.py reads and wr
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -102,15 +104,10 @@ def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
     return y.reshape(shape).to(dtype)
 
 
-_FACTORS: dict[tuple[int, str], torch.Tensor] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _sylvester32(n: int, device: torch.device) -> torch.Tensor:
     """sylvester(n) in float32 on `device`, built once per size and device."""
-    key = (n, str(device))
-    if key not in _FACTORS:
-        _FACTORS[key] = sylvester(n).float().to(device)
-    return _FACTORS[key]
+    return sylvester(n).float().to(device)
 
 
 def _rotate_input(module: nn.Module, args: tuple) -> tuple:
