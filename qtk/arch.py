@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -145,12 +146,15 @@ def _structure(layer: nn.Module) -> tuple:
                  for n, m in layer.named_modules())
 
 
-def discover(model: nn.Module, smoothing: bool = True) -> Arch:
+def discover(model: nn.Module, smoothing: bool = True, stream=None) -> Arch:
     """The Arch of a model with real weights (a traced forward of a few tokens on its device);
-    smoothing=False leaves the pairs empty (no probing: e.g. a model already quantized)."""
+    smoothing=False leaves the pairs empty (no probing: e.g. a model already quantized). `stream`: a
+    streaming.StreamedModel whose blocks are read from their files as the trace and the probes need
+    them (its during_forward() and loaded(i))."""
     path = decoder_layers(model)
     layers = model.get_submodule(path)
-    t = _trace(model, path)
+    with stream.during_forward() if stream is not None else contextlib.nullcontext():
+        t = _trace(model, path)
     model_type = model.config.model_type
     linears = []
     for i, layer in enumerate(layers):
@@ -166,7 +170,8 @@ def discover(model: nn.Module, smoothing: bool = True) -> Arch:
         if not smoothing:
             pairs_of[key] = ()
         elif key not in pairs_of:
-            pairs_of[key] = layer_pairs(model_type, LayerProbe(layer, t.calls[i], linears[i]), t.attention[i])
+            with stream.loaded(i) if stream is not None else contextlib.nullcontext():
+                pairs_of[key] = layer_pairs(model_type, LayerProbe(layer, t.calls[i], linears[i]), t.attention[i])
         smooth.append(pairs_of[key])
     return Arch(model_type, path, tuple(linears), tuple(t.attention), tuple(smooth), _outermost(t.before),
                 tuple(_shared_input(calls) for calls in t.inputs))

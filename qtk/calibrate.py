@@ -233,9 +233,14 @@ def override_schemes(targets: dict[str, nn.Linear], recipe: Recipe) -> dict[str,
 
 
 def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | None = None,
-                   progress: bool = True) -> dict:
-    """Quantize `model` in place, block by block; returns a report (per-layer errors, timings)."""
-    arch = discover(model)
+                   progress: bool = True, stream=None) -> dict:
+    """Quantize `model` in place, block by block; returns a report (per-layer errors, timings).
+
+    `stream`: a streaming.StreamedModel of `model` (its blocks on meta until read): each block is read
+    from the files when its turn comes and handed to stream.finish(i, carry) once quantized (which
+    writes and frees it; carry: what the next block needs), so one block is in memory at a time; with
+    stream.resumed (an interrupted run's last carry) the blocks before its "next" are skipped."""
+    arch = discover(model, stream=stream)
     check_pairs(model, arch, recipe.smoothing)
     if recipe.kv_cache is not None and None in arch.attention:
         raise InputError(f"model_type {arch.model_type!r}: block {arch.attention.index(None)} calls no attention "
@@ -254,14 +259,23 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
     layers = model.get_submodule(arch.layers)
     report = {"layers": {}, "blocks": len(layers)}
     with chunked_attention(model):
-        inputs = capture_inputs(model, arch, calib_ids, device, recipe.calibration.batch_size) if recipe.needs_data else None
-        # the float model's own activations, beside the quantized model's, for a method that targets them
-        floats = inputs if inputs is not None and METHODS[recipe.weights].float_chain else None
-        bar = tqdm(range(len(layers)), desc=f"qtk {recipe.method}", unit="block", disable=not progress)
+        resumed = stream.resumed if stream is not None else None
+        if resumed is not None:  # an interrupted run's blocks before `next` are written: on from its carry
+            start, inputs, floats = resumed["next"], resumed["inputs"], resumed["floats"]
+            report["layers"].update(resumed["layers"])
+        else:
+            start = 0
+            inputs = capture_inputs(model, arch, calib_ids, device, recipe.calibration.batch_size) if recipe.needs_data else None
+            # the float model's own activations, beside the quantized model's, for a method that targets them
+            floats = inputs if inputs is not None and METHODS[recipe.weights].float_chain else None
+        bar = tqdm(range(start, len(layers)), initial=start, total=len(layers), desc=f"qtk {recipe.method}",
+                   unit="block", disable=not progress)
         for i in bar:
             prefix = f"{arch.layers}.{i}"
             rel = tuple(n[len(prefix) + 1:] for n in targets if n.startswith(prefix + "."))
             own = None if inputs is None else inputs.for_block(i)  # with the mask of its attention kind
+            if stream is not None:
+                stream.load(i)
             block = Block(i, prefix, onload(layers[i], device), arch, own, device, rel,
                           overrides={n[len(prefix) + 1:]: s for n, s in overrides.items() if n.startswith(prefix + ".")})
             if floats is not None:  # the float block on the float activations: the target, and the next block's
@@ -272,6 +286,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
             layers[i] = offload(block.layer)
             for name, err in block.errors.items():
                 report["layers"][f"{prefix}.{name}"] = err
+            if stream is not None:  # what the next block needs: a resumed run goes on from it
+                stream.finish(i, {"next": i + 1, "inputs": inputs, "floats": floats, "layers": report["layers"]})
             if block.errors:
                 bar.set_postfix(err=f"{max(block.errors.values()):.3g}", worst=max(block.errors, key=block.errors.get))
             log.debug("block %d errors %s", i, block.errors)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 CT_VERSION = "0.20.0"
 MAX_SHARD_BYTES = 5 * 2**30
+STREAMED_SHARD_BYTES = 2**30  # a streamed run's shards: the most it reads back at once to write one
 
 
 # --- config ------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, groups: lis
     if out.exists() and not force:
         raise OutputExistsError(f"{out} exists; pass --force to replace it")
     with write_dir(out) as tmp:
-        _write(model, tokenizer, tmp, groups, ignore, kv, dtype, extra_files or {})
+        write_checkpoint(model, tokenizer, tmp, groups, ignore, kv, dtype, extra_files or {})
     return out
 
 
@@ -181,17 +182,23 @@ def tied_keys(model: nn.Module) -> set[str]:
     return set(model.get_expanded_tied_weights_keys(all_submodels=True))
 
 
-def _write(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files):
+def write_checkpoint(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files,
+                     blocks: dict[str, Path] | None = None):
+    """The checkpoint's files into d, a folder the caller made (save_quantized: atomically). `blocks`:
+    block name -> the file write_block wrote it to (a streamed run's), whose tensors are on meta in
+    `model`; every other tensor must be real."""
+    blocks = blocks or {}
     transforms, state = transform_config(model)
     tied = tied_keys(model)
     for k, v in model.state_dict().items():
         if k in tied:
             continue
-        v = v.detach().to("cpu")
-        if v.is_floating_point() and v.dtype != torch.float8_e4m3fn:
-            v = v.to(dtype)
-        state[k] = v.contiguous()
-    _save_shards(moe.hub_state(model, state), d)  # experts under the hub's names
+        if v.is_meta:
+            if not any(k.startswith(b + ".") for b in blocks):
+                raise CheckpointError(f"{k} has no weights (on meta) and no block file holds it")
+            continue
+        state[k] = _stored(v, dtype)
+    _save_shards(moe.hub_state(model, state), d, list(blocks.values()))  # experts under the hub's names
     cfg = model.config.to_dict()
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     cfg.pop("torch_dtype", None)
@@ -208,6 +215,22 @@ def _write(model, tokenizer, d: Path, groups, ignore, kv, dtype, extra_files):
         (d / name).write_text(text)
 
 
+def _stored(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor as the checkpoint stores it: on CPU, floats (FP8 aside) in the checkpoint's dtype."""
+    v = v.detach().to("cpu")
+    if v.is_floating_point() and v.dtype != torch.float8_e4m3fn:
+        v = v.to(dtype)
+    return v.contiguous()
+
+
+def write_block(model: nn.Module, name: str, path: Path, dtype: torch.dtype) -> None:
+    """Block `name`'s tensors (QuantLinear layers inside, its experts under the hub's names) into one
+    safetensors file at `path`: what a streamed run writes as each block is quantized."""
+    block = model.get_submodule(name)
+    state = {f"{name}.{k}": _stored(v, dtype) for k, v in block.state_dict().items()}
+    _save_file(moe.hub_state(model, state), path)
+
+
 def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors' save_file, with the permissions of any other file written here: it creates its
     file private (0600), which a server running as another user could not read."""
@@ -217,22 +240,38 @@ def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.chmod(path, 0o666 & ~mask)
 
 
-def _save_shards(state: dict[str, torch.Tensor], d: Path):
-    shards, cur, size = [], {}, 0
-    for k, v in state.items():
-        nbytes = v.numel() * v.element_size()
-        if cur and size + nbytes > MAX_SHARD_BYTES:
+def _save_shards(state: dict[str, torch.Tensor], d: Path, written: list[Path] | None = None):
+    """`state`, and the tensors of the safetensors files already `written` (a streamed run's blocks,
+    read back one shard at a time), into d: one file is model.safetensors, more are shards of at most
+    MAX_SHARD_BYTES (STREAMED_SHARD_BYTES with written files, what a streamed run holds in memory to
+    write one; a block's file is never split) and an index."""
+    from safetensors.torch import load_file
+
+    units = [(sum(n for _, _, n in read_tensor_meta(d, [f]).values()), f) for f in written or []]
+    units += [(v.numel() * v.element_size(), {k: v}) for k, v in state.items()]
+    cap = STREAMED_SHARD_BYTES if written else MAX_SHARD_BYTES
+    shards, cur, size = [], [], 0
+    for nbytes, unit in units:
+        if cur and size + nbytes > cap:
             shards.append(cur)
-            cur, size = {}, 0
-        cur[k] = v
+            cur, size = [], 0
+        cur.append(unit)
         size += nbytes
     shards.append(cur)
+
+    def tensors(shard) -> dict[str, torch.Tensor]:
+        out = {}
+        for unit in shard:
+            out.update(load_file(str(unit)) if isinstance(unit, Path) else unit)
+        return out
+
     if len(shards) == 1:
-        _save_file(shards[0], d / "model.safetensors")
+        _save_file(tensors(shards[0]), d / "model.safetensors")
         return
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        shard = tensors(shard)
         _save_file(shard, d / name)
         for k, v in shard.items():
             weight_map[k] = name

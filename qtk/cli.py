@@ -96,7 +96,11 @@ def _section(**kw):
               help="Weight group size for w4a16/w8a16 (default 128; -1 = per channel). Must divide every "
                    "quantized layer's input size; qtk refuses otherwise and suggests one that does.")
 @click.option("--output", "-o", required=True, type=click.Path(), help="Checkpoint directory to write.")
-@click.option("--force", is_flag=True, help="Replace --output if it exists.")
+@click.option("--force", is_flag=True, help="Replace --output if it exists (and start over where a run into it "
+              "was interrupted).")
+@click.option("--resume", is_flag=True, help="Continue the run into --output that was interrupted (killed, out of "
+              "memory, Ctrl-C) after the last block it finished; the same model and recipe, the same checkpoint as "
+              "an uninterrupted run. For recipes streamed block by block (no --rotate, --max-bits or distillation).")
 @click.option("--recipe", "recipe_file", type=click.Path(), default=None,
               help="YAML recipe (see calibration/recipes/); flags given here override it.")
 @click.option("--weights", type=LazyChoice(_weight_quantizers), default=None,
@@ -147,7 +151,7 @@ def _section(**kw):
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default=None,
               help="Model dtype while calibrating (auto: bfloat16 on CUDA and CPUs with bf16 units, float32 "
                    "elsewhere): block forwards run in it; Hessians, solves and searches accumulate in float32.")
-def quantize(model, output, force, recipe_file, gates_spec, act_order, dampening, alpha, iters, distill_samples, dataset,
+def quantize(model, output, force, resume, recipe_file, gates_spec, act_order, dampening, alpha, iters, distill_samples, dataset,
              num_samples, seq_len, batch_size, chat_template, seed, calibrate_all_experts, **top):
     """Quantize MODEL and write a compressed-tensors checkpoint to --output."""
     from . import pipeline, recipe as rec
@@ -161,9 +165,11 @@ def quantize(model, output, force, recipe_file, gates_spec, act_order, dampening
                                             calibrate_all_experts=calibrate_all_experts))
     needs = [optional.model_needs(model), optional.dataset_needs(recipe.calibration.dataset, "--dataset")]
     if gates_spec is not None:
+        if resume:
+            raise click.UsageError("--resume continues a streamed quantize; --gates calibrates each mix whole")
         return _quantize_gated(model, recipe, output, force, gates_spec, top["max_bits"], needs)
     optional.require(*needs)
-    report = pipeline.quantize(model, recipe, output, force=force)
+    report = pipeline.quantize(model, recipe, output, force=force, resume=resume)
     method = recipe.method if recipe.smoothing is None or recipe.weights == "rtn" else f"{recipe.method}+{recipe.weights}"
     click.echo(f"wrote {output} ({method}, {len(report['layers'])} layers, "
                f"{report['calibration_tokens']} calibration tokens, {report['seconds']:.1f} s quantize, "

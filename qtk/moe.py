@@ -258,10 +258,13 @@ def model_name(model_type: str, name: str) -> str:
 
 def hub_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict of `model` (LinearExperts inside) as the hub names it; in families whose hub is
-    3-D, a LinearExperts whose projections are all float is written 3-D again."""
+    3-D, a LinearExperts whose projections are all float is written 3-D again (one on meta, a block
+    a streamed run wrote already, is not `state`'s)."""
     mt = model.config.model_type
     if HUB.get(mt, HubLayout()).fused:
         for name, experts in experts_modules(model).items():
+            if any(p.is_meta for p in experts.parameters()):
+                continue
             if all(isinstance(getattr(x, p), nn.Linear) for x in experts for p in _projections(experts)):
                 state = {k: v for k, v in state.items() if not k.startswith(name + ".")}
                 state.update({f"{name}.{k}": v for k, v in fuse(experts).items()})

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from .calibrate import checkpoint_groups, override_schemes, quantize_model, targeted_linears
-from .checkpoint import check_weight_files, save_quantized, target_matches
+from .atomic import write_dir
+from .checkpoint import (check_weight_files, read_tensor_meta, save_quantized, target_matches, weight_files,
+                         write_block, write_checkpoint)
 from .data import calibration_ids
 from .distill import distill_scales
 from .device import DtypeChoice, check_device, choose_dtype
@@ -22,6 +24,7 @@ from .moe import linearize_experts, router_names
 from .recipe import MIXED_WIDER, Override, Recipe, to_yaml
 from .rotation import rotate_down, rotate_residual, rotate_values
 from .self_text import self_generated_ids
+from .staging import Staging
 from .schemes import Scheme, check_group_divides, dividing_group_size
 from .sensitivity import bits_per_weight, choose_units, layer_sensitivity, weight_bits
 
@@ -29,20 +32,30 @@ log = logging.getLogger(__name__)
 
 
 def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = False,
-             dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> dict:
+             dtype: torch.dtype = torch.bfloat16, progress: bool = True, resume: bool = False) -> dict:
     """Quantize MODEL with `recipe` into `output`; nothing is written unless everything succeeds.
 
     Everything that can be checked without the weights is checked first (the output can be written,
     the model is an unquantized supported one, the group size divides, the calibration text is long
     enough), so a mistake costs seconds, not a calibration. `dtype` is the checkpoint's float dtype;
-    the recipe's dtype is the one blocks run in while calibrating."""
+    the recipe's dtype is the one blocks run in while calibrating. `resume`: continue the streamed run
+    into `output` that was interrupted (staging.py), at the block after the last it finished."""
     t0 = time.perf_counter()
-    job = prepare(model_name, recipe, Path(output), force)
-    model = job.load()
-    recipe, mixed = job.recipe, None
-    if recipe.max_bits is not None:
-        recipe, mixed = mix_precision(model, recipe, job.ids, progress)
-    report = write(job, model, recipe, Path(output), force, dtype, progress, mixed)
+    staging = Staging(Path(output))
+    staging.check_start(resume, force)
+    job = prepare(model_name, recipe, Path(output), force, calibrate=not resume)
+    if job.streams:
+        report = write_streamed(job, Path(output), dtype, progress, staging, resume)
+    elif resume:
+        raise InputError(f"--resume continues a run streamed block by block; this recipe runs the whole model at once "
+                         f"for: {'; '.join(job.whole_model_passes) or 'its weights are not in safetensors files'}")
+    else:
+        check_fits_memory(job)
+        model = job.load()
+        recipe, mixed = job.recipe, None
+        if recipe.max_bits is not None:
+            recipe, mixed = mix_precision(model, recipe, job.ids, progress)
+        report = write(job, model, recipe, Path(output), force, dtype, progress, mixed)
     report["total_seconds"] = time.perf_counter() - t0
     return report
 
@@ -57,6 +70,22 @@ class Job:
     compute: DtypeChoice
     tokenizer: object
     ids: torch.Tensor | None
+
+    @property
+    def whole_model_passes(self) -> list[str]:
+        """What in the recipe runs the whole model at once (so the model is loaded whole): nothing, and
+        it is streamed from its files block by block (write_streamed)."""
+        r = self.recipe
+        passes = [f"rotate {'/'.join(r.rotate)} (each rotation is checked on a forward of the whole model)"
+                  if r.rotate else "",
+                  "max_bits (each layer's sensitivity is measured on the whole model)" if r.max_bits is not None else "",
+                  "distill (the scales are trained on the whole model)" if r.distill.samples else ""]
+        return [p for p in passes if p]
+
+    @property
+    def streams(self) -> bool:
+        """Whether the model is read block by block from its safetensors files as it is quantized."""
+        return not self.whole_model_passes and bool(weight_files(self.path))
 
     def load(self) -> nn.Module:
         """The unquantized model, fresh from disk, in the calibration dtype (MoE experts as Linears)."""
@@ -88,8 +117,9 @@ def rotate(model: nn.Module, recipe: Recipe) -> None:
             rotate_down(model, arch)
 
 
-def prepare(model_name: str, recipe: Recipe, output: Path, force: bool) -> Job:
-    """Every check that needs no weights, and the calibration text tokenized."""
+def prepare(model_name: str, recipe: Recipe, output: Path, force: bool, calibrate: bool = True) -> Job:
+    """Every check that needs no weights, and the calibration text tokenized (unless not `calibrate`:
+    a resumed run reads the ids it calibrated on)."""
     check_device(recipe.device)
     check_output(output, force)
     path = resolve(model_name)  # also converts a .gguf once
@@ -107,7 +137,7 @@ def prepare(model_name: str, recipe: Recipe, output: Path, force: bool) -> Job:
         c = replace(c, seq_len=context)
         recipe = replace(recipe, calibration=c)
     tok = load_tokenizer(path)
-    ids = calibration_samples(path, tok, c, recipe.device) if recipe.needs_data else None
+    ids = calibration_samples(path, tok, c, recipe.device) if recipe.needs_data and calibrate else None
     return Job(model_name, path, recipe, compute, tok, ids)
 
 
@@ -140,14 +170,126 @@ def write(job: Job, model: nn.Module, recipe: Recipe, output: Path, force: bool,
         report["mixed_precision"] = mixed
     report.update(extra_report or {})
     groups, ignore = checkpoint_groups(model, recipe)
+    describe(report, job, recipe)
+    save_quantized(model, job.tokenizer, output, groups, ignore, recipe.kv_cache, dtype=dtype, force=force,
+                   extra_files=report_files(recipe, report))
+    return report
+
+
+def write_streamed(job: Job, output: Path, dtype: torch.dtype, progress: bool, staging: Staging | None = None,
+                   resume: bool = False) -> dict:
+    """job.recipe run with the model streamed (streaming.py): the model built on meta, each block read
+    from the files when its turn comes, quantized, written to the staging folder (staging.py) with
+    what the next block needs, and freed, so memory holds the modules outside the blocks and one
+    block. With `resume`, the run interrupted there goes on after its last finished block. The
+    checkpoint becomes `output` only once whole (atomic.write_dir); returns the report."""
+    from .quant_linear import QuantLinear
+    from .streaming import StreamedModel
+
+    recipe = job.recipe
+    staging = staging or Staging(output)
+    run = run_description(job, dtype)
+    stream = StreamedModel.open(job.path, job.compute.dtype)
+    model = stream.model
+    blocks: dict[int, dict] = {}  # finished block -> its quantized layers (QuantLinear.describe)
+    if resume:
+        job.ids = staging.reopen(run)
+        state = staging.load()
+        if state is not None:
+            stream.resumed, blocks = state["carry"], state["blocks"]
+            log.info("resuming at block %d of %d (%s)", len(blocks), len(stream.layers), staging.folder)
+    else:
+        staging.begin(run, job.ids)
+
+    def finished(i: int, carry: dict) -> None:
+        write_block(model, stream.block_name(i), staging.block_file(i), dtype)
+        blocks[i] = {n: m.describe() for n, m in stream.layers[i].named_modules() if isinstance(m, QuantLinear)}
+        staging.save(carry, blocks)
+
+    stream.sink = finished
+    try:
+        report = quantize_model(model, recipe, job.ids, progress=progress, stream=stream)
+    except BaseException:
+        if blocks:
+            log.warning("%d of %d blocks are finished and kept in %s: run the same command with --resume to "
+                        "continue after them", len(blocks), len(stream.layers), staging.folder)
+        else:
+            staging.remove()
+        raise
+    for i, layers in blocks.items():  # the blocks an interrupted run finished: their layers' structure
+        if stream.resumed is not None and i < stream.resumed["next"]:
+            stream.restore(i, layers)
+    report.update(streamed=True, resumed_at=None if stream.resumed is None else stream.resumed["next"])
+    groups, ignore = checkpoint_groups(model, recipe)
+    describe(report, job, recipe)
+    files = {stream.block_name(i): staging.block_file(i) for i in range(len(stream.layers))}
+    with write_dir(output) as folder:
+        write_checkpoint(model, job.tokenizer, folder, groups, ignore, recipe.kv_cache, dtype,
+                         report_files(recipe, report), files)
+    staging.remove()
+    return report
+
+
+def run_description(job: Job, dtype: torch.dtype) -> dict:
+    """What a streamed run is, for a resume to match: the model's folder and files, the recipe, the
+    checkpoint's dtype, qtk's version."""
+    from .version import __version__
+
+    files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in weight_files(job.path)}
+    return {"model": str(job.path.resolve()), "model files": files, "recipe": to_yaml(job.recipe),
+            "dtype": str(dtype).removeprefix("torch."), "compute dtype": job.compute.name, "qtk": __version__}
+
+
+def describe(report: dict, job: Job, recipe: Recipe) -> None:
+    """What the report says of the run besides the calibration's own figures."""
     ids = job.ids
     report.update(model=job.model_name, method=recipe.method, calibration_tokens=0 if ids is None else ids.numel(),
                   calibration_samples=0 if ids is None else len(ids), dtype=job.compute.name,
                   dtype_reason=job.compute.reason)
-    extra = {"recipe.yaml": to_yaml(recipe), "qtk_report.json": json.dumps(report, indent=2) + "\n"}
-    save_quantized(model, job.tokenizer, output, groups, ignore, recipe.kv_cache, dtype=dtype, force=force,
-                   extra_files=extra)
-    return report
+
+
+def report_files(recipe: Recipe, report: dict) -> dict[str, str]:
+    """The files a checkpoint carries besides the model's: its recipe and the quantize report."""
+    return {"recipe.yaml": to_yaml(recipe), "qtk_report.json": json.dumps(report, indent=2) + "\n"}
+
+
+def check_fits_memory(job: Job) -> None:
+    """A recipe that needs the whole model (Job.whole_model_passes) on a model bigger than the memory
+    free now is refused before it loads, naming what to drop to stream it block by block instead."""
+    available = available_memory()
+    need = model_bytes(job.path, job.compute.dtype)
+    if available is None or need is None or need <= available:
+        return
+    passes = job.whole_model_passes
+    if not passes:  # no safetensors files to stream from
+        raise InputError(f"the model takes {need / 2**30:.1f} GiB in {job.compute.name} and {available / 2**30:.1f} "
+                         "GiB of memory is free; it is read whole from pytorch_model*.bin files: save it as "
+                         "safetensors (save_pretrained(..., safe_serialization=True)) to stream it block by block")
+    raise InputError(f"the model takes {need / 2**30:.1f} GiB in {job.compute.name} and {available / 2**30:.1f} GiB "
+                     f"of memory is free; the recipe runs the whole model at once for: {'; '.join(passes)}. "
+                     "Without those (e.g. --method gptq --scheme w4a16) it is streamed block by block")
+
+
+def model_bytes(path: Path, dtype: torch.dtype) -> int | None:
+    """The model's size in memory in `dtype` (its floating tensors), from the safetensors headers."""
+    files = weight_files(path)
+    if not files:
+        return None
+    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+    width = torch.finfo(dtype).bits // 8
+    return sum(nbytes // sizes[kind] * width if kind in sizes else nbytes
+               for kind, _, nbytes in read_tensor_meta(path, files).values())
+
+
+def available_memory() -> int | None:
+    """Bytes of memory free for a new allocation (MemAvailable), None where the system does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 SENSITIVITY_SAMPLES = 2  # calibration samples the per-layer KL is measured on (1,022 positions at 512 tokens)

@@ -57,6 +57,18 @@ class QuantLinear(nn.Module):
             self.register_buffer("input_scale", torch.empty(1, dtype=torch.float32 if w.type == "float" else dtype, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, **kw), requires_grad=False) if bias else None
 
+    def describe(self) -> dict:
+        """What rebuilds this layer's structure (QuantLinear.described): sizes, scheme, dtype, options."""
+        return {"in_features": self.in_features, "out_features": self.out_features, "scheme": self.scheme,
+                "bias": self.bias is not None, "dtype": str(self.weight_scale.dtype).removeprefix("torch."),
+                "g_idx": hasattr(self, "weight_g_idx")}
+
+    @classmethod
+    def described(cls, d: dict, device=None) -> QuantLinear:
+        """An empty layer of describe()'s structure (on `device`; meta: tensors written elsewhere)."""
+        return cls(d["in_features"], d["out_features"], d["scheme"], d["bias"],
+                   dtype=getattr(torch, d["dtype"]), device=device, g_idx=d["g_idx"])
+
     @classmethod
     @torch.no_grad()  # bias / scales may come from tensors that require grad: keep them leaves
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, scheme: Scheme,

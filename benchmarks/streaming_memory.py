@@ -1,0 +1,146 @@
+"""Peak memory and time of `qtk quantize` streaming a model block by block, against the same recipe with the
+model loaded whole and against llm-compressor, on random-weight models of a large model's shapes.
+
+    python benchmarks/streaming_memory.py [--shape llama3-8b] [--layers 4,8,16,32] [--methods rtn,gptq]
+                                          [--whole 4,8] [--peer 4,8] [--num-samples 16] [--name NAME]
+
+Each run is its own process; its peak resident memory is the kernel's account of it (os.wait4's ru_maxrss:
+anonymous and file-backed pages, so the safetensors pages a read maps count too). The models are written by
+benchmarks/shaped_model.py one block at a time into --work (reused when there). `--whole`: the layer counts also
+run with the model loaded whole (transformers' from_pretrained, as qtk did before streaming); `--peer`: those
+llm-compressor runs (scripts/peer_env.sh; from_pretrained then oneshot). Calibration (gptq): --num-samples x 512
+tokens of the built-in text, the same ids for every run. Writes benchmarks/results/NAME.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import shaped_model  # noqa: E402
+
+from qtk.bench import git_commit  # noqa: E402
+from qtk.device import cpu_name  # noqa: E402
+
+QTK = """
+import sys, json, torch
+from qtk import pipeline
+from qtk.recipe import build
+method, model, out, samples, whole = sys.argv[1:6]
+recipe = build(method=method, group_size=128, calibration={"num_samples": int(samples), "seq_len": 512})
+if whole == "whole":  # the model loaded whole by transformers, as before streaming
+    job = pipeline.prepare(model, recipe, __import__("pathlib").Path(out), True)
+    report = pipeline.write(job, job.load(), job.recipe, __import__("pathlib").Path(out), True, torch.bfloat16, False)
+else:
+    report = pipeline.quantize(model, recipe, out, force=True, progress=False)
+    assert report["streamed"]
+print(json.dumps({"seconds": report["seconds"], "blocks": report["blocks"]}))
+"""
+
+
+def run(cmd: list[str], env: dict | None = None) -> tuple[dict, float, float]:
+    """(the JSON its last stdout line prints, peak RSS in GiB, wall seconds) of one process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    out, err = proc.stdout.read(), proc.stderr.read()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{err[-3000:]}")
+    last = [line for line in out.splitlines() if line.startswith("{")][-1]
+    return json.loads(last), usage.ru_maxrss / 2**20, wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(shaped_model.SHAPES), default="llama3-8b")
+    ap.add_argument("--layers", default="4,8,16,32")
+    ap.add_argument("--methods", default="rtn,gptq")
+    ap.add_argument("--gptq-layers", default="4", help="the layer counts gptq runs at (it takes minutes a block)")
+    ap.add_argument("--whole", default="", help="layer counts also run with the model loaded whole")
+    ap.add_argument("--peer", default="", help="layer counts also run by llm-compressor")
+    ap.add_argument("--num-samples", type=int, default=16)
+    ap.add_argument("--work", default="build/shaped")
+    ap.add_argument("--keep", action="store_true", help="keep the models written (else each is removed after)")
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    counts = [int(n) for n in args.layers.split(",")]
+    whole = {int(n) for n in args.whole.split(",") if n}
+    peer = {int(n) for n in args.peer.split(",") if n}
+    gptq_at = {int(n) for n in args.gptq_layers.split(",") if n}
+    name = args.name or f"streaming-memory-{args.shape}"
+    record = {"shape": args.shape, "cpu": cpu_name(), "commit": git_commit(), "date": time.strftime("%Y-%m-%d"),
+              "num_samples": args.num_samples, "seq_len": 512, "memory_gib": os.sysconf("SC_PAGE_SIZE")
+              * os.sysconf("SC_PHYS_PAGES") / 2**30, "rows": []}
+    ids_file = Path(args.work) / "calib_ids.pt"
+    for layers in counts:
+        model = Path(args.work) / f"{args.shape}-{layers}"
+        if not (model / "config.json").is_file():
+            t0 = time.perf_counter()
+            shaped_model.write(model, args.shape, layers)
+            print(f"wrote {model} in {time.perf_counter() - t0:.0f} s", flush=True)
+        size = json.loads((model / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+        for method in args.methods.split(","):
+            if method == "gptq" and layers not in gptq_at:
+                continue
+            engines = ["qtk streamed"] + ["qtk whole"] * (layers in whole) + ["llm-compressor"] * (layers in peer)
+            for engine in engines:
+                out = Path(args.work) / f"out-{args.shape}-{layers}-{method}"
+                if engine == "llm-compressor":
+                    if not ids_file.is_file():
+                        make_ids(model, ids_file, args.num_samples)
+                    cmd = ["bash", str(ROOT / "scripts/peer_env.sh"), "python", str(ROOT / "benchmarks/peer_quantize.py"),
+                           method, str(model), str(ids_file), str(out), "--group-size", "128"]
+                else:
+                    cmd = [sys.executable, "-c", QTK, method, str(model), str(out), str(args.num_samples),
+                           "whole" if engine == "qtk whole" else "streamed"]
+                got, rss, wall = run(cmd)
+                row = {"engine": engine, "method": method, "layers": layers, "model_gib": size / 2**30,
+                       "peak_rss_gib": rss, "quantize_seconds": got["seconds"], "wall_seconds": wall,
+                       "seconds_per_block": got["seconds"] / layers}
+                record["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                write(record, ROOT / "benchmarks/results", name)
+                subprocess.run(["rm", "-rf", str(out)])
+        if not args.keep:
+            subprocess.run(["rm", "-rf", str(model)])
+
+
+def make_ids(model: Path, path: Path, n: int) -> None:
+    """The calibration ids every run uses (qtk draws the same from the built-in text with seed 0)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from qtk.data import calibration_ids
+
+    torch.save(calibration_ids(AutoTokenizer.from_pretrained(model), "builtin", n, 512, 0, False), path)
+
+
+def write(record: dict, out: Path, name: str) -> None:
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [f"# Streamed quantize: peak memory by depth, {record['shape']} shapes ({record['date']}, commit "
+             f"{record['commit'][:8]}, {record['cpu']}, {record['memory_gib']:.0f} GiB of memory)", "",
+             "Random-weight models of the shape (benchmarks/shaped_model.py), bf16 on disk; each run its own process, "
+             "peak RSS from the kernel (file-backed pages included). W4A16 g128; gptq on "
+             f"{record['num_samples']} x {record['seq_len']} tokens of the built-in text. Quantize seconds: the "
+             "calibration loop (qtk: the block-by-block driver; llm-compressor: oneshot), model load and save "
+             "excluded on both; wall: the whole process. Command: `python benchmarks/streaming_memory.py` with the "
+             "flags in the json.", "",
+             "| engine | method | layers | model GiB | peak RSS GiB | quantize s | s per block | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        lines.append(f"| {r['engine']} | {r['method']} | {r['layers']} | {r['model_gib']:.1f} | {r['peak_rss_gib']:.2f} "
+                     f"| {r['quantize_seconds']:.0f} | {r['seconds_per_block']:.1f} | {r['wall_seconds']:.0f} |")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
