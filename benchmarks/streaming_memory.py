@@ -3,13 +3,17 @@ model loaded whole and against llm-compressor, on random-weight models of a larg
 
     python benchmarks/streaming_memory.py [--shape llama3-8b] [--layers 4,8,16,32] [--methods rtn,gptq]
                                           [--whole 4,8] [--peer 4,8] [--num-samples 16] [--name NAME]
+    python benchmarks/streaming_memory.py --shape 14b --layers 0 --methods rtn --read-back   # bigger than memory
 
 Each run is its own process; its peak resident memory is the kernel's account of it (os.wait4's ru_maxrss:
 anonymous and file-backed pages, so the safetensors pages a read maps count too). The models are written by
 benchmarks/shaped_model.py one block at a time into --work (reused when there). `--whole`: the layer counts also
 run with the model loaded whole (transformers' from_pretrained, as qtk did before streaming); `--peer`: those
 llm-compressor runs (scripts/peer_env.sh; from_pretrained then oneshot). Calibration (gptq): --num-samples x 512
-tokens of the built-in text, the same ids for every run. Writes benchmarks/results/NAME.{json,md}.
+tokens of the built-in text, the same ids for every run. `--layers 0`: the depth of the model it is shaped as.
+`--read-back`: the last streamed checkpoint is then read back by `qtk inspect` and decoded on qtk's runtime
+(`qtk generate`, a few greedy tokens: random weights, so the text means nothing; that it runs is the check).
+Writes benchmarks/results/NAME.{json,md}.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,18 +50,26 @@ print(json.dumps({"seconds": report["seconds"], "blocks": report["blocks"]}))
 """
 
 
-def run(cmd: list[str], env: dict | None = None) -> tuple[dict, float, float]:
+def measured(cmd: list[str]) -> tuple[int, str, str, float, float]:
+    """(exit code, stdout, stderr, peak RSS in GiB, wall seconds) of one process (its output through files:
+    a pipe left unread would stall it)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        return os.waitstatus_to_exitcode(status), out.read(), err.read(), usage.ru_maxrss / 2**20, wall
+
+
+def run(cmd: list[str]) -> tuple[dict, float, float]:
     """(the JSON its last stdout line prints, peak RSS in GiB, wall seconds) of one process."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    out, err = proc.stdout.read(), proc.stderr.read()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{err[-3000:]}")
+    code, out, err, rss, wall = measured(cmd)
+    if code != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({code}):\n{err[-3000:]}")
     last = [line for line in out.splitlines() if line.startswith("{")][-1]
-    return json.loads(last), usage.ru_maxrss / 2**20, wall
+    return json.loads(last), rss, wall
 
 
 def main() -> None:
@@ -70,9 +83,10 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=16)
     ap.add_argument("--work", default="build/shaped")
     ap.add_argument("--keep", action="store_true", help="keep the models written (else each is removed after)")
+    ap.add_argument("--read-back", action="store_true", help="inspect and decode the last streamed checkpoint")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
-    counts = [int(n) for n in args.layers.split(",")]
+    counts = [int(n) or shaped_model.SHAPES[args.shape][-1] for n in args.layers.split(",")]
     whole = {int(n) for n in args.whole.split(",") if n}
     peer = {int(n) for n in args.peer.split(",") if n}
     gptq_at = {int(n) for n in args.gptq_layers.split(",") if n}
@@ -109,9 +123,24 @@ def main() -> None:
                 record["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 write(record, ROOT / "benchmarks/results", name)
+                if args.read_back and engine == "qtk streamed" and layers == counts[-1]:
+                    record["read_back"] = read_back(out)
+                    write(record, ROOT / "benchmarks/results", name)
                 subprocess.run(["rm", "-rf", str(out)])
         if not args.keep:
             subprocess.run(["rm", "-rf", str(model)])
+
+
+def read_back(out: Path) -> dict:
+    """`qtk inspect` and `qtk generate` (4 greedy tokens) on the checkpoint: exit codes, peak RSS, output."""
+    cli = [sys.executable, "-c", "import sys, json; from qtk.cli import main; main(sys.argv[1:])"]
+    found = {}
+    for what, extra in (("inspect", []), ("generate", ["--prompt", "The capital of France is", "--max-tokens", "4"])):
+        code, stdout, stderr, rss, wall = measured(cli + [what, str(out), *extra])
+        found[what] = {"exit_code": code, "peak_rss_gib": rss, "seconds": wall, "stdout": stdout[-2000:],
+                       "stderr_tail": stderr[-1000:]}
+        print(what, json.dumps({k: v for k, v in found[what].items() if k != "stdout"}), flush=True)
+    return found
 
 
 def make_ids(model: Path, path: Path, n: int) -> None:
@@ -139,6 +168,9 @@ def write(record: dict, out: Path, name: str) -> None:
     for r in record["rows"]:
         lines.append(f"| {r['engine']} | {r['method']} | {r['layers']} | {r['model_gib']:.1f} | {r['peak_rss_gib']:.2f} "
                      f"| {r['quantize_seconds']:.0f} | {r['seconds_per_block']:.1f} | {r['wall_seconds']:.0f} |")
+    for what, r in record.get("read_back", {}).items():
+        lines += ["", f"Read back, `qtk {what}` on the last streamed checkpoint: exit code {r['exit_code']}, peak RSS "
+                  f"{r['peak_rss_gib']:.2f} GiB, {r['seconds']:.0f} s.", "", "```", r["stdout"].strip()[-1500:], "```"]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
