@@ -240,7 +240,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
     from the files when its turn comes and handed to stream.finish(i, carry) once quantized (which
     writes and frees it; carry: what the next block needs), so one block is in memory at a time; with
     stream.resumed (an interrupted run's last carry) the blocks before its "next" are skipped."""
-    arch = discover(model, stream=stream)
+    arch = discover(model, smoothing=recipe.smoothing is not None, stream=stream)  # pairs probed where used
     check_pairs(model, arch, recipe.smoothing)
     if recipe.kv_cache is not None and None in arch.attention:
         raise InputError(f"model_type {arch.model_type!r}: block {arch.attention.index(None)} calls no attention "
@@ -252,6 +252,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
         check_group_divides(scheme, {n: targets[n].in_features for n, s in overrides.items() if s == scheme})
     targets = {n: m for n, m in targets.items() if n not in overrides}
     check_group_divides(recipe.scheme, {n: m.in_features for n, m in targets.items()})
+    targets = list(targets)  # names: a module kept here would keep its float weights after it is replaced
     if recipe.needs_data and calib_ids is None:
         raise InputError(f"method {recipe.method!r} with this scheme needs calibration data")
     t0 = time.perf_counter()

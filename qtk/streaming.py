@@ -16,6 +16,7 @@ to the output as soon as it is quantized and frees it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 from pathlib import Path
 
@@ -109,7 +110,8 @@ class StreamedModel:
             if tuple(t.shape) != tuple(ref.shape):
                 raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(t.shape)}, the config implies "
                                       f"{list(ref.shape)}")
-            state[rel] = t.to(ref.dtype) if t.is_floating_point() and ref.is_floating_point() else t
+            # a copy in memory: a tensor read from the file maps it, and its pages would stay as long as it does
+            state[rel] = t.to(ref.dtype, copy=True) if t.is_floating_point() and ref.is_floating_point() else t.clone()
         missing = [k for k, v in expected.items() if v.is_meta and k not in state and prefix + k not in tied
                    and (owner or _block_of(k, self.layers_path) == "")]
         if missing:
@@ -130,7 +132,8 @@ class StreamedModel:
         return layer
 
     def free(self, i: int) -> None:
-        """Block i's tensors back to meta (its non-persistent buffers, e.g. rotary, stay)."""
+        """Block i's tensors back to meta (its non-persistent buffers, e.g. rotary, stay), and the memory
+        they held handed back to the system (release_freed_memory)."""
         layer = self.layers[i]
         persistent = set(layer.state_dict())
         for mod_name, mod in layer.named_modules():
@@ -141,6 +144,7 @@ class StreamedModel:
             for k, b in list(mod._buffers.items()):
                 if b is not None and not b.is_meta and prefix + k in persistent:
                     mod._buffers[k] = torch.empty_like(b, device="meta")
+        release_freed_memory()
 
     def finish(self, i: int, carry: dict) -> None:
         """Block i is done: handed to the sink with what the next block needs (a streamed quantize writes
@@ -185,6 +189,27 @@ class StreamedModel:
         finally:
             for h in handles:
                 h.remove()
+
+
+def release_freed_memory() -> None:
+    """glibc's malloc_trim: the free memory in the heap back to the system. A block's tensors of 8-32 MB come
+    from the heap once glibc's mmap threshold has risen past them, and what they leave when freed stays
+    in the process: peak RSS then grew by about a block's quantized size per block (Llama-3-8B shapes,
+    RTN; measured flat with the trim). Elsewhere (musl, macOS) nothing is done."""
+    global _trim
+    if _trim is None:
+        try:
+            libc = ctypes.CDLL(None)
+            libc.gnu_get_libc_version  # glibc: musl has no malloc_trim
+            _trim = libc.malloc_trim
+            _trim.argtypes, _trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):
+            _trim = False
+    if _trim:
+        _trim(0)
+
+
+_trim = None
 
 
 def _block_of(name: str, layers: str) -> str:
