@@ -39,7 +39,8 @@ import sys, json, torch
 from qtk import pipeline
 from qtk.recipe import build
 method, model, out, samples, whole = sys.argv[1:6]
-recipe = build(method=method, group_size=128, calibration={"num_samples": int(samples), "seq_len": 512})
+calibration = {"num_samples": int(samples), "seq_len": 512} if method != "rtn" else {}
+recipe = build(method=method, group_size=128, calibration=calibration)
 if whole == "whole":  # the model loaded whole by transformers, as before streaming
     job = pipeline.prepare(model, recipe, __import__("pathlib").Path(out), True)
     report = pipeline.write(job, job.load(), job.recipe, __import__("pathlib").Path(out), True, torch.bfloat16, False)
@@ -80,20 +81,25 @@ def main() -> None:
     ap.add_argument("--gptq-layers", default="4", help="the layer counts gptq runs at (it takes minutes a block)")
     ap.add_argument("--whole", default="", help="layer counts also run with the model loaded whole")
     ap.add_argument("--peer", default="", help="layer counts also run by llm-compressor")
+    ap.add_argument("--compare-methods", default="rtn", help="the methods --whole and --peer run")
     ap.add_argument("--num-samples", type=int, default=16)
     ap.add_argument("--work", default="build/shaped")
     ap.add_argument("--keep", action="store_true", help="keep the models written (else each is removed after)")
     ap.add_argument("--read-back", action="store_true", help="inspect and decode the last streamed checkpoint")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--append", action="store_true", help="keep the rows already in the results file of --name")
     args = ap.parse_args()
     counts = [int(n) or shaped_model.SHAPES[args.shape][-1] for n in args.layers.split(",")]
     whole = {int(n) for n in args.whole.split(",") if n}
     peer = {int(n) for n in args.peer.split(",") if n}
     gptq_at = {int(n) for n in args.gptq_layers.split(",") if n}
     name = args.name or f"streaming-memory-{args.shape}"
-    record = {"shape": args.shape, "cpu": cpu_name(), "commit": git_commit(), "date": time.strftime("%Y-%m-%d"),
+    record = {"command": "python benchmarks/streaming_memory.py " + " ".join(sys.argv[1:]), "shape": args.shape, "cpu": cpu_name(), "commit": git_commit(), "date": time.strftime("%Y-%m-%d"),
               "num_samples": args.num_samples, "seq_len": 512, "memory_gib": os.sysconf("SC_PAGE_SIZE")
               * os.sysconf("SC_PHYS_PAGES") / 2**30, "rows": []}
+    previous = ROOT / "benchmarks/results" / f"{name}.json"
+    if args.append and previous.is_file():  # the rows of an earlier run of the same name first
+        record["rows"] = json.loads(previous.read_text())["rows"] + record["rows"]
     ids_file = Path(args.work) / "calib_ids.pt"
     for layers in counts:
         model = Path(args.work) / f"{args.shape}-{layers}"
@@ -105,7 +111,9 @@ def main() -> None:
         for method in args.methods.split(","):
             if method == "gptq" and layers not in gptq_at:
                 continue
-            engines = ["qtk streamed"] + ["qtk whole"] * (layers in whole) + ["llm-compressor"] * (layers in peer)
+            apart = method in args.compare_methods.split(",")
+            engines = ["qtk streamed"] + ["qtk whole"] * (apart and layers in whole) + ["llm-compressor"] * (
+                apart and layers in peer)
             for engine in engines:
                 out = Path(args.work) / f"out-{args.shape}-{layers}-{method}"
                 if engine == "llm-compressor":
@@ -161,8 +169,10 @@ def write(record: dict, out: Path, name: str) -> None:
              "peak RSS from the kernel (file-backed pages included). W4A16 g128; gptq on "
              f"{record['num_samples']} x {record['seq_len']} tokens of the built-in text. Quantize seconds: the "
              "calibration loop (qtk: the block-by-block driver; llm-compressor: oneshot), model load and save "
-             "excluded on both; wall: the whole process. Command: `python benchmarks/streaming_memory.py` with the "
-             "flags in the json.", "",
+             "excluded on both (llm-compressor's RTN computes its scales in oneshot and rounds and packs the weights "
+             "while saving, so its quantize seconds leave that out); wall: the whole process. GPTQ's peak is its "
+             "algorithm's: the down projection's Hessian (intermediate x intermediate in float32, 0.8 GiB at 14336) "
+             "and the inverse Cholesky's copies of it.", "", f"    {record.get('command', '')}", "",
              "| engine | method | layers | model GiB | peak RSS GiB | quantize s | s per block | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
