@@ -41,9 +41,9 @@ class StreamedModel:
         self.owners = owners  # tensor name in the files -> the block it belongs to ("" outside the blocks)
         self.layers_path = decoder_layers(model)
         self.layers = model.get_submodule(self.layers_path)
-        # the persistent buffers a block builds itself (absent from the files): kept to put back after a free
         self.sink = None  # called with (i, carry) when block i is quantized, before it is freed (the output's writer)
         self.resumed: dict | None = None  # an interrupted run's last carry: the driver goes on from its "next" block
+        # the persistent buffers a block builds itself (absent from the files): kept to put back after a free
         self.own_buffers = [{k: b.clone() for k, b in layer.named_buffers() if not b.is_meta and k in layer.state_dict()}
                             for layer in self.layers]
 
@@ -73,11 +73,24 @@ class StreamedModel:
             with safe_open(str(f), framework="pt") as sf:
                 where.update(dict.fromkeys(sf.keys(), f))
         layers = decoder_layers(model)
-        owners = {}
+        owners, names = {}, set()
         mt = model.config.model_type
         for key in where:  # the model's name for each key, as a load maps it (one key at a time: names only)
             name = next(iter(transformers_names(model, {moe.model_name(mt, key): None})))
             owners[key] = _block_of(name, layers)
+            names.add(name)
+        experts = tuple(f"{n}." for n in moe.experts_modules(model))  # a hub's 3-D experts: split when read
+        tied = tied_keys(model)
+        missing = [k for k, v in model.state_dict().items()
+                   if v.is_meta and k not in names and k not in tied and not k.startswith(experts)]
+        if missing:  # found now, not when that block's turn comes
+            raise CheckpointError(f"{path}: {len(missing)} weights the config needs are not in its files, e.g. "
+                                  f"{missing[:3]}; the files are from another model or incomplete")
+        blocks = {f"{layers}.{i}" for i in range(len(model.get_submodule(layers)))}
+        extra = sorted(k for k, o in owners.items() if o and o not in blocks)
+        if extra:  # from_pretrained would drop them unread: files of a deeper model than the config
+            raise CheckpointError(f"{path}: tensor {extra[0]!r} belongs to no block of the {len(blocks)} the config "
+                                  "describes (num_hidden_layers); the files are from another model")
         streamed = cls(model, path, where, owners)
         streamed._read(model, "")
         model.tie_weights()

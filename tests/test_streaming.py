@@ -268,3 +268,25 @@ def test_a_recipe_that_needs_the_whole_model_is_refused_where_it_does_not_fit(tm
     report = pipeline.quantize(src, replace(recipe, max_bits=None, distill=DistillArgs(samples=0)), tmp_path / "q",
                                progress=False)
     assert report["streamed"]
+
+
+def test_files_of_another_model_are_refused_with_what_does_not_fit(tmp_path):
+    """A config with fewer blocks than the files hold, or files missing a block's tensor: one CheckpointError."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from qtk.errors import CheckpointError
+
+    src = tmp_path / "src"
+    saved(deep("llama", 3), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(CheckpointError, match="belongs to no block of the 2"):
+        StreamedModel.open(src, torch.float32)
+    (src / "config.json").write_text(json.dumps(config))
+    state = files_state(src)
+    save_file({k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"},
+              str(src / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="1 weights the config needs are not in its files.*layers.1.mlp.up_proj"):
+        StreamedModel.open(src, torch.float32)  # before any block is read
