@@ -166,7 +166,10 @@ def test_soak(server):
 
     async def soak():
         limit = asyncio.Semaphore(CONCURRENCY)
-        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=CONCURRENCY)) as client:
+        # an idle connection is dropped by the client before uvicorn's keep-alive (5 s) closes it: at equal
+        # timeouts a retry reused a connection as the server closed it (httpx.ReadError before any response)
+        limits = httpx.Limits(max_connections=CONCURRENCY, keepalive_expiry=2.0)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
             async def one(req):
                 async with limit:
                     return await send(client, url, req, log)
