@@ -36,14 +36,15 @@ from qtk.device import cpu_name  # noqa: E402
 
 QTK = """
 import sys, json, torch
+from pathlib import Path
 from qtk import pipeline
 from qtk.recipe import build
 method, model, out, samples, whole = sys.argv[1:6]
 calibration = {"num_samples": int(samples), "seq_len": 512} if method != "rtn" else {}
 recipe = build(method=method, group_size=128, calibration=calibration)
 if whole == "whole":  # the model loaded whole by transformers, as before streaming
-    job = pipeline.prepare(model, recipe, __import__("pathlib").Path(out), True)
-    report = pipeline.write(job, job.load(), job.recipe, __import__("pathlib").Path(out), True, torch.bfloat16, False)
+    job = pipeline.prepare(model, recipe, Path(out), True)
+    report = pipeline.write(job, job.load(), job.recipe, Path(out), True, torch.bfloat16, False)
 else:
     report = pipeline.quantize(model, recipe, out, force=True, progress=False)
     assert report["streamed"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -275,10 +276,9 @@ def model_bytes(path: Path, dtype: torch.dtype) -> int | None:
     files = weight_files(path)
     if not files:
         return None
-    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
     width = torch.finfo(dtype).bits // 8
-    return sum(nbytes // sizes[kind] * width if kind in sizes else nbytes
-               for kind, _, nbytes in read_tensor_meta(path, files).values())
+    return sum(math.prod(shape) * width if kind.startswith(("F", "BF")) else nbytes
+               for kind, shape, nbytes in read_tensor_meta(path, files).values())
 
 
 def available_memory() -> int | None:

@@ -138,7 +138,7 @@ class StreamedModel:
     def load(self, i: int) -> nn.Module:
         """Block i with its weights read from the files (the calibration dtype), on CPU."""
         layer = self.layers[i]
-        if any(p.is_meta for p in layer.parameters()):
+        if not self.is_loaded(i):
             self._read(layer, self.block_name(i))
             if self.own_buffers[i]:
                 layer.load_state_dict(self.own_buffers[i], strict=False, assign=True)
