@@ -85,6 +85,32 @@ def test_gradients_pass_straight_through_the_rounding():
     assert r.v.grad.abs().sum() > 0 and r.min_scale.grad.abs().sum() > 0 and r.max_scale.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16_asym"])
+def test_fused_fake_quant_matches_autograd_through_the_formula(scheme):
+    """FakeQuantized's hand-written backward against autograd through the expression written out with
+    round_ste and clamp: the same W_hat, the same gradients for v and both clipping scales (some
+    codes clamped, some not)."""
+    args = preset(scheme, 32).weights
+    r = autoround.Rounding(_weight(8, out=24), args)
+    _perturbed(r, seed=9)
+    g = torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(10))
+
+    (r.dequantized() * g).sum().backward()
+    fused = [p.grad.clone() for p in (r.v, r.min_scale, r.max_scale)]
+    for p in (r.v, r.min_scale, r.max_scale):
+        p.grad = None
+    s, zp = r.qparams()
+    x = r._grouped(r.weight) / s[..., None] + r._grouped(r.v)
+    q = autoround.round_ste(x) + (0 if zp is None else zp[..., None])
+    q = q.clamp(args.qmin, args.qmax)
+    assert 0 < ((q == args.qmin) | (q == args.qmax)).float().mean() < 0.5  # both sides of the clamp tested
+    want = ((q - (0 if zp is None else zp[..., None])) * s[..., None]).reshape(r.weight.shape)
+    torch.testing.assert_close(r.dequantized().detach(), want.detach(), rtol=0, atol=0)
+    (want * g).sum().backward()
+    for got, p in zip(fused, (r.v, r.min_scale, r.max_scale)):
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6)
+
+
 class _Block:
     """A stand-in for calibrate.Block around one Linear: what autoround.tune reads."""
 

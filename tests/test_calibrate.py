@@ -268,13 +268,14 @@ def test_each_block_gets_the_mask_of_its_attention_kind(monkeypatch, family, seq
 
 @pytest.mark.parametrize("L,heads,kv_heads,masked", [(300, 6, 2, False), (300, 4, 4, True), (128, 2, 1, False)])
 def test_chunked_attention_matches_sdpa(L, heads, kv_heads, masked):
-    """Causal attention in query chunks (qtk/chunked_sdpa.py) gives sdpa's output, with or without a mask."""
+    """Causal attention in query chunks (qtk/chunked_sdpa.py) gives sdpa's output, with or without a
+    mask, and sdpa's gradients (float32 under autograd runs the chunks)."""
     from types import SimpleNamespace
 
     from qtk.chunked_sdpa import chunked_causal_attention, sdpa
 
     torch.manual_seed(0)
-    q = torch.randn(2, heads, L, 32)
+    q = torch.randn(2, heads, L, 32, requires_grad=True)
     k, v = torch.randn(2, kv_heads, L, 32), torch.randn(2, kv_heads, L, 32)
     mask = torch.ones(L, L, dtype=torch.bool).tril()[None, None].expand(2, 1, L, L).clone() if masked else None
     if masked:
@@ -285,6 +286,10 @@ def test_chunked_attention_matches_sdpa(L, heads, kv_heads, masked):
     ref, _ = sdpa(module, q, k, v, mask, scaling=0.2)
     assert got.shape == (2, L, heads, 32)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(got)
+    (want,) = torch.autograd.grad(ref, q, g)
+    (grad,) = torch.autograd.grad(got, q, g)
+    torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("scheme", ["w4a16", "w4a16_asym", "w8a8"])

@@ -29,6 +29,7 @@ are auto-round's: 200 iterations, lr 1 / iters for both.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 
@@ -86,9 +87,11 @@ class Rounding:
         q = round_ste(x) + (0 if zp is None else zp[..., None])
         return q.clamp(self.args.qmin, self.args.qmax), s, zp
 
-    def dequantized(self) -> torch.Tensor:
-        q, s, zp = self.codes()
-        w = (q - (0 if zp is None else zp[..., None])) * s[..., None]
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W_hat [out, in] in `dtype`, differentiable in v, min_scale and max_scale (FakeQuantized)."""
+        s, zp = self.qparams()
+        w = FakeQuantized.apply(self._grouped(self.weight), self._grouped(self.v), s, zp, self.args.qmin,
+                                self.args.qmax, dtype)
         return w.reshape(self.weight.shape)
 
     def clamp_(self) -> None:
@@ -111,6 +114,42 @@ class Rounding:
         return q.reshape(self.weight.shape).to(torch.int8), s, zp
 
 
+class FakeQuantized(torch.autograd.Function):
+    """W_hat = (clamp(round(W / s + v) + zp, qmin, qmax) - zp) * s per group, with round's gradient passed
+    straight through, in a few whole-tensor passes (autograd's chain of the same expression took
+    about twice as many, each over every weight of the block, at every step). With q the clamped
+    code, `inside` where the clamp passed it, and g the gradient of W_hat:
+
+        dv  = g * s * inside
+        ds  = sum(g * (q - zp)) - sum(dv * W) / s^2
+        dzp = sum(dv) - s * sum(g)                          (sums over each group)
+
+    W [out, groups, size], v the same shape, s and zp [out, groups] (zp None: symmetric)."""
+
+    @staticmethod
+    def forward(ctx, w, v, s, zp, qmin: int, qmax: int, dtype: torch.dtype):
+        s3 = s.unsqueeze(-1)
+        r = torch.div(w, s3).add_(v).round_()
+        if zp is not None:
+            r.add_(zp.unsqueeze(-1))
+        q = r.clamp(qmin, qmax)
+        inside = q == r
+        if zp is not None:
+            q.sub_(zp.unsqueeze(-1))
+        ctx.save_for_backward(w, s, q, inside)
+        ctx.asymmetric = zp is not None
+        return torch.mul(q, s3).to(dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        w, s, q, inside = ctx.saved_tensors
+        g = g.float()
+        dv = torch.mul(g, s.unsqueeze(-1)).mul_(inside)
+        ds = torch.linalg.vecdot(g, q) - torch.linalg.vecdot(dv, w) / (s * s)
+        dzp = dv.sum(-1) - s * g.sum(-1) if ctx.asymmetric else None
+        return None, dv, ds, dzp, None, None, None
+
+
 @contextlib.contextmanager
 def fake_quantized(block, roundings: dict[str, Rounding]):
     """Each named Linear of the block computes with its Rounding's W_hat (gradients reach v and the
@@ -119,7 +158,7 @@ def fake_quantized(block, roundings: dict[str, Rounding]):
     for name, r in roundings.items():
         lin = block.linear(name)
         saved[name] = lin.forward
-        lin.forward = lambda x, lin=lin, r=r: F.linear(x, r.dequantized().to(x.dtype), lin.bias)
+        lin.forward = lambda x, lin=lin, r=r: F.linear(x, r.dequantized(x.dtype), lin.bias)
     frozen = [p for p in block.layer.parameters() if p.requires_grad]
     for p in frozen:
         p.requires_grad_(False)
@@ -195,7 +234,16 @@ def quantize_block(block, recipe) -> None:
         block.replace(name, rtn.to_quant_linear(lin, q, s, zp, scheme))
 
 
+REPORT_BATCHES = 2  # calibration batches the reported per-layer errors are measured on
+
+
 def _hessians(block) -> list[tuple[str, torch.Tensor]]:
-    """(name, H) for each targeted Linear, for its reported output error (gptq.collect_hessians)."""
-    groups = block.hessians if block.hessians is not None else gptq.collect_hessians(block, block.targets)
+    """(name, H) for each targeted Linear, for its reported output error (gptq.collect_hessians): a
+    smoothing pass's, or H over the first REPORT_BATCHES batches (only the report reads it: a pass
+    over every batch cost about a tenth of a block's tuning)."""
+    groups = block.hessians
+    if groups is None:
+        k = REPORT_BATCHES
+        inputs = type(block.inputs)(block.inputs.hidden[:k], block.inputs.kwargs[:k], block.inputs.masks[:k])
+        groups = gptq.collect_hessians(dataclasses.replace(block, inputs=inputs), block.targets)
     return [(n, H) for names, H in groups for n in names]
