@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import hadamard
+from . import distributed, hadamard
 from .arch import Arch, decoder_layers, discover, set_module, static_linears
 from .chunked_sdpa import chunked_attention
 from .kv_fake_quant import enable_kv_quant
@@ -64,16 +64,29 @@ class BlockInputs:
     # per batch, the attention mask the model gives each block: models that mix full-attention and
     # sliding-window layers (Qwen2/Qwen3 with max_window_layers) give each kind its own
     masks: list[list] = field(default_factory=list)
+    # where each batch starts among the samples of every rank (data-parallel calibration, distributed.py:
+    # a rank holds some of the batches), and how many batches all ranks hold; one process: all of them
+    starts: list[int] = field(default_factory=list)
+    batches: int = 0
 
     def __len__(self):
         return len(self.hidden)
+
+    def first_sample(self, b: int) -> int:
+        """The index of batch b's first sample among every rank's samples."""
+        return self.starts[b] if self.starts else sum(len(h) for h in self.hidden[:b])
+
+    @property
+    def total(self) -> int:
+        """How many batches every rank holds together."""
+        return self.batches or len(self.hidden)
 
     def for_block(self, index: int) -> BlockInputs:
         """These inputs with block `index`'s own attention mask."""
         if not self.masks:
             return self
         kwargs = [{**kw, "attention_mask": m[index]} for kw, m in zip(self.kwargs, self.masks)]
-        return BlockInputs(self.hidden, kwargs, self.masks)
+        return replace(self, kwargs=kwargs)
 
 
 @dataclass
@@ -174,7 +187,9 @@ class _StandIn(nn.Module):
 def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torch.device,
                    batch_size: int) -> BlockInputs:
     """Run the model up to its blocks and keep what block 0 receives, one entry per batch, and the
-    attention mask each block receives. The blocks stand aside meanwhile: none of them runs."""
+    attention mask each block receives. The blocks stand aside meanwhile: none of them runs. With
+    several processes (distributed.py) each captures its own share of the batches."""
+    ids, starts, batches = distributed.shard(ids, batch_size)
     layers = model.get_submodule(arch.layers)
     pre = [model.get_submodule(name) for name in arch.before]
     for m in pre:
@@ -199,7 +214,7 @@ def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torc
         kwargs.append({k: v for k, v in kw.items() if k not in ("hidden_states", "cache", "past_key_values", "past_key_value")})
         kwargs[-1]["use_cache"] = False
         masks.append([block_kw.get("attention_mask") for _, block_kw in batch])
-    return BlockInputs(hidden, kwargs, masks)
+    return BlockInputs(hidden, kwargs, masks, starts, batches)
 
 
 def targeted_linears(model: nn.Module, recipe: Recipe, arch: Arch | None = None) -> dict[str, nn.Linear]:
@@ -283,7 +298,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
                 block.reference = block.run(floats.for_block(i))
             inputs = quantize_block(model, block, recipe, last=i + 1 == len(layers))
             if floats is not None:
-                floats = BlockInputs(block.reference, floats.kwargs, floats.masks)
+                floats = replace(floats, hidden=block.reference)
             layers[i] = offload(block.layer)
             for name, err in block.errors.items():
                 report["layers"][f"{prefix}.{name}"] = err
@@ -327,11 +342,12 @@ def quantize_block(model: nn.Module, block: Block, recipe: Recipe, last: bool) -
             METHODS[recipe.weights].run(block, recipe)
     for scheme in dict.fromkeys(block.overrides.values()):  # after smoothing folded its scales into them
         rtn.quantize_linears(block, [n for n, s in block.overrides.items() if s == scheme], scheme, {})
+    distributed.same_block(block.layer)  # several processes: every one goes on from rank 0's block
     if block.inputs is None or (last and recipe.kv_cache is None):
         return None
     kv = recipe.kv_cache
     attn = start_observing(model, block.layer.get_submodule(block.attention), kv) if kv else None
-    outputs = BlockInputs(block.run(), block.inputs.kwargs, block.inputs.masks)
+    outputs = replace(block.inputs, hidden=block.run())
     if attn is not None:
         finish_observing(model, attn, kv, dtype=next(block.layer.parameters()).dtype)
     return outputs

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -42,7 +43,8 @@ class QtkGroup(click.Group):
             error = e if isinstance(e, QtkError) else optional.explain(e)  # a package no check below foresaw
             if error is None or logging.getLogger().isEnabledFor(logging.DEBUG):
                 raise
-            click.echo(f"error: {error}", err=True)
+            if os.environ.get("RANK", "0") == "0":  # several processes (quantize --nproc): the same line once
+                click.echo(f"error: {error}", err=True)
             ctx.exit(2)
 
 
@@ -101,6 +103,12 @@ def _section(**kw):
 @click.option("--resume", is_flag=True, help="Continue the run into --output that was interrupted (killed, out of "
               "memory, Ctrl-C) after the last block it finished; the same model and recipe, the same checkpoint as "
               "an uninterrupted run. For recipes streamed block by block (no --rotate, --max-bits or distillation).")
+@click.option("--nproc", type=click.IntRange(min=1), default=1,
+              help="Calibrate in N processes on this machine (data-parallel: each runs its share of the calibration "
+                   "batches, the statistics are summed across them, one writes; the CPU cores are split among them, "
+                   "one GPU each on CUDA). The same checkpoint as one process, up to float rounding. For recipes "
+                   "calibrated block by block with gptq, awq, smoothquant, rtn or fp8 (not autoround, --rotate, "
+                   "--max-bits or distillation). `torchrun ... -m qtk quantize ...` runs it across machines.")
 @click.option("--recipe", "recipe_file", type=click.Path(), default=None,
               help="YAML recipe (see calibration/recipes/); flags given here override it.")
 @click.option("--weights", type=LazyChoice(_weight_quantizers), default=None,
@@ -151,10 +159,17 @@ def _section(**kw):
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default=None,
               help="Model dtype while calibrating (auto: bfloat16 on CUDA and CPUs with bf16 units, float32 "
                    "elsewhere): block forwards run in it; Hessians, solves and searches accumulate in float32.")
-def quantize(model, output, force, resume, recipe_file, gates_spec, act_order, dampening, alpha, iters, distill_samples, dataset,
+def quantize(model, output, force, resume, nproc, recipe_file, gates_spec, act_order, dampening, alpha, iters, distill_samples, dataset,
              num_samples, seq_len, batch_size, chat_template, seed, calibrate_all_experts, **top):
     """Quantize MODEL and write a compressed-tensors checkpoint to --output."""
-    from . import pipeline, recipe as rec
+    from . import distributed, pipeline, recipe as rec
+
+    if nproc > 1:
+        if os.environ.get("WORLD_SIZE"):
+            raise click.UsageError("--nproc starts the processes itself; under torchrun leave it out")
+        if gates_spec is not None:
+            raise click.UsageError("--gates calibrates and gates each mix in one process; leave out --nproc")
+        raise SystemExit(distributed.launch(nproc, _without_option(sys.argv[1:], "--nproc")))
 
     recipe = rec.build(recipe_file=recipe_file, **top,
                        gptq=_section(act_order=act_order, dampening=dampening),
@@ -171,9 +186,25 @@ def quantize(model, output, force, resume, recipe_file, gates_spec, act_order, d
     optional.require(*needs)
     report = pipeline.quantize(model, recipe, output, force=force, resume=resume)
     method = recipe.method if recipe.smoothing is None or recipe.weights == "rtn" else f"{recipe.method}+{recipe.weights}"
-    click.echo(f"wrote {output} ({method}, {len(report['layers'])} layers, "
-               f"{report['calibration_tokens']} calibration tokens, {report['seconds']:.1f} s quantize, "
-               f"{report['total_seconds']:.1f} s total)")
+    if distributed.writes():
+        processes = f", {distributed.size()} processes" if distributed.active() else ""
+        click.echo(f"wrote {output} ({method}, {len(report['layers'])} layers, "
+                   f"{report['calibration_tokens']} calibration tokens{processes}, {report['seconds']:.1f} s quantize, "
+                   f"{report['total_seconds']:.1f} s total)")
+    distributed.finish()
+
+
+def _without_option(argv: list[str], name: str) -> list[str]:
+    """argv without `name VALUE` / `name=VALUE`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
 
 
 def _quantize_gated(model, recipe, output, force, gates_spec, max_bits_flag, needs):

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import distributed
 from .calibrate import checkpoint_groups, override_schemes, quantize_model, targeted_linears
 from .atomic import write_dir
 from .checkpoint import (check_weight_files, read_tensor_meta, save_quantized, target_matches, weight_files,
@@ -42,16 +43,20 @@ def quantize(model_name: str, recipe: Recipe, output: str | Path, force: bool = 
     the recipe's dtype is the one blocks run in while calibrating. `resume`: continue the streamed run
     into `output` that was interrupted (staging.py), at the block after the last it finished."""
     t0 = time.perf_counter()
+    recipe = replace(recipe, device=distributed.setup(recipe.device))  # several processes: each joins them
+    progress = progress and distributed.writes()
     staging = Staging(Path(output))
-    staging.check_start(resume, force)
+    if distributed.writes():
+        staging.check_start(resume, force)
     job = prepare(model_name, recipe, Path(output), force, calibrate=not resume)
+    check_processes(job, resume)
     if job.streams:
         report = write_streamed(job, Path(output), dtype, progress, staging, resume)
     elif resume:
         raise InputError(f"--resume continues a run streamed block by block; this recipe runs the whole model at once "
                          f"for: {'; '.join(job.whole_model_passes) or 'its weights are not in safetensors files'}")
     else:
-        check_fits_memory(job)
+        check_fits_memory(job)  # (with several processes, each loads it)
         model = job.load()
         recipe, mixed = job.recipe, None
         if recipe.max_bits is not None:
@@ -104,6 +109,24 @@ class Job:
         return model
 
 
+def check_processes(job: Job, resume: bool) -> None:
+    """With several processes (distributed.py), what they cannot share is refused before any weights are
+    read: the passes over the whole model, AutoRound's steps, a resume (each keeps its own activations)."""
+    if not distributed.active():
+        return
+    if job.whole_model_passes:
+        raise InputError(f"{distributed.size()} processes calibrate block by block, and this recipe runs the whole "
+                         f"model at once for: {'; '.join(job.whole_model_passes)}. Run it in one process, or drop "
+                         "those (e.g. --method gptq --scheme w4a16 --rotate none)")
+    if job.recipe.weights == "autoround":
+        raise InputError("autoround takes one calibration batch per step and runs in one process: drop --nproc "
+                         "(or use gptq / awq, which several processes share)")
+    if resume:
+        raise InputError("--resume continues a run of one process (each of several processes keeps its own share of "
+                         "the activations, which are not staged): resume without --nproc, or pass --force to "
+                         "start over")
+
+
 def rotate(model: nn.Module, recipe: Recipe) -> None:
     """The recipe's rotations (rotation.py), in place: residual and v_o fused, down online."""
     if recipe.rotate:
@@ -138,7 +161,10 @@ def prepare(model_name: str, recipe: Recipe, output: Path, force: bool, calibrat
         c = replace(c, seq_len=context)
         recipe = replace(recipe, calibration=c)
     tok = load_tokenizer(path)
-    ids = calibration_samples(path, tok, c, recipe.device) if recipe.needs_data and calibrate else None
+    ids = None
+    if recipe.needs_data and calibrate and distributed.writes():  # read (or written by the model) once
+        ids = calibration_samples(path, tok, c, recipe.device)
+    ids = distributed.from_writer(ids)
     return Job(model_name, path, recipe, compute, tok, ids)
 
 
@@ -172,8 +198,9 @@ def write(job: Job, model: nn.Module, recipe: Recipe, output: Path, force: bool,
     report.update(extra_report or {})
     groups, ignore = checkpoint_groups(model, recipe)
     describe(report, job, recipe)
-    save_quantized(model, job.tokenizer, output, groups, ignore, recipe.kv_cache, dtype=dtype, force=force,
-                   extra_files=report_files(recipe, report))
+    if distributed.writes():
+        save_quantized(model, job.tokenizer, output, groups, ignore, recipe.kv_cache, dtype=dtype, force=force,
+                       extra_files=report_files(recipe, report))
     return report
 
 
@@ -189,6 +216,7 @@ def write_streamed(job: Job, output: Path, dtype: torch.dtype, progress: bool, s
 
     recipe = job.recipe
     staging = staging or Staging(output)
+    writes, one = distributed.writes(), not distributed.active()  # several processes: rank 0 writes, no resume
     run = run_description(job, dtype)
     stream = StreamedModel.open(job.path, job.compute.dtype)
     model = stream.model
@@ -199,19 +227,24 @@ def write_streamed(job: Job, output: Path, dtype: torch.dtype, progress: bool, s
         if state is not None:
             stream.resumed, blocks = state["carry"], state["blocks"]
             log.info("resuming at block %d of %d (%s)", len(blocks), len(stream.layers), staging.folder)
-    else:
+    elif writes:
         staging.begin(run, job.ids)
 
     def finished(i: int, carry: dict) -> None:
+        if not writes:
+            return
         write_block(model, stream.block_name(i), staging.block_file(i), dtype)
         blocks[i] = {n: m.describe() for n, m in stream.layers[i].named_modules() if isinstance(m, QuantLinear)}
-        staging.save(carry, blocks)
+        if one:  # (a process's carry holds its share of the activations only)
+            staging.save(carry, blocks)
 
     stream.sink = finished
     try:
         report = quantize_model(model, recipe, job.ids, progress=progress, stream=stream)
     except BaseException:
-        if blocks:
+        if not writes:
+            raise
+        if blocks and one:
             log.warning("%d of %d blocks are finished and kept in %s: run the same command with --resume to "
                         "continue after them", len(blocks), len(stream.layers), staging.folder)
         else:
@@ -223,6 +256,8 @@ def write_streamed(job: Job, output: Path, dtype: torch.dtype, progress: bool, s
     report.update(streamed=True, resumed_at=None if stream.resumed is None else stream.resumed["next"])
     groups, ignore = checkpoint_groups(model, recipe)
     describe(report, job, recipe)
+    if not writes:
+        return report
     files = {stream.block_name(i): staging.block_file(i) for i in range(len(stream.layers))}
     with write_dir(output) as folder:
         write_checkpoint(model, job.tokenizer, folder, groups, ignore, recipe.kv_cache, dtype,

@@ -244,6 +244,6 @@ def _hessians(block) -> list[tuple[str, torch.Tensor]]:
     groups = block.hessians
     if groups is None:
         k = REPORT_BATCHES
-        inputs = type(block.inputs)(block.inputs.hidden[:k], block.inputs.kwargs[:k], block.inputs.masks[:k])
+        inputs = dataclasses.replace(block.inputs, hidden=block.inputs.hidden[:k], kwargs=block.inputs.kwargs[:k])
         groups = gptq.collect_hessians(dataclasses.replace(block, inputs=inputs), block.targets)
     return [(n, H) for names, H in groups for n in names]

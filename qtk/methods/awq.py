@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from .. import distributed
 from ..arch import SmoothPair
 from ..quant import dequantize, dequantize_weight, grouped, qparams, quantize, quantize_weight
 from ..schemes import QuantArgs
@@ -179,6 +180,20 @@ class PairStats:
     def x_mean(self) -> torch.Tensor:
         return self.abs_sum / self.tokens
 
+    def sum_over_ranks(self, width: int, device) -> None:
+        """Every rank's statistics added up in place (data-parallel calibration, distributed.py); the
+        sampled tokens and kept calls stay each rank's own (their losses are summed instead)."""
+        self.abs_sum = distributed.sum_(torch.zeros(width, device=device) if self.abs_sum is None else self.abs_sum)
+        self.gram = distributed.sum_(torch.zeros(width, width, device=device) if self.gram is None else self.gram)
+        self.tokens, self.gram_tokens = (int(n) for n in distributed.sum_floats(self.tokens, self.gram_tokens))
+        if self.gram_tokens == 0:  # no rank saw a token here
+            self.abs_sum = self.gram = None
+        if self.hessian is not None:
+            if self.hessian.upper is None:
+                self.hessian.upper = torch.zeros(width, width, device=device)
+            distributed.sum_(self.hessian.upper)
+            self.hessian.tokens = int(distributed.sum_floats(self.hessian.tokens)[0])
+
 
 def loss_kind(block, pair: SmoothPair) -> str:
     """gram: the inspected module is the pair's own linear(s); sequences: attention needs whole
@@ -190,14 +205,25 @@ def loss_kind(block, pair: SmoothPair) -> str:
 
 def observe(block, pairs: list[SmoothPair], keep_hessians: bool = False) -> dict[SmoothPair, PairStats]:
     """One forward of the block on the calibration inputs (as far as the last pair's input),
-    collecting every pair's statistics; with keep_hessians also each input's full Hessian."""
+    collecting every pair's statistics; with keep_hessians also each input's full Hessian.
+
+    The tokens sampled from a batch are drawn with a generator seeded by the batch's first sample,
+    and the attention loss keeps the first sequences of all samples, so processes that share the
+    batches (distributed.py) sample what one process does."""
     stats = {p: PairStats(hessian=HessianSum() if keep_hessians else None) for p in pairs}
     by_input = {p.linears[0]: p for p in pairs}  # a pair's linears share their input
-    seq_len = block.inputs.hidden[0].shape[1]
+    inputs = block.inputs
+    seq_len = inputs.hidden[0].shape[1]
     n_seqs = max(1, math.ceil(LOSS_TOKENS / seq_len))  # whole sequences for the attention loss
-    per_batch = math.ceil(LOSS_TOKENS / len(block.inputs))
-    gram_per_batch = math.ceil(GRAM_TOKENS / len(block.inputs))
-    gen = torch.Generator().manual_seed(0)
+    per_batch = math.ceil(LOSS_TOKENS / inputs.total)
+    gram_per_batch = math.ceil(GRAM_TOKENS / inputs.total)
+    gen = torch.Generator()
+    batch = {"first": 0, "n": -1}  # the batch being fed: its first sample's index among all samples
+
+    def next_batch(*_):
+        batch["n"] += 1
+        batch["first"] = inputs.first_sample(batch["n"])
+        gen.manual_seed(batch["first"])
 
     def on_input(name, x):
         pair = by_input[name]
@@ -209,24 +235,25 @@ def observe(block, pairs: list[SmoothPair], keep_hessians: bool = False) -> dict
         if loss_kind(block, pair) == "tokens":
             stats[pair].samples.append(sampled[:per_batch])  # in the block's dtype: the mlp runs on them
 
-    seqs_kept = {p: 0 for p in pairs}
-
     def keep_call(pair):
         def hook(_, args, kwargs):
-            if seqs_kept[pair] < n_seqs:
-                args, kwargs = first_sequences(args, dict(kwargs), n_seqs - seqs_kept[pair])
+            if batch["first"] < n_seqs:  # the batch holds some of the first n_seqs sequences
+                args, kwargs = first_sequences(args, dict(kwargs), n_seqs - batch["first"])
                 stats[pair].calls.append((args, kwargs))
-                seqs_kept[pair] += (args[0] if args else kwargs["hidden_states"]).shape[0]
         return hook
 
-    handles = [block.linear(p.inspect).register_forward_pre_hook(keep_call(p), with_kwargs=True)
-               for p in pairs if loss_kind(block, p) == "sequences"]
+    handles = [block.layer.register_forward_pre_hook(next_batch)]
+    handles += [block.linear(p.inspect).register_forward_pre_hook(keep_call(p), with_kwargs=True)
+                for p in pairs if loss_kind(block, p) == "sequences"]
     try:
         with block.hooks(list(by_input), on_input):
             block.feed(until=list(by_input)[-1])
     finally:
         for h in handles:
             h.remove()
+    if distributed.active():
+        for p in pairs:
+            stats[p].sum_over_ranks(block.linear(p.linears[0]).in_features, block.device)
     return stats
 
 
@@ -270,7 +297,8 @@ def _weights(block, w_hats: dict[str, torch.Tensor]):
 
 
 def module_loss(block, module_name: str, calls: list[tuple]) -> Loss:
-    """Output MSE of a module (attention, mlp) against its float output on the given calls."""
+    """Output MSE of a module (attention, mlp) against its float output on the given calls (summed
+    over every rank's calls: distributed.py)."""
     module = block.linear(module_name)
     ref = _forward(module, calls)
     numel = sum(r.numel() for r in ref)
@@ -278,7 +306,9 @@ def module_loss(block, module_name: str, calls: list[tuple]) -> Loss:
     def loss(w_hats):
         with _weights(block, w_hats):
             out = _forward(module, calls)
-        return sum((o.float() - r.float()).pow(2).sum() for o, r in zip(out, ref)).item() / numel
+        err = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, ref))
+        err, total = distributed.sum_floats(err, numel)
+        return err / total
 
     return loss
 
@@ -287,7 +317,7 @@ def pair_loss(block, pair: SmoothPair, st: PairStats, weights: dict[str, torch.T
     kind = loss_kind(block, pair)
     if kind == "gram":
         return gram_loss(weights, st.gram, st.gram_tokens)
-    calls = st.calls if kind == "sequences" else [((torch.cat(st.samples),), {})]
+    calls = st.calls if kind == "sequences" else [((torch.cat(st.samples),), {})] if st.samples else []
     return module_loss(block, pair.inspect, calls)
 
 

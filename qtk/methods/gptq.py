@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from .. import quant
+from .. import distributed, quant
 from ..device import cpu_has_native_bf16
 from ..schemes import QuantArgs
 from . import rtn
@@ -235,9 +235,27 @@ def collect_hessians(block, names) -> list[tuple[tuple[str, ...], torch.Tensor]]
             block.feed(until=names[-1])
     finally:
         new_forward.remove()
+    if distributed.active():
+        sum_over_ranks(block, sums, owner, run)
     H = {key: h.H for key, h in sums.items() if h.tokens >= MIN_TOKENS}
     firsts = dict.fromkeys(run[n] for n in names if n in run)
     return [(tuple(n for n in names if run.get(n) == r), H[owner[r]]) for r in firsts if owner[r] in H]
+
+
+def sum_over_ranks(block, sums: dict[str, HessianSum], owner: dict[str, str], run: dict[str, str]) -> None:
+    """Every rank's sums added up in place (data-parallel calibration, distributed.py); a Linear this
+    rank sent no token (an expert its tokens never chose) learns its run and input from the others."""
+    for their_owner, their_run in distributed.gathered((owner, run)):
+        for name in their_owner:
+            owner.setdefault(name, their_owner[name])
+            run.setdefault(name, their_run[name])
+    for key in sorted(set(owner.values())):
+        h = sums.setdefault(key, HessianSum())
+        if h.upper is None:
+            n = block.linear(key).in_features
+            h.upper = torch.zeros(n, n, device=block.device)
+        distributed.sum_(h.upper)
+        h.tokens = int(distributed.sum_floats(h.tokens)[0])
 
 
 HESSIAN_BAND = 384  # columns per band of the upper-triangle accumulation

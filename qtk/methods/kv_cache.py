@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import distributed
 from ..chunked_sdpa import chunked_causal_attention, register, set_implementation
 from ..kv_scales import kv_scale
 from ..schemes import KVCacheScheme
@@ -45,6 +46,8 @@ def finish_observing(model: nn.Module, attn: nn.Module, kv: KVCacheScheme, dtype
     """Turn the observed absmax into k_scale / v_scale buffers on the attention module."""
     if attn._k_absmax is None:
         raise RuntimeError("no keys were observed: the KV-cache scales need calibration data")
+    distributed.max_(attn._k_absmax)  # the max over every rank's batches (distributed.py)
+    distributed.max_(attn._v_absmax)
     attn.register_buffer("k_scale", kv_scale(attn._k_absmax, kv).to(dtype))
     attn.register_buffer("v_scale", kv_scale(attn._v_absmax, kv).to(dtype))
     del attn._k_absmax, attn._v_absmax

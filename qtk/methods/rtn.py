@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import distributed
 from ..errors import InputError
 from ..moe import all_experts
 from ..quant import dequantize_weight, qparams, quantize_weight
@@ -27,6 +28,9 @@ def static_input_scales(block, names) -> dict[str, torch.Tensor]:
 
     with block.hooks(names, observe), all_experts(block.layer):  # a range covers any token an expert may get
         block.run()
+    if distributed.active():  # the max over every rank's batches; -inf: no rank's input reached it
+        maxima = {n: distributed.max_(absmax.get(n, torch.full((1,), -torch.inf, device=block.device))) for n in names}
+        absmax = {n: m for n, m in maxima.items() if m.item() > -torch.inf}
     return absmax
 
 

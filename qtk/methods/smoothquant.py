@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from .. import distributed
 from ..arch import SmoothPair
 from .fold import fold_scale, folds
 
@@ -43,6 +44,9 @@ def activation_absmax(block, pairs: list[SmoothPair]) -> dict[SmoothPair, torch.
 
     with block.hooks(list(by_input), observe):
         block.run()
+    for pair in pairs:  # the max over every rank's batches (distributed.py)
+        width = block.linear(pair.linears[0]).in_features
+        absmax[pair] = distributed.max_(absmax.get(pair, torch.zeros(width, device=block.device)))
     return absmax
 
 
