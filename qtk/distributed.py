@@ -3,6 +3,7 @@ batches through every block, and add up or max what the methods gather before an
 
     rank r of N runs the global batches r, r + N, r + 2N, ...          shard
     GPTQ's Hessians, AWQ's statistics and candidate losses             summed over the ranks   sum_
+    GPTQ's solves                                                      dealt out, then shared  deal, share_layers
     static activation, SmoothQuant and KV-cache ranges                 the max over the ranks  max_
     the quantized block                                                rank 0's, on every rank same_block
     the checkpoint                                                     written by rank 0       writes
@@ -120,18 +121,42 @@ def from_writer(obj):
     return box[0]
 
 
+def deal(costs: list[float]) -> list[int]:
+    """The rank that does each of several jobs of these costs: the costliest first, each to the least
+    loaded rank (every rank deals the same)."""
+    load, owner = [0.0] * size(), [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: -costs[j]):
+        owner[j] = min(range(size()), key=lambda r: (load[r], r))
+        load[owner[j]] += costs[j]
+    return owner
+
+
+def share_layers(block, names, src: int) -> None:
+    """The named layers of `block` (their tensors) and their reported errors set to rank src's."""
+    if not active():
+        return
+    _broadcast([t for n in names for t in (*block.linear(n).parameters(), *block.linear(n).buffers())], src)
+    errors = torch.tensor([block.errors.get(n, 0.0) for n in names], dtype=torch.float64)
+    dist.broadcast(errors, src=src)
+    block.errors.update(zip(names, errors.tolist()))
+
+
 def same_block(module: torch.nn.Module) -> None:
     """Every tensor of `module` (a quantized block) set to rank 0's: each rank goes on from the very
     same block whatever its last bits of float arithmetic did."""
     if active():
-        for t in [*module.parameters(), *module.buffers()]:
-            data = t.data.view(torch.uint8) if t.dtype in BYTES else t.data
-            if data.is_contiguous():
-                dist.broadcast(data, src=0)
-            else:
-                whole = data.contiguous()
-                dist.broadcast(whole, src=0)
-                data.copy_(whole)
+        _broadcast([*module.parameters(), *module.buffers()], 0)
+
+
+def _broadcast(tensors: list[torch.Tensor], src: int) -> None:
+    for t in tensors:
+        data = t.data.view(torch.uint8) if t.dtype in BYTES else t.data
+        if data.is_contiguous():
+            dist.broadcast(data, src=src)
+        else:
+            whole = data.contiguous()
+            dist.broadcast(whole, src=src)
+            data.copy_(whole)
 
 
 def finish() -> None:

@@ -54,6 +54,15 @@ def test_batches_are_dealt_in_turn(monkeypatch):
         distributed.shard(ids, 2)
 
 
+def test_solves_are_dealt_costliest_first_to_the_least_loaded(monkeypatch):
+    """GPTQ's solves among the processes: the costliest first, each to the least loaded; one process
+    does all of them."""
+    monkeypatch.setattr(distributed, "size", lambda: 2)
+    assert distributed.deal([1.0, 8.0, 3.0, 4.0]) == [1, 0, 1, 1]  # 8 -> 0; 4 -> 1; 3 -> 1 (4 < 8); 1 -> 1 (7 < 8)
+    monkeypatch.setattr(distributed, "size", lambda: 1)
+    assert distributed.deal([1.0, 8.0]) == [0, 0]
+
+
 CASES = {  # every statistic the processes share: Hessians, AWQ's means, Grams and losses, ranges
     "gptq + int8 KV": ["--method", "gptq", "--group-size", "32", "--kv-cache", "int8"],
     "awq + gptq": ["--method", "awq", "--weights", "gptq", "--scheme", "w4a16_asym", "--group-size", "32"],

@@ -288,8 +288,16 @@ def quantize_block(block, recipe) -> None:
     kept = block.hessians
     covered = kept is not None and {n for names, _ in kept for n in names} == set(block.targets)
     groups = kept if covered else collect_hessians(block, block.targets)
-    for names, H in groups:
-        quantize_linears(block, names, H, recipe, absmax)
+    # several processes (distributed.py) share the solves: each solves its share, the rest arrive from theirs
+    owners = distributed.deal([H.shape[0] ** 2 * (H.shape[0] + sum(block.linear(n).out_features for n in names))
+                               for names, H in groups])
+    for (names, H), owner in zip(groups, owners):
+        if owner == distributed.rank():
+            quantize_linears(block, names, H, recipe, absmax)
+        else:  # a stand-in of the same shapes until the owner's layers arrive
+            rtn.quantize_linears(block, names, recipe.scheme, absmax)
+    for (names, _), owner in zip(groups, owners):
+        distributed.share_layers(block, names, owner)
     solved = {n for names, _ in groups for n in names}
     starved = [n for n in block.targets if n not in solved]
     if starved:
