@@ -8,14 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from qtk import distributed, pipeline
-from qtk.checkpoint import weight_files
 from qtk.errors import InputError
 from qtk.recipe import from_flags
 
-from zoo import saved, tiny
+from zoo import files_state, saved, tiny
 
 
 def _qtk(*args, nproc: int = 1) -> subprocess.CompletedProcess:
@@ -23,12 +21,9 @@ def _qtk(*args, nproc: int = 1) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _tensors(d) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in weight_files(d):
-        with safe_open(str(f), framework="pt") as sf:
-            out.update({k: sf.get_tensor(k) for k in sf.keys()})
-    return out
+def _codes(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Integer codes one by one (int4 packed eight to an int32 word, unpacked)."""
+    return torch.stack([(t >> (4 * i)) & 15 for i in range(8)], -1) if name.endswith("weight_packed") else t
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +69,10 @@ CASES = {  # every statistic the processes share: Hessians, AWQ's means, Grams a
 @pytest.mark.parametrize("case", CASES)
 def test_two_processes_write_one_process_checkpoint(case, model_and_text, tmp_path):
     """Two processes (gloo), each on 2 of the 4 batches: the same tensors as one process on all 4, up
-    to float rounding (the sums run in another order): floats within 1e-3 relative, at most 1% of
-    integer codes one step away; the same config."""
+    to float rounding: the sums run in another order, and GPTQ's solution follows their last bits
+    from block to block (float32 calibration: up to 7.3% of a layer's int4 codes and 1.8% of a weight
+    scale moved; without the Hessians' sum 33-37% of codes do). Observed ranges within 1e-3, weight
+    scales within 5%, at most 15% of each layer's codes different; the same config."""
     src, text = model_and_text
     args = [src, *CASES[case], "--dataset", text, "--num-samples", 8, "--seq-len", 32, "--batch-size", 2]
     one = _qtk(*args, "-o", tmp_path / "one")
@@ -83,14 +80,15 @@ def test_two_processes_write_one_process_checkpoint(case, model_and_text, tmp_pa
     two = _qtk(*args, "-o", tmp_path / "two", nproc=2)
     assert two.returncode == 0, two.stderr
     assert "2 processes" in two.stdout and two.stdout.count("wrote") == 1
-    a, b = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")
+    a, b = files_state(tmp_path / "one"), files_state(tmp_path / "two")
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        if a[k].dtype.is_floating_point:
-            torch.testing.assert_close(a[k].float(), b[k].float(), rtol=1e-3, atol=1e-6, msg=k)
+        if a[k].dtype.is_floating_point:  # GPTQ's scales follow its codes; the observed ranges are maxima
+            rel = (a[k].float() - b[k].float()).abs() / a[k].float().abs().clamp_min(1e-6)
+            assert rel.max() <= (0.05 if k.endswith("weight_scale") else 1e-3), k
         else:
-            assert (a[k] != b[k]).float().mean() <= 0.01, k
+            assert (_codes(a[k], k) != _codes(b[k], k)).float().mean() <= 0.15, k
     assert (tmp_path / "one" / "config.json").read_text() == (tmp_path / "two" / "config.json").read_text()
     assert not list(tmp_path.glob(".*qtk-staging"))
 

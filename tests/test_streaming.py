@@ -6,17 +6,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from qtk import pipeline
-from qtk.checkpoint import weight_files
 from qtk.errors import InputError
 from qtk.methods.args import AutoRoundArgs
 from qtk.moe import linearize_experts
 from qtk.recipe import CalibrationArgs, DistillArgs, from_flags
 from qtk.streaming import StreamedModel
 
-from zoo import ZOO, saved, tiny
+from zoo import ZOO, files_state, saved, tiny
 
 READ_TYPES = ["llama", "qwen2", "gemma3_text", "phi3", "opt", "mixtral", "qwen3_moe", "gpt_oss"]
 
@@ -26,14 +24,6 @@ def deep(model_type: str, layers: int = 3):
     types = ZOO[model_type].get("layer_types")
     extra = {"layer_types": [types[i % len(types)] for i in range(layers)]} if types else {}
     return tiny(model_type, num_hidden_layers=layers, **extra)
-
-
-def files_state(d) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in weight_files(d):
-        with safe_open(str(f), framework="pt") as sf:
-            out.update({k: sf.get_tensor(k) for k in sf.keys()})
-    return out
 
 
 def calibration(tmp_path, n=4, seq_len=32):

@@ -8,6 +8,8 @@ the byte tokenizer.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from interop import TINY, byte_tokenizer
@@ -83,3 +85,16 @@ def saved(model, path) -> str:
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return str(path)
+
+
+def files_state(d) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's safetensors files, by name."""
+    from safetensors import safe_open
+
+    from qtk.checkpoint import weight_files
+
+    out = {}
+    for f in weight_files(Path(d)):
+        with safe_open(str(f), framework="pt") as sf:
+            out.update({k: sf.get_tensor(k) for k in sf.keys()})
+    return out
