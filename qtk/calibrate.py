@@ -33,6 +33,7 @@ from .recipe import Recipe
 from .quant_linear import QuantLinear
 from .schemes import Scheme, check_group_divides
 from .smoothing import widths_match
+from .spill import Activations
 from .errors import InputError
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class Block:
     # the float block's outputs on the float model's own activations (one per batch), for a weight
     # quantizer that targets them (Method.float_chain: autoround); None otherwise
     reference: list[torch.Tensor] | None = None
+    # where the outputs kept for the next block wait (memory, or memory-mapped files: spill.py)
+    store: Activations = field(default_factory=Activations)
 
     @property
     def pairs(self) -> tuple:
@@ -123,16 +126,22 @@ class Block:
 
     def run(self, inputs: BlockInputs | None = None) -> list[torch.Tensor]:
         """Outputs of the layer on every input batch (its own inputs unless others are given),
-        moved back to CPU."""
+        moved back to CPU and kept where the block's store keeps activations."""
+        return list(self._outputs(inputs, self.store.keep))
+
+    def observe(self) -> None:
+        """Run the layer on every input batch for what its hooks see; the outputs are not kept."""
+        for _ in self._outputs(None, lambda y: None):
+            pass
+
+    def _outputs(self, inputs: BlockInputs | None, keep):
         from .kernels.dispatch import dense_weights
 
         inputs = self.inputs if inputs is None else inputs
-        outs = []
         with torch.no_grad(), dense_weights():
             for h, kw in zip(inputs.hidden, inputs.kwargs):
                 y = self.layer(h.to(self.device), **kw)
-                outs.append((y[0] if isinstance(y, tuple) else y).to("cpu"))
-        return outs
+                yield keep((y[0] if isinstance(y, tuple) else y).to("cpu"))
 
     def feed(self, until: str) -> None:
         """Run the layer on every input batch only as far as the input of submodule `until` (the
@@ -171,49 +180,51 @@ class _StandIn(nn.Module):
     model makes to it (hidden states, rotary, the mask of the block's attention kind) and passes
     the hidden states on; the last one ends the forward."""
 
-    def __init__(self, layer: nn.Module, calls: list[list], last: bool):
+    def __init__(self, layer: nn.Module, calls: list, last: bool):
         super().__init__()
         if hasattr(layer, "attention_type"):  # transformers 4.x picks each block's mask by it
             self.attention_type = layer.attention_type
         self.calls, self.last = calls, last
 
     def forward(self, *args, **kwargs):
-        self.calls[-1].append((args, kwargs))
+        self.calls.append((args, kwargs))
         if self.last:
             raise _Stop
         return args[0] if args else kwargs["hidden_states"]
 
 
 def capture_inputs(model: nn.Module, arch: Arch, ids: torch.Tensor, device: torch.device,
-                   batch_size: int) -> BlockInputs:
-    """Run the model up to its blocks and keep what block 0 receives, one entry per batch, and the
-    attention mask each block receives. The blocks stand aside meanwhile: none of them runs. With
-    several processes (distributed.py) each captures its own share of the batches."""
+                   batch_size: int, store: Activations | None = None) -> BlockInputs:
+    """Run the model up to its blocks and keep what block 0 receives, one entry per batch (where
+    `store` keeps activations, batch by batch), and the attention mask each block receives. The
+    blocks stand aside meanwhile: none of them runs. With several processes (distributed.py) each
+    captures its own share of the batches."""
+    store = store or Activations()
     ids, starts, batches = distributed.shard(ids, batch_size)
     layers = model.get_submodule(arch.layers)
     pre = [model.get_submodule(name) for name in arch.before]
     for m in pre:
         onload(m, device)
-    calls: list[list] = []  # per batch, (args, kwargs) of each block's call
+    calls: list[tuple] = []  # the batch's (args, kwargs) of each block's call
     set_module(model, arch.layers, nn.ModuleList(_StandIn(layer, calls, last=i + 1 == len(layers))
                                                   for i, layer in enumerate(layers)))
+    hidden, kwargs, masks = [], [], []
     try:
         with torch.no_grad():
             for i in range(0, len(ids), batch_size):
-                calls.append([])
+                calls.clear()
                 with contextlib.suppress(_Stop):
                     model(input_ids=ids[i:i + batch_size].to(device), use_cache=False)
+                args, kw = calls[0]  # block 0's call
+                hidden.append(store.keep((args[0] if args else kw["hidden_states"]).to("cpu")))
+                kwargs.append({k: v for k, v in kw.items()
+                               if k not in ("hidden_states", "cache", "past_key_values", "past_key_value")})
+                kwargs[-1]["use_cache"] = False
+                masks.append([block_kw.get("attention_mask") for _, block_kw in calls])
     finally:
         set_module(model, arch.layers, layers)
         for m in pre:
             offload(m)
-    hidden, kwargs, masks = [], [], []
-    for batch in calls:
-        args, kw = batch[0]  # block 0's call
-        hidden.append((args[0] if args else kw["hidden_states"]).to("cpu"))
-        kwargs.append({k: v for k, v in kw.items() if k not in ("hidden_states", "cache", "past_key_values", "past_key_value")})
-        kwargs[-1]["use_cache"] = False
-        masks.append([block_kw.get("attention_mask") for _, block_kw in batch])
     return BlockInputs(hidden, kwargs, masks, starts, batches)
 
 
@@ -248,13 +259,15 @@ def override_schemes(targets: dict[str, nn.Linear], recipe: Recipe) -> dict[str,
 
 
 def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | None = None,
-                   progress: bool = True, stream=None) -> dict:
+                   progress: bool = True, stream=None, store: Activations | None = None) -> dict:
     """Quantize `model` in place, block by block; returns a report (per-layer errors, timings).
 
     `stream`: a streaming.StreamedModel of `model` (its blocks on meta until read): each block is read
     from the files when its turn comes and handed to stream.finish(i, carry) once quantized (which
     writes and frees it; carry: what the next block needs), so one block is in memory at a time; with
-    stream.resumed (an interrupted run's last carry) the blocks before its "next" are skipped."""
+    stream.resumed (an interrupted run's last carry) the blocks before its "next" are skipped.
+    `store`: where the calibration activations wait between blocks (spill.py; memory by default)."""
+    store = store or Activations()
     arch = discover(model, smoothing=recipe.smoothing is not None, stream=stream)  # pairs probed where used
     check_pairs(model, arch, recipe.smoothing)
     if recipe.kv_cache is not None and None in arch.attention:
@@ -281,7 +294,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
             report["layers"].update(resumed["layers"])
         else:
             start = 0
-            inputs = capture_inputs(model, arch, calib_ids, device, recipe.calibration.batch_size) if recipe.needs_data else None
+            inputs = capture_inputs(model, arch, calib_ids, device, recipe.calibration.batch_size,
+                                    store) if recipe.needs_data else None
             # the float model's own activations, beside the quantized model's, for a method that targets them
             floats = inputs if inputs is not None and METHODS[recipe.weights].float_chain else None
         bar = tqdm(range(start, len(layers)), initial=start, total=len(layers), desc=f"qtk {recipe.method}",
@@ -293,7 +307,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
             if stream is not None:
                 stream.load(i)
             block = Block(i, prefix, onload(layers[i], device), arch, own, device, rel,
-                          overrides={n[len(prefix) + 1:]: s for n, s in overrides.items() if n.startswith(prefix + ".")})
+                          overrides={n[len(prefix) + 1:]: s for n, s in overrides.items() if n.startswith(prefix + ".")},
+                          store=store)
             if floats is not None:  # the float block on the float activations: the target, and the next block's
                 block.reference = block.run(floats.for_block(i))
             inputs = quantize_block(model, block, recipe, last=i + 1 == len(layers))
@@ -312,6 +327,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | N
             layer.get_submodule(attention).kv_scheme = recipe.kv_cache
         enable_kv_quant(model)
     model.config.use_cache = use_cache
+    if store.on_disk:
+        report["activations_on_disk"] = {"folder": str(store.folder), "bytes_written": store.written}
     report["seconds"] = time.perf_counter() - t0
     return report
 

@@ -155,12 +155,16 @@ def _section(**kw):
 @click.option("--calibrate-all-experts/--no-calibrate-all-experts", default=None,
               help="MoE: route every calibration token through every expert for statistics (the block's output "
                    "still uses the routed ones). On by default, as in llm-compressor.")
+@click.option("--activations", type=click.Choice(["auto", "memory", "disk"]), default=None,
+              help="Where calibration activations wait between blocks: memory, disk (memory-mapped files beside "
+                   "the output, removed at the end) or auto (disk when they would take over half the memory "
+                   "available; the log says so).")
 @click.option("--device", default=None, help="Calibration device: cpu or cuda[:N] (one block at a time goes there).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default=None,
               help="Model dtype while calibrating (auto: bfloat16 on CUDA and CPUs with bf16 units, float32 "
                    "elsewhere): block forwards run in it; Hessians, solves and searches accumulate in float32.")
 def quantize(model, output, force, resume, nproc, recipe_file, gates_spec, act_order, dampening, alpha, iters, distill_samples, dataset,
-             num_samples, seq_len, batch_size, chat_template, seed, calibrate_all_experts, **top):
+             num_samples, seq_len, batch_size, chat_template, seed, calibrate_all_experts, activations, **top):
     """Quantize MODEL and write a compressed-tensors checkpoint to --output."""
     from . import distributed, pipeline, recipe as rec
 
@@ -177,7 +181,7 @@ def quantize(model, output, force, resume, nproc, recipe_file, gates_spec, act_o
                        distill=_section(samples=distill_samples),
                        calibration=_section(dataset=dataset, num_samples=num_samples, seq_len=seq_len,
                                             batch_size=batch_size, chat_template=chat_template, seed=seed,
-                                            calibrate_all_experts=calibrate_all_experts))
+                                            calibrate_all_experts=calibrate_all_experts, activations=activations))
     needs = [optional.model_needs(model), optional.dataset_needs(recipe.calibration.dataset, "--dataset")]
     if gates_spec is not None:
         if resume:

@@ -1,6 +1,7 @@
 """`qtk quantize` end to end: load, calibrate block by block, write the checkpoint atomically."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -26,7 +27,9 @@ from .moe import linearize_experts, router_names
 from .recipe import MIXED_WIDER, Override, Recipe, to_yaml
 from .rotation import rotate_down, rotate_residual, rotate_values
 from .self_text import self_generated_ids
+from .spill import Activations, activation_bytes
 from .staging import Staging
+from .methods import METHODS
 from .schemes import Scheme, check_group_divides, dividing_group_size
 from .sensitivity import bits_per_weight, choose_units, layer_sensitivity, weight_bits
 
@@ -188,10 +191,11 @@ def write(job: Job, model: nn.Module, recipe: Recipe, output: Path, force: bool,
           progress: bool, mixed: dict | None = None, extra_report: dict | None = None) -> dict:
     """Calibrate `model` (job.load()'s) with `recipe` block by block and write the checkpoint to
     `output` atomically; returns the report (also written as qtk_report.json)."""
-    report = quantize_model(model, recipe, job.ids, progress=progress)
+    with activation_store(job, output) as store:
+        report = quantize_model(model, recipe, job.ids, progress=progress, store=store)
     if recipe.distill.samples:
         model.to(recipe.device)
-        report["distill"] = distill_scales(model, job.teacher(), job.ids, recipe.distill, progress)
+        report["distill"] = distill_scales(model, job.teacher(), job.ids, recipe.distill, progress, stored=dtype)
         model.to("cpu")
     if mixed is not None:
         report["mixed_precision"] = mixed
@@ -240,7 +244,8 @@ def write_streamed(job: Job, output: Path, dtype: torch.dtype, progress: bool, s
 
     stream.sink = finished
     try:
-        report = quantize_model(model, recipe, job.ids, progress=progress, stream=stream)
+        with activation_store(job, output) as store:
+            report = quantize_model(model, recipe, job.ids, progress=progress, stream=stream, store=store)
     except BaseException:
         if not writes:
             raise
@@ -264,6 +269,27 @@ def write_streamed(job: Job, output: Path, dtype: torch.dtype, progress: bool, s
                          report_files(recipe, report), files)
     staging.remove()
     return report
+
+
+@contextlib.contextmanager
+def activation_store(job: Job, output: Path):
+    """Where this process's calibration activations wait between blocks (spill.py): memory, or a
+    folder beside the output, removed when the blocks are done (or fail)."""
+    r, c = job.recipe, job.recipe.calibration
+    if not r.needs_data:
+        yield Activations()
+        return
+    config = read_config(job.path)
+    hidden = getattr(getattr(config, "text_config", config), "hidden_size", 0)
+    need = activation_bytes(math.ceil(c.num_samples / distributed.size()), c.seq_len, hidden, job.compute.dtype,
+                            METHODS[r.weights].float_chain)
+    rank = f"-{distributed.rank()}" if distributed.active() else ""
+    store = Activations.choose(c.activations, need, output.parent / f".{output.name}.qtk-activations{rank}",
+                               available_memory())
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 def run_description(job: Job, dtype: torch.dtype) -> dict:

@@ -11,6 +11,7 @@ from .methods import FP8, METHODS, SMOOTHING, WEIGHTS, named
 from .methods.args import AutoRoundArgs, AWQArgs, DistillArgs, GPTQArgs, SmoothQuantArgs, check_types
 from .rotation import ROTATIONS
 from .schemes import KVCacheScheme, Scheme, kv_cache_scheme, preset
+from .spill import PLACES
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,14 @@ class CalibrationArgs:
     # llm-compressor's moe_calibrate_all_experts (its default too). false: each expert sees the
     # tokens routed to it, and one that saw too few is rounded to nearest (logged)
     calibrate_all_experts: bool = True
+    # where the activations wait between blocks: memory, disk (memory-mapped files beside the output,
+    # spill.py), or auto: disk when they would take more than half the memory available
+    activations: str = "auto"
 
     def __post_init__(self):
         check_types(self, "calibration")
+        if self.activations not in PLACES:
+            raise InputError(f"calibration.activations must be one of {', '.join(PLACES)}, got {self.activations!r}")
         for k in ("num_samples", "seq_len", "batch_size"):
             if getattr(self, k) <= 0:
                 raise InputError(f"calibration.{k} must be positive, got {getattr(self, k)}")

@@ -85,7 +85,8 @@ class Staging:
 
     def load(self) -> dict | None:
         state = self.folder / "state.pt"
-        return torch.load(state, weights_only=False) if state.is_file() else None
+        # memory-mapped: activations larger than memory (spill.py) are paged in as the blocks read them
+        return torch.load(state, weights_only=False, mmap=True) if state.is_file() else None
 
     def remove(self) -> None:
         """The staging folder and the empty folders begin() made for it."""

@@ -27,7 +27,7 @@ def static_input_scales(block, names) -> dict[str, torch.Tensor]:
         absmax[name] = m if name not in absmax else torch.maximum(absmax[name], m)
 
     with block.hooks(names, observe), all_experts(block.layer):  # a range covers any token an expert may get
-        block.run()
+        block.observe()
     if distributed.active():  # the max over every rank's batches; -inf: no rank's input reached it
         maxima = {n: distributed.max_(absmax.get(n, torch.full((1,), -torch.inf, device=block.device))) for n in names}
         absmax = {n: m for n, m in maxima.items() if m.item() > -torch.inf}

@@ -43,7 +43,7 @@ def activation_absmax(block, pairs: list[SmoothPair]) -> dict[SmoothPair, torch.
         absmax[pair] = m if pair not in absmax else torch.maximum(absmax[pair], m)
 
     with block.hooks(list(by_input), observe):
-        block.run()
+        block.observe()
     for pair in pairs:  # the max over every rank's batches (distributed.py)
         width = block.linear(pair.linears[0]).in_features
         absmax[pair] = distributed.max_(absmax.get(pair, torch.zeros(width, device=block.device)))
