@@ -2,12 +2,12 @@
 `--activations disk` (qtk/spill.py), on a random-weight model of a large model's shape.
 
     python benchmarks/activations_on_disk.py [--shape llama3-8b] [--layers 2] [--num-samples 96]
-                                             [--seq-len 2048] [--limit-gib 2.5] [--name NAME]
+                                             [--seq-len 2048] [--limit-gib 2.5] [--dataset FILE.txt] [--name NAME]
 
 Each run is `qtk quantize MODEL --method rtn --kv-cache int8` (KV-cache ranges need the calibration
 activations; rounding needs no more, so the run is mostly the activations' traffic) in its own process,
 placed in a cgroup (v1 memory controller) capped at --limit-gib where this machine lets one be made,
-and once without a cap for the time it costs. Recorded per run: exit code (137: killed by the cap),
+and once without a cap for the time it costs. Recorded per run: exit code (-9: killed by the cap),
 peak RSS from the kernel (os.wait4's ru_maxrss: file-backed pages included, so memory-mapped activations
 count while resident), peak anonymous memory (RssAnon, sampled every 0.1 s: what cannot be dropped and
 read again from a file), the cgroup's peak charge, wall seconds. Writes benchmarks/results/NAME.{json,md}.
@@ -95,17 +95,22 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--limit-gib", type=float, default=2.5)
+    ap.add_argument("--dataset", default="builtin", help="calibration text (the built-in one has 83k tokens: 40 "
+                    "samples of 2048; a longer FILE.txt for more)")
     ap.add_argument("--work", default="build/shaped")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     name = args.name or f"activations-on-disk-{args.shape}"
     model = Path(args.work) / f"{args.shape}-{args.layers}"
-    if not (model / "config.json").is_file():
-        shaped_model.write(model, args.shape, args.layers)
+    if not (model / "config.json").is_file():  # in a process of its own: a child's peak RSS starts at its parent's
+        subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'benchmarks'); import shaped_model; "
+                        f"from pathlib import Path; shaped_model.write(Path({str(model)!r}), {args.shape!r}, {args.layers})"],
+                       check=True, cwd=ROOT)
     hidden = shaped_model.SHAPES[args.shape][0]
     record = {"command": "python benchmarks/activations_on_disk.py " + " ".join(sys.argv[1:]), "shape": args.shape,
               "layers": args.layers, "cpu": cpu_name(), "commit": git_commit(), "date": time.strftime("%Y-%m-%d"),
               "num_samples": args.num_samples, "seq_len": args.seq_len, "batch_size": args.batch_size,
+              "dataset": args.dataset,
               "activations_gib": args.num_samples * args.seq_len * hidden * 2 / 2**30,  # one block's inputs, bf16
               "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, "rows": []}
     limit = int(args.limit_gib * 2**30)
@@ -113,7 +118,7 @@ def main() -> None:
         out = Path(args.work) / f"out-activations-{place}"
         cmd = [sys.executable, "-m", "qtk", "quantize", str(model), "-o", str(out), "--force", "--method", "rtn",
                "--kv-cache", "int8", "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len),
-               "--batch-size", str(args.batch_size), "--activations", place]
+               "--batch-size", str(args.batch_size), "--dataset", args.dataset, "--activations", place]
         group = capped(cap)
         if cap is not None and group is None:
             print("no cgroup can be made here: the capped runs are left out", flush=True)
@@ -131,10 +136,10 @@ def write(record: dict, out: Path, name: str) -> None:
              f"({record['date']}, commit {record['commit'][:8]}, {record['cpu']}, {record['memory_gib']:.0f} GiB of "
              "memory)", "",
              f"`qtk quantize --method rtn --kv-cache int8` on {record['num_samples']} samples x {record['seq_len']} "
-             f"tokens (batches of {record['batch_size']}): each block's inputs take {record['activations_gib']:.2f} GiB "
+             f"tokens of {record['dataset']} (batches of {record['batch_size']}): each block's inputs take {record['activations_gib']:.2f} GiB "
              "in bf16, and its outputs as much while it runs. Random-weight model of the shape "
              "(benchmarks/shaped_model.py), streamed block by block. Capped runs: in a cgroup whose memory (page "
-             "cache included) is capped; exit code 137 is the kernel killing the run at the cap. Peak RSS counts the "
+             "cache included) is capped; exit code -9 is the kernel killing the run (SIGKILL) at the cap. Peak RSS counts the "
              "memory-mapped activations' pages while resident; peak anonymous memory is what cannot be dropped and "
              "read back from a file.", "", f"    {record['command']}", "",
              "| activations | cap GiB | exit code | peak RSS GiB | peak anonymous GiB | cgroup peak GiB | wall s |",

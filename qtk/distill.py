@@ -15,12 +15,7 @@ on the next token: no labels are needed, and every vocabulary entry's probabilit
 block-wise methods each see one block's output; this sees what the gates measure, and corrects
 the error the blocks leave when they add up.
 
-With `norms`, each normalization's weight (RMSNorm's or LayerNorm's gain, stored in the
-checkpoint's float dtype, no bytes added) is trained along, as Norm Tweaking does (Li et al., 2024,
-there block by block against the float block's output distribution): a gain per channel rescales
-what the next quantized layers read, the one correction a block can make to its input.
-
-Each scale (and gain) is trained as s = s0 * exp(u), u starting at 0 (the block-wise result exactly), so one
+Each scale is trained as s = s0 * exp(u), u starting at 0 (the block-wise result exactly), so one
 Adam step moves every scale by about the same fraction whatever its size; the forward multiplies by
 s rounded to bf16 (straight through), the dtype the checkpoint stores, so what is trained is what
 is written. One pass over `samples` calibration samples, one sample a step, the learning rate
@@ -95,46 +90,6 @@ class TrainedScales:
         return float(((s - self.base).abs() / self.base.abs().clamp_min(1e-30)).max()) if s.numel() else 0.0
 
 
-class TrainedGain(nn.Module):
-    """A normalization's weight under training, as a parametrization: g = g0 * exp(u), rounded to the
-    checkpoint's dtype forward (straight through)."""
-
-    def __init__(self, g0: torch.Tensor, stored: torch.dtype):
-        super().__init__()
-        self.log_ratio = nn.Parameter(torch.zeros_like(g0, dtype=torch.float32))
-        self.stored = stored
-
-    def forward(self, g0: torch.Tensor) -> torch.Tensor:
-        g = g0.float() * torch.exp(self.log_ratio)
-        return ((g.to(self.stored).float() - g).detach() + g).to(g0.dtype)
-
-
-def norm_layers(model: nn.Module) -> list[nn.Module]:
-    """Every normalization with a per-channel gain (RMSNorm, LayerNorm, and their model-specific
-    classes, found by name: transformers has one per architecture)."""
-    return [m for m in model.modules() if "norm" in type(m).__name__.lower()
-            and isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 1]
-
-
-@contextlib.contextmanager
-def trained_gains(model: nn.Module, stored: torch.dtype):
-    """Each normalization's weight parametrized as a TrainedGain while the block runs; on leaving,
-    the trained gain, as stored, becomes the weight. Yields the TrainedGains."""
-    from torch.nn.utils import parametrize
-
-    norms = norm_layers(model)
-    gains = []
-    for m in norms:
-        gain = TrainedGain(m.weight.detach(), stored)
-        parametrize.register_parametrization(m, "weight", gain, unsafe=True)
-        gains.append(gain)
-    try:
-        yield gains
-    finally:
-        for m in norms:
-            parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)  # the same Parameter
-
-
 def trainable(model: nn.Module) -> list[TrainedScales]:
     """Every QuantLinear with integer weights (fp8's per-channel scales are left as they are)."""
     return [TrainedScales.of(m) for m in model.modules()
@@ -162,10 +117,9 @@ def kl_divergence(teacher_logits: torch.Tensor, student_logits: torch.Tensor) ->
 
 
 def distill_scales(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, args: DistillArgs,
-                   progress: bool = True, stored: torch.dtype = torch.bfloat16) -> dict:
-    """Train `student`'s QuantLinear scales (and with args.norms its normalizations' gains, rounded
-    to `stored`, the checkpoint's float dtype) in place against `teacher` (the same model
-    unquantized, float32) on args.samples of the calibration samples ids [N, L]; returns the report."""
+                   progress: bool = True) -> dict:
+    """Train `student`'s QuantLinear scales in place against `teacher` (the same model unquantized,
+    float32) on args.samples of the calibration samples ids [N, L]; returns the report."""
     t0 = time.perf_counter()
     n = min(args.samples, len(ids))
     if n < args.samples:
@@ -176,18 +130,18 @@ def distill_scales(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, ar
     device = scales[0].base.device
     dtype = next(student.parameters()).dtype
     student.float()  # the forward and its gradients in float32; the checkpoint's dtype is set when writing
+    params = [t.log_ratio for t in scales]
     frozen = [p for p in student.parameters() if p.requires_grad]
     for p in frozen:
         p.requires_grad_(False)
+    opt = torch.optim.Adam(params, lr=args.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / n)))
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))[:n]
     losses = []
     use_cache = student.config.use_cache
     student.config.use_cache = False
     try:
-        with training_forward(scales), (trained_gains(student, stored) if args.norms else contextlib.nullcontext([])) as gains:
-            params = [t.log_ratio for t in scales] + [g.log_ratio for g in gains]
-            opt = torch.optim.Adam(params, lr=args.lr)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / n)))
+        with training_forward(scales):
             for i in tqdm(order.tolist(), desc="qtk distill", unit="sample", disable=not progress):
                 x = ids[i:i + 1].to(device)
                 with torch.no_grad():
@@ -198,7 +152,6 @@ def distill_scales(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, ar
                 opt.step()
                 sched.step()
                 losses.append(loss.item())
-            norms_moved = max((float(torch.exp(g.log_ratio.detach()).sub(1).abs().max()) for g in gains), default=0.0)
         moved = max(t.store() for t in scales)
     finally:
         student.config.use_cache = use_cache
@@ -208,7 +161,6 @@ def distill_scales(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, ar
     quarter = max(1, n // 4)
     report = {"samples": n, "layers": len(scales), "lr": args.lr,
               "scales": sum(t.base.numel() for t in scales), "largest_relative_change": moved,
-              "norms": len(gains), "largest_relative_gain_change": norms_moved,
               "kl_first_quarter": sum(losses[:quarter]) / quarter, "kl_last_quarter": sum(losses[-quarter:]) / quarter,
               "seconds": time.perf_counter() - t0}
     log.info("distill: %d scales of %d layers trained on %d samples in %.0f s; KL %.4f over the first quarter, "

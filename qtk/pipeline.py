@@ -195,7 +195,7 @@ def write(job: Job, model: nn.Module, recipe: Recipe, output: Path, force: bool,
         report = quantize_model(model, recipe, job.ids, progress=progress, store=store)
     if recipe.distill.samples:
         model.to(recipe.device)
-        report["distill"] = distill_scales(model, job.teacher(), job.ids, recipe.distill, progress, stored=dtype)
+        report["distill"] = distill_scales(model, job.teacher(), job.ids, recipe.distill, progress)
         model.to("cpu")
     if mixed is not None:
         report["mixed_precision"] = mixed

@@ -106,53 +106,6 @@ def test_closer_to_the_float_model_with_only_the_scales_changed(tiny_dir, tmp_pa
     assert report["kl_last_quarter"] < report["kl_first_quarter"]
 
 
-def test_gains_start_as_the_models_and_leave_as_stored(tiny_dir):
-    """Each normalization's weight, parametrized: u = 0 computes the model's own output; gradients
-    reach every gain; on leaving, the weight is g0 * exp(u) rounded to the stored dtype, in the same
-    Parameter, and nothing else moved."""
-    model, _ = load_model(str(tiny_dir), dtype=torch.float32)
-    norms = distill.norm_layers(model)
-    assert len(norms) == 2 * model.config.num_hidden_layers + 1  # input, post-attention, final
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    weights = [m.weight for m in norms]
-    g0 = [w.detach().clone() for w in weights]
-    x = torch.arange(2, 34).reshape(2, 16)
-    with torch.no_grad():
-        want = model(x).logits
-    with distill.trained_gains(model, torch.bfloat16) as gains:
-        torch.testing.assert_close(model(x).logits, want, rtol=0, atol=0)
-        model(x).logits.square().mean().backward()
-        assert all(g.log_ratio.grad is not None and g.log_ratio.grad.abs().sum() > 0 for g in gains)
-        with torch.no_grad():
-            for g in gains:
-                g.log_ratio.uniform_(-0.05, 0.05, generator=torch.Generator().manual_seed(1))
-        trained = [(g * torch.exp(gain.log_ratio.detach())).to(torch.bfloat16).float() for g, gain in zip(g0, gains)]
-    assert [m.weight for m in norms] == weights  # the same Parameters, not new ones
-    for m, t in zip(norms, trained):
-        assert torch.equal(m.weight.detach(), t)
-    for n, p in model.named_parameters():
-        if not any(p is w for w in weights):
-            assert torch.equal(p, before[n]), n
-
-
-def test_norms_trained_along_change_only_gains_and_scales(tiny_dir, tmp_path, kl_of):
-    """distill.norms: the normalizations' weights move too (none of the other unquantized tensors,
-    no code or zero point), and the result is nearer the float model than RTN alone."""
-    common = dict(method="rtn", scheme="w4a16_asym", group_size=32, dtype="float32")
-    pipeline.quantize(str(tiny_dir), build(**common), tmp_path / "rtn", progress=False)
-    calibration = {**CALIBRATION, "num_samples": 32}
-    pipeline.quantize(str(tiny_dir), build(**common, calibration=calibration,
-                                           distill={"samples": 32, "lr": 1e-2, "norms": True}),
-                      tmp_path / "kd", progress=False)
-    assert kl_of(tmp_path / "kd") < 0.85 * kl_of(tmp_path / "rtn")
-    rtn, kd = _tensors(tmp_path / "rtn"), _tensors(tmp_path / "kd")
-    changed = {n for n, v in rtn.items() if not torch.equal(v, kd[n])}
-    assert {n for n in changed if n.endswith("norm.weight")} == {n for n in rtn if n.endswith("norm.weight")}
-    assert all(n.endswith(("weight_scale", "norm.weight")) for n in changed), sorted(changed)
-    report = json.loads((tmp_path / "kd" / "qtk_report.json").read_text())["distill"]
-    assert report["norms"] == 5 and 0 < report["largest_relative_gain_change"] < 0.5
-
-
 def test_through_the_cli_with_the_online_rotation(tiny_dir, tmp_path, kl_of):
     """`--method awq --rotate down --distill-samples 8`: the down projections' inputs are rotated in
     the training forward too (the hook runs around it), so the loaded checkpoint is the model that

@@ -89,7 +89,6 @@ class DistillArgs:
     the block-wise methods (qtk/distill.py). samples 0: not run."""
     samples: int = 0  # calibration samples, one optimizer step each (one pass)
     lr: float = 1e-3  # Adam's step on each scale's log ratio to its block-wise value, cosine-decayed to 0
-    norms: bool = False  # also train each normalization's gain (Norm Tweaking's parameters), as its log ratio
 
     def __post_init__(self):
         check_types(self, "distill")
