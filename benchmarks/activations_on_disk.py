@@ -127,7 +127,7 @@ def main() -> None:
         record["rows"].append(row)
         print(json.dumps(row), flush=True)
         write(record, ROOT / "benchmarks/results", name)
-        subprocess.run(["rm", "-rf", str(out)])
+        subprocess.run(["rm", "-rf", str(out), str(out.parent / f".{out.name}.qtk-staging")])  # a killed run's too
 
 
 def write(record: dict, out: Path, name: str) -> None:
