@@ -13,7 +13,7 @@ from qtk.methods.args import AutoRoundArgs
 from qtk.recipe import CalibrationArgs, build, from_flags
 from qtk.spill import Activations, activation_bytes
 
-from test_streaming import assert_same_checkpoint, calibration, deep
+from test_streaming import assert_same_checkpoint, calibration, deep, failing_at
 from zoo import saved
 
 
@@ -118,3 +118,22 @@ def test_the_cli_keeps_them_on_disk_and_says_where(tmp_path, caplog):
     assert not (tmp_path / ".q.qtk-activations").exists()
     r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "r"), "--activations", "ssd"])
     assert r.exit_code == 2 and "'ssd' is not one of 'auto', 'memory', 'disk'" in r.output
+
+
+def test_on_disk_a_failed_run_leaves_no_activations_and_resumes_to_the_same_files(tmp_path, monkeypatch):
+    """A failure at block 2 of 4 with the activations on disk: their folder is gone, the staging kept;
+    the resume reads the staged inputs memory-mapped and writes what a run in memory writes."""
+    src = saved(deep("llama", 4), tmp_path / "src")
+    recipe = replace(from_flags("gptq", group_size=32, kv_cache="int8"), calibration=calibration(tmp_path))
+    pipeline.quantize(src, recipe, tmp_path / "ref", dtype=torch.float32, progress=False)
+    disk = replace(recipe, calibration=replace(recipe.calibration, activations="disk"))
+    out = tmp_path / "out" / "q"
+    with monkeypatch.context() as m:
+        failing_at(m, 2)
+        with pytest.raises(RuntimeError, match="disk full"):
+            pipeline.quantize(src, disk, out, dtype=torch.float32, progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".q.qtk-staging"]
+    report = pipeline.quantize(src, disk, out, dtype=torch.float32, progress=False, resume=True)
+    assert report["resumed_at"] == 2 and report["activations_on_disk"]["bytes_written"] > 0
+    assert_same_checkpoint(tmp_path / "ref", out)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["q"]
