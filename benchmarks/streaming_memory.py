@@ -104,9 +104,11 @@ def main() -> None:
     ids_file = Path(args.work) / "calib_ids.pt"
     for layers in counts:
         model = Path(args.work) / f"{args.shape}-{layers}"
-        if not (model / "config.json").is_file():
-            t0 = time.perf_counter()
-            shaped_model.write(model, args.shape, layers)
+        if not (model / "config.json").is_file():  # in a process of its own: a child's peak RSS (ru_maxrss) starts
+            t0 = time.perf_counter()                 # at its parent's high-water mark, kept across vfork and exec
+            subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'benchmarks'); import shaped_model; "
+                            f"from pathlib import Path; shaped_model.write(Path({str(model)!r}), {args.shape!r}, {layers})"],
+                           check=True, cwd=ROOT)
             print(f"wrote {model} in {time.perf_counter() - t0:.0f} s", flush=True)
         size = json.loads((model / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
         for method in args.methods.split(","):
