@@ -127,21 +127,23 @@ class Block:
     def run(self, inputs: BlockInputs | None = None) -> list[torch.Tensor]:
         """Outputs of the layer on every input batch (its own inputs unless others are given),
         moved back to CPU and kept where the block's store keeps activations."""
-        return list(self._outputs(inputs, self.store.keep))
+        return [self.store.keep(y.to("cpu")) for y in self._outputs(inputs)]
 
     def observe(self) -> None:
-        """Run the layer on every input batch for what its hooks see; the outputs are not kept."""
-        for _ in self._outputs(None, lambda y: None):
-            pass
+        """Run the layer on every input batch for what its hooks see; the outputs are dropped where
+        they were computed."""
+        for _ in self._outputs(self.inputs):
+            continue
 
-    def _outputs(self, inputs: BlockInputs | None, keep):
+    def _outputs(self, inputs: BlockInputs | None):
+        """The layer's output hidden states, batch by batch, on the calibration device."""
         from .kernels.dispatch import dense_weights
 
         inputs = self.inputs if inputs is None else inputs
         with torch.no_grad(), dense_weights():
             for h, kw in zip(inputs.hidden, inputs.kwargs):
                 y = self.layer(h.to(self.device), **kw)
-                yield keep((y[0] if isinstance(y, tuple) else y).to("cpu"))
+                yield y[0] if isinstance(y, tuple) else y
 
     def feed(self, until: str) -> None:
         """Run the layer on every input batch only as far as the input of submodule `until` (the
