@@ -454,7 +454,23 @@ ENGINE_OPTIONS = [  # EngineConfig's fields as flags (vLLM's names: --max-num-se
     click.option("--model-impl", type=click.Choice(["auto", "qtk", "transformers"]), default=ENGINE_DEFAULTS["model_impl"],
                  show_default=True, help="Model code: qtk's native forward where it has one (auto), only that (qtk), "
                                          "or transformers' modeling code with qtk's paged attention (transformers)."),
+    click.option("--speculative-config", callback=lambda ctx, param, value: _json_object(value, param),
+                 default=None, help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": '
+                                    '5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (drafts copied from the '
+                                    'prompt and the output). Greedy output is unchanged; it comes in fewer steps.'),
 ]
+
+
+def _json_object(value: str | None, param) -> dict | None:
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not JSON ({e}): give a JSON object", param=param) from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter("give a JSON object, e.g. '{\"method\": \"ngram\"}'", param=param)
+    return parsed
 
 
 def engine_options(fn):

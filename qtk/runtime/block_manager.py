@@ -15,7 +15,8 @@ ref-counted sharing, prefix caching and copy-on-write.
                 wait in take_copies() for the runner to apply before its next forward)
 
 The scheduler calls lookup_prefix at admission, allocate_slots before each step with the tokens
-the step computes, commit after the step, free when a sequence finishes, aborts or is preempted.
+the step computes, commit after the step (and trim where it rejected drafts), free when a sequence
+finishes, aborts or is preempted.
 """
 from __future__ import annotations
 
@@ -135,8 +136,9 @@ class BlockManager:
         nothing, when the pool cannot give them. A shared, partly filled block about to be written
         is copied first."""
         end = seq.num_computed_tokens + num_new_tokens
-        if end > len(seq):
-            raise ValueError(f"{seq}: {num_new_tokens} new tokens go past its {len(seq)} tokens")
+        if end > len(seq) + len(seq.spec_token_ids):
+            raise ValueError(f"{seq}: {num_new_tokens} new tokens go past its {len(seq)} tokens "
+                             f"and {len(seq.spec_token_ids)} drafts")
         new = self.blocks_for(end) - len(seq.block_table)
         first = seq.num_computed_tokens // self.block_size  # the block the first new token goes to
         cow = num_new_tokens > 0 and first < len(seq.block_table) and self.blocks[seq.block_table[first]].ref_count > 1
@@ -164,6 +166,13 @@ class BlockManager:
             if self.enable_prefix_caching and b.hash is None and h not in self.cached:
                 b.hash, b.parent, b.tokens = h, parent, tokens
                 self.cached[h] = b.block_id
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past seq's tokens (those that held only rejected drafts' KV)."""
+        keep = self.blocks_for(len(seq))
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child (same tokens so far) shares all of parent's blocks."""

@@ -59,6 +59,9 @@ class EngineConfig:
     # which model code runs: auto (qtk's native forward where it has one, else transformers' modeling
     # code with qtk's paged attention), qtk (native only: an error for other types) or transformers
     model_impl: str = "auto"
+    # speculative decoding (runtime/spec_decode.py), vLLM's dict: {"method": "ngram", "num_speculative_tokens": 5,
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 5}; None: off
+    speculative_config: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.model, os.PathLike):
@@ -89,6 +92,9 @@ class EngineConfig:
                              f"got {self.max_logprobs!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise InputError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        from .spec_decode import SpeculativeConfig
+
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r}")

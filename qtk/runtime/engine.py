@@ -9,6 +9,10 @@ sequences in the Scheduler. One step: the scheduler picks the sequences and how 
 each to compute, the ModelRunner runs one packed forward over them, the Sampler picks a token for
 each sequence whose known tokens are all computed, and the OutputProcessor turns the new tokens
 into RequestOutputs (text, stops, logprobs); finished sequences give back their KV blocks.
+
+With speculative_config (spec_decode.py), a proposer gives each decoding sequence drafts before the
+step, the step computes them after its last token, and the RejectionSampler keeps those the target
+agrees with: a sequence may get several tokens in one step.
 """
 from __future__ import annotations
 
@@ -30,10 +34,12 @@ from .model_runner import ModelRunner
 from .models import build
 from .output_processor import CompletionOutput, OutputProcessor, RequestOutput
 from .packed_linear import kernel_summary
+from .rejection_sampler import RejectionSampler
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence
+from .spec_decode import SpecDecodeStats, SpecDecoder
 from .structured_outputs import GrammarEngine
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # prompt tokens found there
+    spec_decode: SpecDecodeStats | None = None  # drafts proposed and kept (speculative decoding)
 
 
 class LLM:
@@ -83,6 +90,8 @@ class LLM:
         self.eos_token_ids = _eos_ids(hf_model, self.tokenizer)
         self.grammars = GrammarEngine(self.tokenizer, hf_model.config.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, self.grammars)
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.spec = SpecDecoder(c.speculative_config, self.max_model_len) if c.speculative_config else None
         self.processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.max_logprobs,
                                         c.max_num_seqs, self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -144,21 +153,26 @@ class LLM:
     def stats(self) -> EngineStats:
         sched, bm = self.scheduler, self.block_manager
         return EngineStats(len(sched.running), len(sched.waiting), 1 - bm.num_free_blocks / bm.num_blocks,
-                           sched.num_preemptions, bm.prefix_queries, bm.prefix_hits)
+                           sched.num_preemptions, bm.prefix_queries, bm.prefix_hits,
+                           None if self.spec is None else replace(self.spec.stats, accepted_per_pos=list(
+                               self.spec.stats.accepted_per_pos)))
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns a snapshot of every request that got a token in it (its
         text and tokens so far; `finished` once every completion has a finish_reason)."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         sampled, tokens = self._run(batch)
         self.scheduler.finish_step(batch, {s.seq_id: t for s, t in zip(sampled, tokens)})
-        return self.output_processor.process(sampled, self._free)
+        return self.output_processor.process(sampled, self._free, [len(t) for t in tokens])
 
-    def _run(self, batch: Batch) -> tuple[list[Sequence], list[int]]:
-        """The batch's forward, prompt logprobs and sampling -> (the sequences that sampled, their tokens)."""
+    def _run(self, batch: Batch) -> tuple[list[Sequence], list[list[int]]]:
+        """The batch's forward, prompt logprobs and sampling -> (the sequences that sampled, the new
+        tokens of each: one, or the drafts kept and the token after them)."""
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         logits, prompt_hidden = self.runner.run(batch)
         for seq in batch.seqs:
@@ -174,15 +188,32 @@ class LLM:
                         seq.prompt_rows.append(rows[max(0, done - pos):].cpu())
                     pos += len(rows)
                     done = max(done, pos)
-        tokens = self.sampler(logits, sampling) if sampling else []
-        for seq, row, token in zip(sampling, logits, tokens):
+        counts = [1 + len(s.spec_token_ids) for s in sampling]
+        rows = logits.split(counts)  # per sequence: its last token's row, then one per draft
+        plain = [i for i, n in enumerate(counts) if n == 1]  # sampled as a batch
+        tokens: list[list[int]] = [[] for _ in sampling]
+        if plain:
+            one = logits if len(plain) == len(sampling) else torch.cat([rows[i] for i in plain])
+            for i, token in zip(plain, self.sampler(one, [sampling[i] for i in plain])):
+                tokens[i] = [token]
+        for i, n in enumerate(counts):
+            if n > 1:
+                seq = sampling[i]
+                tokens[i] = self.rejection_sampler(rows[i], seq)
+                last = len(tokens[i]) - 1  # the token after the kept drafts, unless a stop cut the drafts
+                kept = last + (last < n - 1 and tokens[i][last] == seq.spec_token_ids[last])
+                self.spec.record(seq, n - 1, kept)
+        for seq, r, new in zip(sampling, rows, tokens):
             if seq.params.logprobs is not None:
-                seq.logprobs.append(self.sampler.logprobs(row, token, seq.params.logprobs))
+                for row, token in zip(r, new):
+                    seq.logprobs.append(self.sampler.logprobs(row, token, seq.params.logprobs))
         return sampling, tokens
 
     def _free(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.sampler.forget(seq)
+        if self.spec is not None:
+            self.spec.forget(seq)
 
     # -- offline API -------------------------------------------------------------------------
     def generate(self, prompts: str | list[str] | list[list[int]] | list[dict],

@@ -195,7 +195,7 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """(input_ids [T], positions [T], attention metadata, packed index of each sampling token).
+        """(input_ids [T], positions [T], attention metadata, packed index of each sampled position).
         Decodes cost a few list operations each; a prefill chunk a few tensor operations."""
         ids, positions, slot_mapping, sample_index = [], [], [], []
         decode_index, tables, lens, prefills = [], [], [], []
@@ -209,15 +209,15 @@ class ModelRunner:
                 decode_index.append(t)
                 tables.append(seq.block_table)
                 lens.append(start + 1)
-            else:
-                ids.extend(seq.token_ids[start:start + n])
+            else:  # a prompt chunk, or a decode with drafts to verify (causal over the chunk, as a prefill)
+                ids.extend(seq.step_token_ids(start, n))
                 positions.extend(range(start, start + n))
                 context = self.slots(seq, 0, start + n)
                 slot_mapping.extend(context[start:].tolist())
                 prefills.append(PrefillChunk(t, n, context.to(self.device), seq.block_table))
             t += n
-            if batch.samples(i):
-                sample_index.append(t - 1)
+            if batch.samples(i):  # the last token's logits, and each draft's before them
+                sample_index.extend(range(t - 1 - len(seq.spec_token_ids), t))
         width = max(map(len, tables), default=0)
         block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.long)
         mask = torch.arange(width * self.block_size)[None, :] < torch.tensor(lens, dtype=torch.long)[:, None]
@@ -232,7 +232,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """(logits [number of sampling sequences, vocab] in float32, in batch order;
+        """(logits [sampled positions, vocab] in float32, in batch order: one row per sampling
+        sequence, 1 + len(drafts) for one that verifies drafts;
         seq_id -> final hidden states [n, hidden] of the prompt tokens this step computed, for
         the sequences that score their prompt: Sequence.scores_prompt)."""
         self.copy_blocks(batch.copies)

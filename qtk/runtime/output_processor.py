@@ -75,15 +75,17 @@ class OutputProcessor:
             self._detok.pop(s.seq_id, None)
         return seqs
 
-    def process(self, sampled: list[Sequence], free: Callable[[Sequence], None]) -> list[RequestOutput]:
+    def process(self, sampled: list[Sequence], free: Callable[[Sequence], None],
+                counts: list[int] | None = None) -> list[RequestOutput]:
         """A snapshot of every request that got a token (its text and tokens so far; `finished` once
-        every completion has a finish_reason); free(seq) for each sequence that ended."""
+        every completion has a finish_reason); free(seq) for each sequence that ended. counts: the
+        new tokens of each sequence (1 each if not given; several where a step kept drafts)."""
         updated: dict[str, RequestOutput] = {}
-        for seq in sampled:
+        for seq, count in zip(sampled, counts or [1] * len(sampled)):
             if seq.request_id not in self.requests:
                 continue  # a sibling (n > 1) of a request aborted or failed in this step
             try:
-                out = self._update(seq, self.stop_reason(seq), free)
+                out = self._update(seq, self._stop_reason_over(seq, count), free)
             except Exception as e:  # this request's failure (its text, its stop check): it alone ends
                 log.exception("request %s failed", seq.request_id)
                 out = self.requests[seq.request_id][0].snapshot()
@@ -96,6 +98,23 @@ class OutputProcessor:
             if out.finished:
                 del self.requests[seq.request_id]
         return [out.snapshot() for out in updated.values()]
+
+    def _stop_reason_over(self, seq: Sequence, count: int) -> str | None:
+        """stop_reason after each of seq's `count` new tokens in turn, as if they came one step each:
+        the first stop ends it, and the tokens after it (and their logprobs) are dropped."""
+        if count == 1:
+            return self.stop_reason(seq)
+        later = seq.token_ids[len(seq) - count + 1:]
+        del seq.token_ids[len(seq) - count + 1:]
+        reason = self.stop_reason(seq)
+        for token in later:
+            if reason is not None:
+                break
+            seq.token_ids.append(token)
+            reason = self.stop_reason(seq)
+        if seq.params.logprobs is not None:
+            del seq.logprobs[seq.num_generated_tokens:]
+        return reason
 
     def stop_reason(self, seq: Sequence) -> str | None:
         """After seq got a new token: "stop" (EOS, a stop token, a stop string: the text ends

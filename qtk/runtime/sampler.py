@@ -86,21 +86,14 @@ class Sampler:
         return tokens
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        if all(s.params.greedy and not self._adjusts(s) for s in seqs):  # one argmax for the batch
+        if all(s.params.greedy and not self.adjusts(s) for s in seqs):  # one argmax for the batch
             return logits.argmax(dim=-1).tolist()
-        if not any(s.params.greedy or self._adjusts(s) for s in seqs):  # every row drawn as it is (a served batch)
+        if not any(s.params.greedy or self.adjusts(s) for s in seqs):  # every row drawn as it is (a served batch)
             return self._draw(logits, seqs).tolist()
         rows = finite(logits)  # a copy: the adjustments below write into it
         for i, seq in enumerate(seqs):  # the per-sequence adjustments, where a sequence has any
-            if not self._adjusts(seq):
-                continue
-            p = seq.params
-            row = finite(apply_penalties(apply_logit_bias(rows[i], seq), seq))
-            if seq.num_generated_tokens < p.min_tokens:  # EOS and stop tokens cannot come yet
-                banned = list((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids))
-                if seq.grammar is None or self._leaves_a_choice(row, banned):  # else the grammar wins
-                    row[banned] = float("-inf")
-            rows[i] = row
+            if self.adjusts(seq):
+                rows[i] = self.adjust(rows[i], seq)
         drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if len(drawn) == len(seqs):  # no argmax, no copy
             return self._draw(rows, seqs).tolist()
@@ -108,6 +101,44 @@ class Sampler:
         if drawn:
             out[drawn] = self._draw(rows[drawn], [seqs[i] for i in drawn])
         return out.tolist()
+
+    def adjust(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """One row of logits [V] (written in place) after seq's logit bias, penalties and min_tokens."""
+        p = seq.params
+        row = finite(apply_penalties(apply_logit_bias(row, seq), seq))
+        if seq.num_generated_tokens < p.min_tokens:  # EOS and stop tokens cannot come yet
+            banned = list((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids))
+            if seq.grammar is None or self._leaves_a_choice(row, banned):  # else the grammar wins
+                row[banned] = float("-inf")
+        return row
+
+    def final_logits(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """A copy of one row of the model's logits [V] as seq's choice sees it: its grammar's mask
+        (the matcher's state now), then adjust()."""
+        row = finite(row.float())
+        if seq.grammar is not None:
+            self.grammars.mask(row[None], [(seq.grammar, 0)])
+        return self.adjust(row, seq) if self.adjusts(seq) else row
+
+    def probabilities(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """The distribution [V] (float64) a draw for seq takes from its final logits `row`: temperature,
+        then top-k, top-p and min-p."""
+        p = seq.params
+        scaled = self._scaled(row[None].double(), torch.tensor([p.temperature], dtype=torch.float64))[0]
+        if p.top_k or p.top_p < 1.0 or p.min_p > 0.0:
+            scaled = filter_logits(scaled, p.top_k, p.top_p, p.min_p)
+        if not bool(torch.isfinite(scaled).any()):  # nothing left (a grammar's mask): the likeliest, as _draw
+            return torch.nn.functional.one_hot(row.argmax(), row.numel()).double()
+        return scaled.softmax(-1)
+
+    def uniform(self, seq: Sequence) -> float:
+        """One uniform draw in [0, 1): from seq's own generator when it has a seed."""
+        if seq.params.seed is None:
+            return float(torch.rand(1))
+        gen = self.generators.get(seq.seq_id)
+        if gen is None:
+            gen = self.generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed)
+        return float(torch.rand(1, generator=gen))
 
     def _draw(self, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row [B, V] of logits (as they come, or as finite() leaves them) by temperature,
@@ -121,10 +152,7 @@ class Sampler:
         u = torch.rand(len(seqs), dtype=torch.float32)
         for i, s in enumerate(seqs):
             if s.params.seed is not None:
-                gen = self.generators.get(s.seq_id)
-                if gen is None:
-                    gen = self.generators[s.seq_id] = torch.Generator().manual_seed(s.params.seed)
-                u[i] = torch.rand(1, generator=gen, dtype=torch.float32)
+                u[i] = self.uniform(s)
         filtered = any(s.params.top_k or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in seqs)
         if filtered:  # the filters work on the temperature-scaled logits; the draw then at temperature 1
             rows = self._scaled(finite(rows), temperature)
@@ -165,7 +193,7 @@ class Sampler:
         return self._ops or None
 
     @staticmethod
-    def _adjusts(seq: Sequence) -> bool:
+    def adjusts(seq: Sequence) -> bool:
         """Logit bias, penalties or min_tokens change seq's logits before the choice."""
         p = seq.params
         return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0

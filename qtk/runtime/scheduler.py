@@ -2,7 +2,8 @@
 
 Each step spends a token budget (max_num_batched_tokens; with prompt_tokens_per_decode, at least that
 many tokens per decoding sequence, up to max_step_tokens):
-    1. running sequences that decode: one token each;
+    1. running sequences that decode: one token each, and the drafts proposed for it (speculative
+       decoding: as many as the budget leaves room for);
     2. running sequences still in their prompt: the next chunk of it;
     3. waiting sequences, first come first served, while the budget, max_num_seqs and the KV pool
        allow: a cached prefix first (prefix caching), then a chunk of the rest of the prompt.
@@ -11,7 +12,10 @@ running sequence its slots, the most recently admitted running sequence is preem
 are freed and it goes back to the front of the queue, to be recomputed (prompt and generated
 tokens so far) when it is admitted again. Nothing crashes and no request is lost.
 
-The engine runs the step's Batch, then calls `finish_step` with the sampled tokens.
+The engine runs the step's Batch, then calls `finish_step` with the sampled tokens: one per sampling
+sequence, or, where a step verified drafts, the drafts it kept and the token after them. The KV of the
+drafts it rejected stays in slots past the computed tokens, to be overwritten; blocks that hold only
+such slots go back to the pool (rollback).
 """
 from __future__ import annotations
 
@@ -70,9 +74,10 @@ class Batch:
         return sum(self.num_tokens)
 
     def samples(self, i: int) -> bool:
-        """The step ends sequence i's known tokens, so its last logits give a new token."""
+        """The step ends sequence i's known tokens (and its drafts), so its last logits give a new
+        token (its last 1 + len(drafts) logits: the verdict on each draft and the token after)."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_tokens[i] == len(seq)
+        return seq.num_computed_tokens + self.num_tokens[i] == len(seq) + len(seq.spec_token_ids)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -103,6 +108,11 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 break
+            if seq.spec_token_ids:  # the drafts that fit the budget and the pool, or none
+                del seq.spec_token_ids[max(0, n - (len(seq) - seq.num_computed_tokens)):]
+                if not self.bm.allocate_slots(seq, seq.num_uncomputed_tokens):
+                    seq.spec_token_ids.clear()
+                n = seq.num_uncomputed_tokens
             if self._allocate_or_preempt(seq, n, batch):
                 batch.add(seq, n)
                 budget -= n
@@ -149,14 +159,21 @@ class Scheduler:
         batch.preempted.append(seq)
         self.num_preemptions += 1
 
-    def finish_step(self, batch: Batch, sampled: dict[int, int]) -> None:
+    def finish_step(self, batch: Batch, sampled: dict[int, int | list[int]]) -> None:
         """After the forward: the computed tokens count, full blocks enter the prefix cache, and
-        each sequence whose known tokens are all computed gets its sampled token (seq_id -> token)."""
+        each sequence whose known tokens are all computed gets its sampled token (seq_id -> token),
+        or its tokens (seq_id -> the drafts kept, then one more): a rejected draft's position does
+        not count as computed, and blocks past the tokens are given back."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
+            tokens = sampled.get(seq.seq_id)
+            tokens = [tokens] if isinstance(tokens, int) else tokens or []
+            rejected = max(0, len(seq.spec_token_ids) - (len(tokens) - 1)) if tokens else 0
+            seq.num_computed_tokens += n - rejected
+            seq.spec_token_ids = []
             self.bm.commit(seq)
-            if seq.seq_id in sampled:
-                seq.append_token(sampled[seq.seq_id])
+            seq.token_ids.extend(tokens)
+            if rejected:
+                self.bm.trim(seq)
 
     def finish(self, seq: Sequence) -> None:
         """seq is done (a stop condition, or aborted): free its blocks and forget it."""

@@ -23,7 +23,10 @@ class Sequence:
     num_computed_tokens counts tokens whose K/V are in the cache: a prompt is computed in chunks,
     then one token per decode step. A cached prefix (prefix caching) counts as computed at
     admission. block_hashes[i] is the prefix-cache hash of full block i (the chain over the
-    tokens up to its end, with cache_salt)."""
+    tokens up to its end, with cache_salt).
+
+    spec_token_ids (speculative decoding) are draft tokens proposed to follow token_ids: the next
+    step computes them after the last token, and keeps those the target model agrees with."""
 
     def __init__(self, token_ids: list[int], params: SamplingParams | None = None, block_size: int = 16,
                  cache_salt: str | None = None, request_id: str | None = None):
@@ -48,6 +51,7 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # first admission (the queue time ends)
         self.grammar = None  # its structured-outputs matcher (params.structured_outputs), fed each token
+        self.spec_token_ids: list[int] = []  # drafts for the next step to verify (speculative decoding)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -62,7 +66,14 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens the next step may compute: the known ones not in the cache, then the drafts."""
+        return len(self.token_ids) + len(self.spec_token_ids) - self.num_computed_tokens
+
+    def step_token_ids(self, start: int, n: int) -> list[int]:
+        """The ids at positions [start, start + n) of its tokens followed by its drafts."""
+        if start + n <= len(self.token_ids):
+            return self.token_ids[start:start + n]
+        return (self.token_ids + self.spec_token_ids)[start:start + n]
 
     @property
     def scores_prompt(self) -> bool:
@@ -89,6 +100,7 @@ class Sequence:
         self.block_hashes = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.spec_token_ids = []
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, {self.status.value}, tokens={len(self)} "

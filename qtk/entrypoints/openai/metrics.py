@@ -3,6 +3,8 @@
 
     gauges      num_requests_running, num_requests_waiting, kv_cache_usage_perc   (read at scrape)
     counters    num_preemptions, prefix_cache_queries, prefix_cache_hits          (read at scrape)
+                spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens,
+                _num_accepted_tokens_per_pos{position}  (with speculative decoding; read at scrape)
                 prompt_tokens, generation_tokens, request_success{finished_reason} (at each finish)
     histograms  time_to_first_token_seconds, inter_token_latency_seconds (= time_per_output_token),
                 e2e_request_latency_seconds, request_queue_time_seconds            (at each finish)
@@ -51,6 +53,19 @@ class _EngineCollector:
                                   s.prefix_cache_queries),
                                  ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        spec = s.spec_decode
+        if spec is not None:  # speculative decoding (vLLM's spec_decode_* counters)
+            for name, doc, value in (("spec_decode_num_drafts", "Steps of a sequence that verified drafts.",
+                                      spec.num_drafts),
+                                     ("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+                                     ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                      spec.num_accepted_tokens)):
+                yield CounterMetricFamily(PREFIX + name, doc, value=value)
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted at each position of the drafts.", labels=["position"])
+            for position, value in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([str(position)], value)
+            yield per_pos
 
 
 class Metrics:

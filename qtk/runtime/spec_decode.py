@@ -1,0 +1,190 @@
+"""Speculative decoding: drafts proposed for each decoding sequence, verified by the target in one step.
+
+A decode step at small batch reads every weight to make one token per sequence. With speculation,
+a proposer guesses the next k tokens of a sequence; the next step computes the sequence's last token
+and the k drafts together (one forward, causal over them, as a prompt chunk), and the
+RejectionSampler keeps the drafts the target agrees with and adds the target's own next token: 1 to
+k + 1 tokens for about the price of one step. Greedy output is exactly plain decoding's; sampled
+output has exactly the target's distribution.
+
+    speculative_config = {"method": "ngram", "num_speculative_tokens": 5,
+                          "prompt_lookup_min": 2, "prompt_lookup_max": 5}   # vLLM's names
+
+Proposers:
+    ngram   prompt lookup: the last n tokens (prompt_lookup_max down to prompt_lookup_min) searched
+            for earlier in the prompt and the output; the tokens that followed their latest earlier
+            occurrence are the drafts. Free to run; it pays where the output copies its input
+            (edits, code, retrieval answers).
+
+The number of drafts adapts per sequence (AdaptiveDraftLength): each sequence's acceptance rate,
+measured as it goes, sets the k that maximizes the tokens a step yields per unit of its cost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from ..errors import InputError
+from .sequence import Sequence
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config: method, num_speculative_tokens (the most drafts per step),
+    prompt_lookup_min / prompt_lookup_max (ngram: the n-gram lengths searched; vLLM's default 5 for
+    both when neither is given, the other's value when one is)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise InputError(f"speculative_config method must be one of {METHODS}, got {self.method!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"speculative_config {name} must be an integer of at least 1, got {value!r}")
+        if lo > hi:
+            raise InputError(f"speculative_config prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})")
+
+    @classmethod
+    def parse(cls, value: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From vLLM's dict (LLM(speculative_config=...), --speculative-config JSON); unknown keys are
+        an InputError naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise InputError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InputError(f"speculative_config has unknown keys {unknown}; qtk takes {sorted(known)}")
+        return cls(**value)
+
+
+def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of tokens' last n tokens, for the
+    longest n in [min_n, max_n] that occurs earlier; [] if none does."""
+    total = len(tokens)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = tokens[total - n:]
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)  # starts 0 .. total - 1 - n
+        hits = np.flatnonzero((windows == suffix).all(axis=1))  # the suffix itself is not among them
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+@dataclass
+class AdaptiveDraftLength:
+    """Per sequence, the number of drafts that maximizes the tokens one step yields per unit of its cost.
+
+    With a per-draft acceptance rate a, k drafts yield 1 + a + a^2 + ... + a^k tokens in expectation
+    (the drafts kept, then the target's token); the step costs about 1 + c k plain decode steps (c: what
+    one more token in the step costs, relative to a whole step at batch 1). a is each sequence's own,
+    kept as counts with a prior (one kept, one rejected), updated after each step it verified."""
+
+    max_k: int
+    cost_per_token: float = 0.1
+    kept: dict[int, float] = field(default_factory=dict)
+    rejected: dict[int, float] = field(default_factory=dict)
+    decay: float = 0.9  # older steps count less: a sequence that starts copying is seen soon
+
+    def rate(self, seq_id: int) -> float:
+        kept, rejected = self.kept.get(seq_id, 1.0), self.rejected.get(seq_id, 1.0)
+        return kept / (kept + rejected)
+
+    def length(self, seq_id: int) -> int:
+        a = self.rate(seq_id)
+        best_k, best = 1, 0.0
+        for k in range(1, self.max_k + 1):
+            gain = sum(a ** i for i in range(k + 1)) / (1 + self.cost_per_token * k)
+            if gain > best:
+                best_k, best = k, gain
+        return best_k
+
+    def update(self, seq_id: int, proposed: int, kept: int) -> None:
+        self.kept[seq_id] = self.kept.get(seq_id, 1.0) * self.decay + kept
+        self.rejected[seq_id] = self.rejected.get(seq_id, 1.0) * self.decay + (kept < proposed)
+
+    def forget(self, seq_id: int) -> None:
+        self.kept.pop(seq_id, None)
+        self.rejected.pop(seq_id, None)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters for /metrics, under vLLM's names (spec_decode_num_drafts, ..._num_draft_tokens,
+    ..._num_accepted_tokens, ..._num_accepted_tokens_per_pos)."""
+
+    num_drafts: int = 0  # steps of a sequence that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts kept at position i
+
+    def record(self, proposed: int, kept: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += kept
+        if len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos.extend([0] * (proposed - len(self.accepted_per_pos)))
+        for i in range(kept):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying step yields on average: the drafts kept and the target's own."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecoder:
+    """The engine's speculation: proposes drafts for the decoding sequences before a step, records
+    what the step kept after it."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.lengths = AdaptiveDraftLength(config.num_speculative_tokens)
+        self.stats = SpecDecodeStats()
+
+    def propose(self, seqs: list[Sequence]) -> None:
+        """Drafts for each sequence ready to decode (its prompt computed, one token pending), within its
+        max_tokens and the model's length; its grammar keeps the prefix of them it allows."""
+        c = self.config
+        for seq in seqs:
+            seq.spec_token_ids = []
+            if seq.num_computed_tokens != len(seq) - 1:
+                continue
+            p = seq.params
+            room = self.max_model_len - len(seq)  # the last draft's position stays under max_model_len
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - seq.num_generated_tokens - 1)
+            k = min(self.lengths.length(seq.seq_id), room)
+            if k < 1:
+                continue
+            drafts = ngram_lookup(np.asarray(seq.token_ids, dtype=np.int64), c.prompt_lookup_min,
+                                  c.prompt_lookup_max, k)
+            if drafts and seq.grammar is not None:
+                drafts = drafts[:seq.grammar.validate_tokens(drafts)]
+            seq.spec_token_ids = drafts
+
+    def record(self, seq: Sequence, proposed: int, kept: int) -> None:
+        self.stats.record(proposed, kept)
+        self.lengths.update(seq.seq_id, proposed, kept)
+
+    def forget(self, seq: Sequence) -> None:
+        self.lengths.forget(seq.seq_id)
