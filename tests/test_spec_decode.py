@@ -206,3 +206,16 @@ def test_a_server_with_speculation_streams_what_it_answers_and_counts_the_drafts
         kept = float(re.search(r"^qtk:spec_decode_num_accepted_tokens_total (\S+)$", text, re.M)[1])
         assert 0 < kept <= drafts
         assert re.search(r'^qtk:spec_decode_num_accepted_tokens_per_pos_total\{position="0"\} ', text, re.M)
+
+
+def test_blocks_filled_by_kept_drafts_enter_the_prefix_cache(tiny_dir):
+    """A prompt that repeats a speculative answer finds its blocks cached, those the kept drafts
+    filled included: the hash of each block is of its real tokens."""
+    _, spec = engines(tiny_dir)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    out = spec.generate(PROMPTS[1], params)[0]
+    assert spec.stats().spec_decode.num_accepted_tokens > 16  # drafts kept past a block or two
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    before = spec.stats().prefix_cache_hits
+    spec.generate(ids + [5], SamplingParams(max_tokens=1))
+    assert spec.stats().prefix_cache_hits - before == (len(ids) - 1) // 8 * 8  # every full block but the last

@@ -170,8 +170,8 @@ class Scheduler:
             rejected = max(0, len(seq.spec_token_ids) - (len(tokens) - 1)) if tokens else 0
             seq.num_computed_tokens += n - rejected
             seq.spec_token_ids = []
+            seq.token_ids.extend(tokens)  # before commit: the kept drafts fill blocks it hashes
             self.bm.commit(seq)
-            seq.token_ids.extend(tokens)
             if rejected:
                 self.bm.trim(seq)
 
