@@ -608,7 +608,8 @@ def bench_kernels(device, shapes, ms, out, dtype):
 
 @bench.command("engine")
 @click.argument("model")
-@click.option("--num-prompts", type=int, default=64, show_default=True, help="Chat requests, all submitted at once.")
+@click.option("--num-prompts", type=int, default=64, show_default=True,
+              help="Chat requests, all submitted at once (0: no throughput run).")
 @click.option("--prompts", "prompt_set", default="builtin", show_default=True,
               help="The requests' prompts: builtin (16 short chat questions), fixed:N or random:LO-HI (N-token "
                    "windows of the built-in text), conversation (chats with long histories).")
@@ -626,8 +627,17 @@ def bench_kernels(device, shapes, ms, out, dtype):
 @click.option("--name", default=None, help="JSON file name (default engine-MODEL-DTYPE).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N]: where qtk and transformers run.")
 @click.option("--enforce-eager", is_flag=True, help="CUDA: qtk without its decode CUDA graphs.")
+@click.option("--speculative", "speculative_configs", multiple=True,
+              callback=lambda ctx, param, value: tuple(_json_object(v, param) for v in value),
+              help='A speculative_config (JSON, as --speculative-config) to run against plain decoding at batch 1 '
+                   'and 4, greedy, on --speculative-prompts (repeat the option for several).')
+@click.option("--speculative-prompts", default="builtin", show_default=True,
+              help="The speculative runs' prompts: a prompt set as --prompts takes (edit: paragraphs to rewrite).")
+@click.option("--speculative-output-len", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Output tokens at most per speculative request (EOS honoured).")
 def bench_engine(model, num_prompts, prompt_set, output_len, input_len, batch1_output_len, peers, sequential, gguf,
-                 dtype, out, name, device, enforce_eager):
+                 dtype, out, name, device, enforce_eager, speculative_configs, speculative_prompts,
+                 speculative_output_len):
     """qtk's runtime against transformers generate, vLLM's CPU build and llama.cpp (CPU protocol)."""
     from .bench.engine import run
 
@@ -635,7 +645,8 @@ def bench_engine(model, num_prompts, prompt_set, output_len, input_len, batch1_o
     _, text = run(model, num_prompts=num_prompts, output_len=output_len, batch1_input_len=input_len,
                   batch1_output_len=batch1_output_len, dtype=dtype, peers=peers, sequential=sequential, gguf=gguf,
                   out=out, name=name, device=device, enforce_eager=enforce_eager, command=_command_line(),
-                  prompt_set=prompt_set)
+                  prompt_set=prompt_set, speculative_configs=speculative_configs,
+                  speculative_prompts=speculative_prompts, speculative_output_len=speculative_output_len)
     click.echo(text)
 
 

@@ -122,8 +122,13 @@ def test_bench_engine_gives_every_peer_qtks_threads_and_labels_what_ran(monkeypa
     monkeypatch.setattr(bench, "qtk_startup", lambda *a: 1.0)
     monkeypatch.setattr(bench, "hf_generate", lambda model, prompts, m, batch, pad: (len(prompts) * m, 1.0))
     monkeypatch.setattr(bench, "run_peer", run_peer)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e9)
+    monkeypatch.setattr(bench, "roofline", lambda llm, model, r, context, bw: {
+        **bench.limit_row(10**8, 10**6, r["tok_s"], bw), "kv_elements_per_token": 1000})
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"\0" * 10**6)
     res, text = bench.run("m", num_prompts=4, output_len=5, batch1_output_len=8, dtype="float32",
-                          peers=("transformers", "vllm", "llama.cpp"), sequential=16, gguf="x.gguf",
+                          peers=("transformers", "vllm", "llama.cpp"), sequential=16, gguf=str(gguf),
                           out=tmp_path, name="t")
     threads = torch.get_num_threads()
     assert res["threads"] == threads and jobs["vllm"]["threads"] == threads and jobs["llamacpp"]["threads"] == threads
@@ -134,7 +139,13 @@ def test_bench_engine_gives_every_peer_qtks_threads_and_labels_what_ran(monkeypa
     assert e["transformers"]["sequential"]["requests"] == 4 and e["transformers"]["sequential"]["tokens"] == 4 * 5
     assert json.loads((tmp_path / "t.json").read_text())["engines"] == e
     assert (res["prompts"], res["prompt_tokens"]) == ("builtin", 12)
-    with pytest.raises(InputError, match="--prompts 'fixed:x': give builtin, fixed:N, random:LO-HI or conversation"):
+    # the roofline: bytes per step over the bandwidth; llama.cpp's from its file and a float16 cache
+    roof = res["roofline"]
+    assert roof["qtk"]["limit_tok_s"] == round(1e9 / (10**8 + 10**6), 1)
+    assert roof["llama.cpp"]["kv_bytes"] == 1000 * 2 * roof["context"] == 1000 * 2 * (128 + 4)
+    assert roof["llama.cpp"]["fraction"] == round(4.0 / (1e9 / (10**6 + roof["llama.cpp"]["kv_bytes"])), 3)
+    assert "batch-1 roofline" in text
+    with pytest.raises(InputError, match="--prompts 'fixed:x': give builtin, fixed:N, random:LO-HI, conversation or edit"):
         bench.run("m", prompt_set="fixed:x", out=tmp_path)  # before the model loads
 
 
@@ -371,3 +382,24 @@ def test_calibration_data_records_each_dataset_on_both_texts(monkeypatch, tmp_pa
     assert se["builtin"] == pytest.approx(0, abs=1e-9) and 0 < se["heldout"] < 100 * (25 / 21 - 1) / 2
     assert f"+{held:.1f}% ± {se['heldout']:.1f}" in (tmp_path / "calibration-data-smollm2-135m.md").read_text()
     assert rec["rows"][0]["samples"] == 128  # the default recipe's
+
+
+def test_step_bytes_count_each_weight_once_and_speculative_runs_compare_to_plain(tiny_dir):
+    """The roofline's bytes: every tensor of the checkpoint once (float ones at the step's width, a
+    tied embedding as the output layer); the speculative section: plain and speculative decoding on
+    the same requests, identical text, the acceptance measured."""
+    from qtk.bench import engine as bench
+    from qtk.loading import load_model
+
+    model, _ = load_model(str(tiny_dir))
+    numel = sum(p.numel() for p in model.parameters())  # tied: the embedding is counted once
+    assert bench.checkpoint_step_bytes(tiny_dir, 4) == 4 * numel
+    assert bench.checkpoint_step_bytes(tiny_dir, 2) == 2 * numel
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2, 3], [5, 6, 5, 6, 5, 6]]
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    runs = bench.speculative(str(tiny_dir), "float32", {"kv_cache_memory": 2**22, "max_model_len": 128},
+                             [config], prompts, 24, batches=(1, 2), rounds=1)
+    assert [r["config"] for r in runs] == [config] and set(runs[0]["batches"]) == {"1", "2"}
+    for r in runs[0]["batches"].values():
+        assert r["identical"] and r["plain"]["tokens"] == r["speculative"]["tokens"] > 0
+        assert 0 <= r["acceptance_rate"] <= 1 and r["mean_accepted_length"] >= 1

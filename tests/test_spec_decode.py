@@ -219,3 +219,46 @@ def test_blocks_filled_by_kept_drafts_enter_the_prefix_cache(tiny_dir):
     before = spec.stats().prefix_cache_hits
     spec.generate(ids + [5], SamplingParams(max_tokens=1))
     assert spec.stats().prefix_cache_hits - before == (len(ids) - 1) // 8 * 8  # every full block but the last
+
+
+@pytest.mark.parametrize("draft", ["self", "self-quantized"])
+def test_a_draft_model_keeps_greedy_output_and_its_cache_follows_the_target(tiny_dir, draft):
+    """The target drafting for itself keeps nearly every draft; its int4 twin keeps some and has others
+    rejected (the draft's shadows roll back); the text is plain decoding's either way, for several
+    sequences in one batch, with a pool small enough that the target preempts."""
+    per_token = 2 * 2 * 2 * 16 * 4
+    plain = LLM(str(tiny_dir), dtype="float32", max_model_len=256, kv_cache_memory=64 * 8 * per_token, block_size=8)
+    spec = LLM(str(tiny_dir), dtype="float32", max_model_len=256, kv_cache_memory=64 * 8 * per_token, block_size=8,
+               speculative_config={"model": str(tiny_dir) if draft == "self" else draft, "num_speculative_tokens": 4})
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = PROMPTS + ["Once upon a time", "Numbers: 1, 2, 3,"] * 2
+    want, got = plain.generate(prompts, params), spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = spec.stats().spec_decode
+    assert stats.num_drafts > 0
+    if draft == "self":
+        assert stats.acceptance_rate > 0.95
+    else:
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert not spec.spec.draft.shadows  # every finished sequence's shadow is gone
+    assert spec.spec.draft.bm.num_free_blocks == spec.spec.draft.bm.num_blocks
+
+
+def test_the_twin_is_int4_and_a_draft_must_share_the_tokenizer(tiny_dir, tiny_llama):
+    from types import SimpleNamespace
+
+    from qtk.quant_linear import QuantLinear
+    from qtk.runtime.config import EngineConfig
+    from qtk.runtime.draft_model import load_draft, quantized_twin
+
+    twin = quantized_twin(tiny_llama())
+    kinds = {type(m).__name__ for n, m in twin.named_modules() if n.endswith("_proj")}
+    assert kinds == {"QuantLinear"} and isinstance(twin.model.layers[0].mlp.down_proj, QuantLinear)
+    assert type(twin.lm_head) is torch.nn.Linear
+    spec = SpeculativeConfig.parse({"model": str(tiny_dir)})
+    with pytest.raises(InputError, match="tokenizer"):
+        load_draft(spec, EngineConfig(str(tiny_dir)), torch.float32, 256, SimpleNamespace(get_vocab=lambda: {"a": 0}))
+    with pytest.raises(InputError, match="context"):
+        from transformers import AutoTokenizer
+
+        load_draft(spec, EngineConfig(str(tiny_dir)), torch.float32, 4096, AutoTokenizer.from_pretrained(tiny_dir))

@@ -9,6 +9,9 @@
     conversation    chats with long histories: 1-8 earlier turns (built-in text passages as user
                     messages and assistant replies) before a last short question (the bundled
                     model's tokenizer and template: 177 to 1748 tokens, mean 822, over 16)
+    edit            edits: a built-in text passage (200 to 800 characters) to be rewritten with one
+                    word replaced and nothing else changed (where speculative decoding by prompt
+                    lookup pays: the answer copies the prompt)
 
 The engine takes token ids (`token_prompts`: a window's ids as they are; a chat through the
 model's chat template); a server takes messages (`conversations`: a window decoded to one user
@@ -17,6 +20,7 @@ message, about N tokens as the given tokenizer counts, plus the server's chat te
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 from ..chat_template import prompt_ids
@@ -32,14 +36,14 @@ QUESTIONS = [
     "Write one sentence about the ocean.", "Why do leaves change color in the fall?",
     "What is the boiling point of water?",
 ]
-SPECS = "builtin, fixed:N, random:LO-HI or conversation"
+SPECS = "builtin, fixed:N, random:LO-HI, conversation or edit"
 FOLLOW_UPS = ["Summarize the above in two sentences.", "What is the main point of this?",
               "Which part of this matters most in practice, and why?", "Give one example of what was described."]
 
 
 @dataclass(frozen=True)
 class PromptSet:
-    kind: str  # "builtin" | "fixed" | "random" | "conversation"
+    kind: str  # "builtin" | "fixed" | "random" | "conversation" | "edit"
     lo: int = 0  # fixed / random: prompt tokens, LO..HI
     hi: int = 0
 
@@ -48,7 +52,7 @@ class PromptSet:
         """builtin | fixed:N | random:LO-HI | conversation; InputError naming the option otherwise."""
         kind, _, arg = spec.partition(":")
         try:
-            if kind in ("builtin", "conversation") and not arg:
+            if kind in ("builtin", "conversation", "edit") and not arg:
                 return PromptSet(kind)
             if kind == "fixed":
                 n = int(arg)
@@ -91,11 +95,22 @@ def _passages() -> list[str]:
     return [p for p in paragraphs if 200 <= len(p) <= 1500]
 
 
+def edit_request(passage: str) -> str:
+    """Rewrite `passage` with its first word of 6+ letters replaced, and nothing else changed."""
+    word = next((w for w in re.findall(r"\b[A-Za-z]{6,}\b", passage)), "the")
+    return (f'Rewrite the following paragraph, replacing the word "{word}" with "element". Change nothing '
+            f"else.\n\n{passage}")
+
+
 def conversations(tokenizer, spec: PromptSet, n: int, seed: int = 0) -> list[list[dict]]:
     """n chats of the set, for a chat endpoint."""
     rng = random.Random(seed)
     if spec.kind == "builtin":
         return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
+    if spec.kind == "edit":
+        passages = [p for p in _passages() if len(p) <= 800]
+        rng.shuffle(passages)
+        return [[{"role": "user", "content": edit_request(passages[i % len(passages)])}] for i in range(n)]
     if spec.kind == "conversation":
         passages = _passages()
         return [_chat(rng, passages, i) for i in range(n)]

@@ -28,6 +28,7 @@ from ..errors import InputError
 from ..kernels import cpu as cpu_kernels
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .draft_model import load_draft
 from .host_memory import keep_freed_memory
 from .input_processor import EngineRequest, InputProcessor
 from .model_runner import ModelRunner
@@ -91,7 +92,12 @@ class LLM:
         self.grammars = GrammarEngine(self.tokenizer, hf_model.config.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, self.grammars)
         self.rejection_sampler = RejectionSampler(self.sampler)
-        self.spec = SpecDecoder(c.speculative_config, self.max_model_len) if c.speculative_config else None
+        self.spec = None
+        if c.speculative_config is not None:
+            spec = c.speculative_config
+            draft = (load_draft(spec, c, self.dtype, self.max_model_len, self.tokenizer)
+                     if spec.method == "draft_model" else None)
+            self.spec = SpecDecoder(spec, self.max_model_len, draft)
         self.processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.max_logprobs,
                                         c.max_num_seqs, self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)

@@ -9,12 +9,19 @@ output has exactly the target's distribution.
 
     speculative_config = {"method": "ngram", "num_speculative_tokens": 5,
                           "prompt_lookup_min": 2, "prompt_lookup_max": 5}   # vLLM's names
+    speculative_config = {"model": "build/default", "num_speculative_tokens": 5}
+    speculative_config = {"model": "self-quantized"}
 
 Proposers:
-    ngram   prompt lookup: the last n tokens (prompt_lookup_max down to prompt_lookup_min) searched
-            for earlier in the prompt and the output; the tokens that followed their latest earlier
-            occurrence are the drafts. Free to run; it pays where the output copies its input
-            (edits, code, retrieval answers).
+    ngram         prompt lookup: the last n tokens (prompt_lookup_max down to prompt_lookup_min) searched
+                  for earlier in the prompt and the output; the tokens that followed their latest
+                  earlier occurrence are the drafts. Free to run; it pays where the output copies its
+                  input (edits, code, retrieval answers).
+    draft_model   a model that shares the target's tokenizer drafts greedily, k decode steps on its own
+                  paged cache (DraftModelProposer), every sequence of the step in one batch. "self-
+                  quantized" is the target's own 4-bit twin, made at load (round-to-nearest int4,
+                  cached): it reads a fraction of the target's bytes per step and agrees with it on
+                  most tokens, so the target serves its exact output at nearly the twin's speed.
 
 The number of drafts adapts per sequence (AdaptiveDraftLength): each sequence's acceptance rate,
 measured as it goes, sets the k that maximizes the tokens a step yields per unit of its cost.
@@ -28,21 +35,32 @@ import numpy as np
 from ..errors import InputError
 from .sequence import Sequence
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+SELF_QUANTIZED = "self-quantized"
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's speculative_config: method, num_speculative_tokens (the most drafts per step),
-    prompt_lookup_min / prompt_lookup_max (ngram: the n-gram lengths searched; vLLM's default 5 for
-    both when neither is given, the other's value when one is)."""
+    """vLLM's speculative_config: method, model (draft_model: the draft's path or name, or
+    "self-quantized"; a model given means draft_model), num_speculative_tokens (the most drafts per
+    step), prompt_lookup_min / prompt_lookup_max (ngram: the n-gram lengths searched; vLLM's default 5
+    for both when neither is given, the other's value when one is)."""
 
-    method: str = "ngram"
+    method: str | None = None
+    model: str | None = None
     num_speculative_tokens: int = 5
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
 
     def __post_init__(self):
+        method = self.method or ("draft_model" if self.model is not None else "ngram")
+        object.__setattr__(self, "method", method)
+        if method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise InputError('speculative_config method draft_model needs "model": the draft\'s path or name, '
+                             'or "self-quantized"')
+        if method == "ngram" and self.model is not None:
+            raise InputError("speculative_config method ngram takes no model (give method draft_model, or leave "
+                             "method out, to draft with one)")
         if self.method not in METHODS:
             raise InputError(f"speculative_config method must be one of {METHODS}, got {self.method!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -153,11 +171,12 @@ class SpecDecodeStats:
 
 class SpecDecoder:
     """The engine's speculation: proposes drafts for the decoding sequences before a step, records
-    what the step kept after it."""
+    what the step kept after it. draft: method draft_model's proposer (draft_model.DraftModelProposer)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft=None):
         self.config = config
         self.max_model_len = max_model_len
+        self.draft = draft
         self.lengths = AdaptiveDraftLength(config.num_speculative_tokens)
         self.stats = SpecDecodeStats()
 
@@ -165,6 +184,7 @@ class SpecDecoder:
         """Drafts for each sequence ready to decode (its prompt computed, one token pending), within its
         max_tokens and the model's length; its grammar keeps the prefix of them it allows."""
         c = self.config
+        wants = []
         for seq in seqs:
             seq.spec_token_ids = []
             if seq.num_computed_tokens != len(seq) - 1:
@@ -174,10 +194,15 @@ class SpecDecoder:
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - seq.num_generated_tokens - 1)
             k = min(self.lengths.length(seq.seq_id), room)
-            if k < 1:
-                continue
-            drafts = ngram_lookup(np.asarray(seq.token_ids, dtype=np.int64), c.prompt_lookup_min,
-                                  c.prompt_lookup_max, k)
+            if k >= 1:
+                wants.append((seq, k))
+        if self.draft is not None:
+            proposed = self.draft.propose(wants)
+        else:
+            proposed = {seq.seq_id: ngram_lookup(np.asarray(seq.token_ids, dtype=np.int64), c.prompt_lookup_min,
+                                                 c.prompt_lookup_max, k) for seq, k in wants}
+        for seq, _ in wants:
+            drafts = proposed.get(seq.seq_id, [])
             if drafts and seq.grammar is not None:
                 drafts = drafts[:seq.grammar.validate_tokens(drafts)]
             seq.spec_token_ids = drafts
@@ -188,3 +213,5 @@ class SpecDecoder:
 
     def forget(self, seq: Sequence) -> None:
         self.lengths.forget(seq.seq_id)
+        if self.draft is not None:
+            self.draft.forget(seq)
