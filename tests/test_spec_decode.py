@@ -254,7 +254,7 @@ def test_the_twin_is_int4_and_a_draft_must_share_the_tokenizer(tiny_dir, tiny_ll
     twin = quantized_twin(tiny_llama())
     kinds = {type(m).__name__ for n, m in twin.named_modules() if n.endswith("_proj")}
     assert kinds == {"QuantLinear"} and isinstance(twin.model.layers[0].mlp.down_proj, QuantLinear)
-    assert type(twin.lm_head) is torch.nn.Linear
+    assert isinstance(twin.lm_head, QuantLinear) and type(twin.model.embed_tokens) is torch.nn.Embedding
     spec = SpeculativeConfig.parse({"model": str(tiny_dir)})
     with pytest.raises(InputError, match="tokenizer"):
         load_draft(spec, EngineConfig(str(tiny_dir)), torch.float32, 256, SimpleNamespace(get_vocab=lambda: {"a": 0}))
@@ -262,3 +262,44 @@ def test_the_twin_is_int4_and_a_draft_must_share_the_tokenizer(tiny_dir, tiny_ll
         from transformers import AutoTokenizer
 
         load_draft(spec, EngineConfig(str(tiny_dir)), torch.float32, 4096, AutoTokenizer.from_pretrained(tiny_dir))
+
+
+def test_verifying_many_drafts_keeps_the_numerics_of_a_plain_decode_step(tiny_dir, tmp_path):
+    """A bf16 checkpoint run in float32: a plain batch-1 step multiplies in float32, while a step of
+    5+ rows would round x to bf16 (packed_linear.BF16_DOT_ROWS, where the CPU has AVX512-BF16). A step
+    verifying 7 drafts keeps the plain step's kernels (numerics_of): each row's logits are those of the
+    decode step at its position, to float32 rounding, and the greedy text is plain decoding's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qtk.runtime.scheduler import Batch
+
+    config = AutoConfig.from_pretrained(tiny_dir)
+    config.hidden_size, config.intermediate_size = 256, 512  # layers past packed_linear.SMALL_FLOAT: qtk's kernels
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / name).write_bytes((tiny_dir / name).read_bytes())
+    common = dict(dtype="float32", max_model_len=256, kv_cache_memory=2**22, block_size=8)
+    plain = LLM(str(tmp_path), **common)
+    runner, ids = plain.runner, list(range(1000, 1060))
+
+    def primed(n: int) -> Sequence:
+        seq = Sequence(ids[:n], block_size=8)
+        seq.block_table = list(range(9))
+        runner.run(Batch([seq], [n]))
+        seq.num_computed_tokens = n - 1
+        return seq
+
+    seq, decoded = primed(50), []
+    for j in range(8):  # one token a step
+        decoded.append(runner.run(Batch([seq], [1]))[0][0])
+        seq.token_ids.append(ids[50 + j])
+        seq.num_computed_tokens += 1
+    seq = primed(50)
+    seq.spec_token_ids = ids[50:57]
+    verified = runner.run(Batch([seq], [8]))[0]
+    torch.testing.assert_close(verified, torch.stack(decoded), atol=1e-4, rtol=0)
+    spec = LLM(str(tmp_path), speculative_config={"model": str(tmp_path), "num_speculative_tokens": 7}, **common)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    for prompt in PROMPTS:
+        assert spec.generate(prompt, params)[0].outputs[0].token_ids == plain.generate(prompt, params)[0].outputs[0].token_ids

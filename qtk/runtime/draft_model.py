@@ -4,11 +4,13 @@ proposer (k greedy decode steps on its own paged cache).
     speculative_config = {"model": "build/default"}      # any model qtk runs with the target's tokenizer
     speculative_config = {"model": "self-quantized"}     # the target's weights rounded to int4 at load
 
-The twin: every Linear of the target but lm_head rounded to nearest on int4 asymmetric groups (w4a16_asym,
-the group size the largest power of two up to 128 that divides each layer's input), as `qtk quantize
---method rtn` would write them, then run on qtk's CPU int4 kernels. RTN costs seconds and needs no data;
-a calibrated checkpoint of the same model (`qtk quantize`) agrees with the target on more tokens and is
-given by its path.
+The twin: every Linear of the target rounded to nearest on int4 asymmetric groups (w4a16_asym, the group
+size the largest power of two up to 128 that divides each layer's input), as `qtk quantize --method rtn`
+would write them, and its lm_head too (a checkpoint keeps it in bf16 for the engines that read it; a
+draft only has to guess, and on a small model the lm_head is much of what a step reads: SmolLM2-135M's
+is 57 of the 125 MB of its default checkpoint), then run on qtk's CPU int4 kernels. RTN costs seconds and
+needs no data; a calibrated checkpoint of the same model (`qtk quantize`) agrees with the target on more
+tokens and is given by its path.
 """
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ log = logging.getLogger(__name__)
 
 
 def quantized_twin(model: nn.Module) -> nn.Module:
-    """model with every nn.Linear but lm_head replaced, in place, by its RTN w4a16_asym QuantLinear."""
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"}
+    """model with every nn.Linear (lm_head included; a tied input embedding stays float) replaced, in
+    place, by its RTN w4a16_asym QuantLinear."""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     group = dividing_group_size({name: m.in_features for name, m in linears.items()}, at_most=128)
     if group is None:
         raise InputError("self-quantized: no int4 group size divides every layer's input size; give a draft "

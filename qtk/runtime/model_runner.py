@@ -18,7 +18,7 @@ from ..kv_scales import cache_scheme, grid_absmax, kv_scale
 from .attention import KV_DTYPES, SCALED_KV, AttentionMetadata, KVCache, PrefillChunk
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, Record, capture_sizes, cuda_record
-from .packed_linear import steps_in_bf16
+from .packed_linear import numerics_of, steps_in_bf16
 from .sampler import logprob_entry
 from .scheduler import Batch
 from .sequence import Sequence
@@ -238,8 +238,12 @@ class ModelRunner:
         the sequences that score their prompt: Sequence.scores_prompt)."""
         self.copy_blocks(batch.copies)
         ids, positions, meta, sample_index = self.prepare(batch)
+        drafts = sum(len(seq.spec_token_ids) for seq in batch.seqs)
         if self.graphs is not None and not meta.prefills and len(batch.seqs) <= self.graphs.max_batch:
             hidden = self.graphs.run(ids, positions, meta)
+        elif drafts:  # each token computed as plain decoding's step would (its kernels chosen by its rows)
+            with numerics_of(len(ids) - drafts):
+                hidden = self.model(ids, positions, meta, self.kv_caches)
         else:
             hidden = self.model(ids, positions, meta, self.kv_caches)
         prompt_hidden, t = {}, 0

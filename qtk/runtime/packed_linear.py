@@ -19,6 +19,9 @@ one of a bf16 checkpoint, on a CPU with AVX512-BF16, multiplies from QUANT_BF16_
 qtk's kernel for its codes (QuantBF16Matmul), as a bf16 checkpoint's float layers do on oneDNN."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 import torch
@@ -60,6 +63,28 @@ BF16_DOT_ROWS = (5, 128)
 # 10.7 / 11.3, 10 rows 13.6 / 11.9, 12 rows 15.4 / 12.8, 16 rows 20.0 / 15.1, 128 rows 143 / 73; int8 8 rows
 # 11.1 / 12.7, 10 rows 14.0 / 13.9, 12 rows 15.6 / 14.6, 16 rows 20.4 / 17.0)
 QUANT_BF16_ROWS = {4: 10, 8: 12}
+
+# The rows a step's layers choose their kernels by, where that is not the rows they are given (numerics_of)
+_STEP_ROWS: ContextVar[int | None] = ContextVar("qtk_step_rows", default=None)
+
+
+@contextmanager
+def numerics_of(rows: int) -> Iterator[None]:
+    """Within it, every layer picks its kernel, and so its rounding (float32 products, or x rounded to
+    bf16), as for a step of `rows` rows, whatever rows it is given: a step that verifies speculative
+    drafts computes each token as the plain decode step of the same sequences would, so greedy output
+    does not depend on the drafts."""
+    token = _STEP_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _STEP_ROWS.reset(token)
+
+
+def rows_of(x: torch.Tensor) -> int:
+    """The rows x's layer chooses its kernel by: x's own, or the step's under numerics_of."""
+    rows = _STEP_ROWS.get()
+    return x.shape[0] if rows is None else rows
 
 
 def many_rows(dtype: torch.dtype) -> int:
@@ -246,8 +271,8 @@ class WOQLinear(KernelLinear):
         if many is None:
             return few
         if dot is not None:
-            return lambda x: few(x) if x.shape[0] < dot.lo else dot(x) if x.shape[0] < dot.hi else many(x)
-        return lambda x: many(x) if x.shape[0] >= many.rows else few(x)
+            return lambda x: few(x) if rows_of(x) < dot.lo else dot(x) if rows_of(x) < dot.hi else many(x)
+        return lambda x: many(x) if rows_of(x) >= many.rows else few(x)
 
     @property
     def weights(self) -> str:
@@ -324,14 +349,14 @@ def bf16_matmul(module: nn.Module | None):
     (a prefill chunk's [T, 2I] MLP activations in half the bytes: 5-10% of a W4A16 prefill); else None."""
     many = getattr(module, "many", None)
     if isinstance(many, QuantBF16Matmul):  # y rounded to bf16 where oneDNN would take a bf16 weight's rows
-        return many.rows, rotating_input(lambda x: many(x, x.shape[0] >= BF16_DOT_ROWS[1]), module)
+        return many.rows, rotating_input(lambda x: many(x, rows_of(x) >= BF16_DOT_ROWS[1]), module)
     if many is None or not many.bf16 or many.bias is not None:
         return None
     onednn = many.bf16_product
     dot = module.dot
     if dot is None:
         return many.rows, rotating_input(onednn, module)
-    return dot.lo, rotating_input(lambda x: dot(x) if x.shape[0] < dot.hi else onednn(x), module)
+    return dot.lo, rotating_input(lambda x: dot(x) if rows_of(x) < dot.hi else onednn(x), module)
 
 
 def bf16_mlp(gate_up: nn.Module | None, down: nn.Module | None, glu):

@@ -31,6 +31,7 @@ from torch import nn
 
 from ... import hadamard
 from ..attention import NO_TERMS, AttentionMetadata, KVCache, ScoreTerms, paged_attention
+from ..packed_linear import rows_of
 from . import moe
 
 
@@ -294,8 +295,9 @@ class NativeModel(nn.Module):
         T, H, KV, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk_norm, sandwich, norms, heads = self.family.qk_norm, self.family.sandwich, self._norms, [H, KV, KV]
         full_rope, glu = self.rotary_dim == D, getattr(ops, self.glu_op)
-        bf16 = self._bf16_rows is not None and T >= self._bf16_rows  # the whole step in bf16 between norms
-        attention_bf16 = self._bf16_attention_rows is not None and T >= self._bf16_attention_rows
+        rows = rows_of(h)  # T, or the rows of the plain step whose numerics this one keeps (numerics_of)
+        bf16 = self._bf16_rows is not None and rows >= self._bf16_rows  # the whole step in bf16 between norms
+        attention_bf16 = self._bf16_attention_rows is not None and rows >= self._bf16_attention_rows
         self._step_bf16 = bf16
         last = len(self.layers) - 1
         # W8A8 layers whose input the norm or GLU before them writes quantized (none in a bf16 step)
@@ -328,7 +330,7 @@ class NativeModel(nn.Module):
             else:  # in place, through 2-D views
                 ops.rope_(q.view(T, H * D), cos, sin, H)
                 ops.rope_(k.view(T, KV * D), cos, sin, KV)
-            many = many_mlp is not None and T >= many_mlp[0]  # a step whose matmuls run in bf16 (bf16 implies it)
+            many = many_mlp is not None and rows >= many_mlp[0]  # a step whose matmuls run in bf16 (bf16 implies it)
             o = paged_attention(q, k, v, cache, meta, self.scales[i], ops, self.windows[i], self.terms[i],
                                 bf16=many or attention_bf16)
             if bf16:  # o and the MLP in bf16; the residual adds their bf16 outputs
