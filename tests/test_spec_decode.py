@@ -52,13 +52,17 @@ def test_config_takes_vllms_names_and_refuses_what_it_does_not_know(tiny_dir):
             SpeculativeConfig.parse(bad)
 
 
-def test_the_draft_length_follows_the_acceptance_rate():
+def test_the_draft_length_follows_the_acceptance_rate_and_the_cost():
     lengths = AdaptiveDraftLength(max_k=8, cost_per_token=0.1)
     start = lengths.length(0)
     for _ in range(20):
         lengths.update(0, 8, 8)  # every draft kept
         lengths.update(1, 8, 0)  # none kept
-    assert lengths.length(0) == 8 and lengths.length(1) == 1 and 1 < start < 8
+        lengths.update(2, 8, 6)  # 6 of 8 kept, then one rejected: a rate of 6/7
+    assert lengths.length(0) == 8 and 1 < start < 8 and lengths.length(2) >= 6
+    assert [lengths.length(1) for _ in range(16)] == ([0] * 7 + [1]) * 2  # none pays: a probe every 8 steps
+    lengths.cost_per_token = 0.5  # a draft costs half a step (a draft model): fewer drafts pay
+    assert 1 < lengths.length(2) < 6
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -167,12 +167,18 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns a snapshot of every request that got a token in it (its
         text and tokens so far; `finished` once every completion has a finish_reason)."""
+        t0 = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
+        t1 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        if self.spec is not None:
+            drafting = [s for s in batch.seqs if s.spec_token_ids]  # finish_step takes their drafts off
         sampled, tokens = self._run(batch)
+        if self.spec is not None:
+            self.spec.observe(t1 - t0, time.perf_counter() - t1, drafting)
         self.scheduler.finish_step(batch, {s.seq_id: t for s, t in zip(sampled, tokens)})
         return self.output_processor.process(sampled, self._free, [len(t) for t in tokens])
 
