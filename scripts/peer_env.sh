@@ -87,15 +87,36 @@ make_vllm_venv() {
 LLAMACPP_PEER="llama-cpp-python==0.3.36"
 LLAMACPP_VENV=${QTK_LLAMACPP_VENV:-$HOME/.cache/qtk/llamacpp-venv}
 
+# On a CPU with AMX, ggml's AMX matmul (ggml_backend_amx_mul_mat) crashed with SIGSEGV at the first
+# eval (llama-cpp-python 0.3.36, Intel Xeon with AMX VM, 2026-12-07): build without it, for the CPU's
+# AVX-512 features by name (GGML_NATIVE would switch AMX back on through -march=native).
+llamacpp_cmake_args() {
+    local flags
+    flags=$(grep -o -w 'amx_int8\|avx512f\|avx512_vnni\|avx512_bf16\|avx512vbmi' /proc/cpuinfo 2>/dev/null | sort -u | tr '\n' ' ')
+    case " $flags " in
+        *" amx_int8 "*) ;;
+        *) return ;;
+    esac
+    local args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON"
+    case " $flags " in *" avx512_vnni "*) args="$args -DGGML_AVX512_VNNI=ON" ;; esac
+    case " $flags " in *" avx512_bf16 "*) args="$args -DGGML_AVX512_BF16=ON" ;; esac
+    case " $flags " in *" avx512vbmi "*) args="$args -DGGML_AVX512_VBMI=ON" ;; esac
+    echo "$args"
+}
+
 make_llamacpp_venv() {
-    if [ -f "$LLAMACPP_VENV/.qtk-peer" ] && [ "$(cat "$LLAMACPP_VENV/.qtk-peer")" = "$LLAMACPP_PEER" ]; then
+    local cmake_args stamp
+    cmake_args=$(llamacpp_cmake_args)
+    stamp="$LLAMACPP_PEER $cmake_args"
+    if [ -f "$LLAMACPP_VENV/.qtk-peer" ] && [ "$(cat "$LLAMACPP_VENV/.qtk-peer")" = "$stamp" ]; then
         return
     fi
-    echo "peer_env: creating $LLAMACPP_VENV ($LLAMACPP_PEER, compiles llama.cpp)" >&2
+    echo "peer_env: creating $LLAMACPP_VENV ($LLAMACPP_PEER, compiles llama.cpp${cmake_args:+ with $cmake_args})" >&2
     rm -rf "$LLAMACPP_VENV"
     "$PY" -m venv "$LLAMACPP_VENV"
-    "$LLAMACPP_VENV/bin/python" -m pip install --disable-pip-version-check -q "$LLAMACPP_PEER"
-    echo "$LLAMACPP_PEER" >"$LLAMACPP_VENV/.qtk-peer"
+    CMAKE_ARGS="$cmake_args" "$LLAMACPP_VENV/bin/python" -m pip install --disable-pip-version-check -q --no-cache-dir \
+        "$LLAMACPP_PEER"
+    echo "$stamp" >"$LLAMACPP_VENV/.qtk-peer"
 }
 
 build_fixtures() {

@@ -9,9 +9,9 @@
     conversation    chats with long histories: 1-8 earlier turns (built-in text passages as user
                     messages and assistant replies) before a last short question (the bundled
                     model's tokenizer and template: 177 to 1748 tokens, mean 822, over 16)
-    edit            edits: a built-in text passage (200 to 800 characters) to be rewritten with one
-                    word replaced and nothing else changed (where speculative decoding by prompt
-                    lookup pays: the answer copies the prompt)
+    edit            edits: a prose passage of the built-in text (400 to 1000 characters, its line
+                    wraps undone) to be rewritten with one word replaced and nothing else changed
+                    (where speculative decoding by prompt lookup pays: the answer copies the prompt)
 
 The engine takes token ids (`token_prompts`: a window's ids as they are; a chat through the
 model's chat template); a server takes messages (`conversations`: a window decoded to one user
@@ -107,8 +107,9 @@ def conversations(tokenizer, spec: PromptSet, n: int, seed: int = 0) -> list[lis
     rng = random.Random(seed)
     if spec.kind == "builtin":
         return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
-    if spec.kind == "edit":
-        passages = [p for p in _passages() if len(p) <= 800]
+    if spec.kind == "edit":  # prose: passages whose lines wrap text, not code or tables
+        passages = [" ".join(p.split()) for p in _passages()
+                    if 400 <= len(p) <= 1000 and not re.search(r"::=|>>>|\+--|\.\. |^\s{6,}\S", p, re.M)]
         rng.shuffle(passages)
         return [[{"role": "user", "content": edit_request(passages[i % len(passages)])}] for i in range(n)]
     if spec.kind == "conversation":
