@@ -15,6 +15,7 @@ tokens and is given by its path.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -92,6 +93,10 @@ class DraftModelProposer:
         self.runner = runner
         self.bm = block_manager
         self.shadows: dict[int, Sequence] = {}
+        # seconds of a draft decode step (every shadow one token), once measured: a draft's cost when the
+        # shadows are in step with their targets (a shadow catching up after steps without drafts pays
+        # more once; that is not what drafting every step costs)
+        self.step_seconds: float | None = None
 
     def propose(self, wants: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
         """(target sequence, the most drafts) -> seq_id -> its drafts (fewer, or none, where the draft's
@@ -108,8 +113,12 @@ class DraftModelProposer:
                     self.forget(seq)
             if not batch.seqs:
                 break
+            t = time.perf_counter()
             logits, _ = self.runner.run(batch)
             chosen = logits.argmax(dim=-1).tolist()
+            if batch.total_tokens == len(batch):  # a decode step of every shadow: what a draft costs once in step
+                seconds = time.perf_counter() - t
+                self.step_seconds = seconds if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * seconds
             for shadow, n, token in zip(batch.seqs, batch.num_tokens, chosen):
                 shadow.num_computed_tokens += n
                 shadow.token_ids.append(token)

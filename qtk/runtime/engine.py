@@ -174,11 +174,10 @@ class LLM:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        if self.spec is not None:
-            drafting = [s for s in batch.seqs if s.spec_token_ids]  # finish_step takes their drafts off
+        drafts = [len(s.spec_token_ids) for s in batch.seqs]  # (finish_step takes them off)
         sampled, tokens = self._run(batch)
-        if self.spec is not None:
-            self.spec.observe(t1 - t0, time.perf_counter() - t1, drafting)
+        if self.spec is not None and batch.total_tokens == len(batch) + sum(drafts):  # a step of decodes only
+            self.spec.observe(t1 - t0, time.perf_counter() - t1, drafts)
         self.scheduler.finish_step(batch, {s.seq_id: t for s, t in zip(sampled, tokens)})
         return self.output_processor.process(sampled, self._free, [len(t) for t in tokens])
 

@@ -114,8 +114,9 @@ class AdaptiveDraftLength:
     (the drafts kept, then the target's token); the step costs about 1 + c k plain decode steps (c: what
     one more draft costs, to propose and to verify, relative to a plain step; SpecDecoder.observe
     measures it). a is each sequence's own, kept as counts with a prior (one kept, one rejected), updated
-    after each step it verified. Where no k pays (a below c), none is proposed, but one every
-    `probe_every` steps, so that a sequence whose text turns predictable is noticed."""
+    after each step it verified. Where no k pays (a below c), none is proposed but one now and then
+    (after `probe_after` steps, then twice as many each time: 8, 16, 32, ...), so that a sequence whose
+    text turns predictable is noticed, at a cost that fades."""
 
     max_k: int
     cost_per_token: float = VERIFY_COST_PER_TOKEN
@@ -123,7 +124,7 @@ class AdaptiveDraftLength:
     rejected: dict[int, float] = field(default_factory=dict)
     skipped: dict[int, int] = field(default_factory=dict)
     decay: float = 0.9  # older steps count less: a sequence that starts copying is seen soon
-    probe_every: int = 8
+    probe_after: int = 8
 
     def rate(self, seq_id: int) -> float:
         kept, rejected = self.kept.get(seq_id, 1.0), self.rejected.get(seq_id, 1.0)
@@ -138,7 +139,8 @@ class AdaptiveDraftLength:
                 best_k, best = k, gain
         if best_k == 0:
             self.skipped[seq_id] = skipped = self.skipped.get(seq_id, 0) + 1
-            return 1 if skipped % self.probe_every == 0 else 0
+            probe = skipped >= self.probe_after and skipped & (skipped - 1) == 0  # 8, 16, 32, ...
+            return 1 if probe else 0
         return best_k
 
     def update(self, seq_id: int, proposed: int, kept: int) -> None:
@@ -190,6 +192,7 @@ class SpecDecoder:
         self.draft = draft
         self.lengths = AdaptiveDraftLength(config.num_speculative_tokens)
         self.stats = SpecDecodeStats()
+        self.plain_seconds: dict[int, float] = {}  # a step without drafts, by its number of sequences
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Drafts for each sequence ready to decode (its prompt computed, one token pending), within its
@@ -222,17 +225,24 @@ class SpecDecoder:
         self.stats.record(proposed, kept)
         self.lengths.update(seq.seq_id, proposed, kept)
 
-    def observe(self, propose_seconds: float, step_seconds: float, seqs: list[Sequence]) -> None:
-        """A step's times (proposing its drafts; its forward and verification) and its sequences, drafts
-        still attached: the cost of one more draft, relative to a plain step, for the draft lengths. A
-        draft model's k steps are one batch each, so each draft position costs propose_seconds / k; the
-        plain step is the step less its verified drafts' share."""
-        k = max((len(seq.spec_token_ids) for seq in seqs), default=0)
+    def observe(self, propose_seconds: float, step_seconds: float, drafts: list[int]) -> None:
+        """A step's times (proposing; its forward and verification) and the drafts of each of its sequences:
+        what one more draft position costs, relative to a plain step of as many sequences (the draft
+        lengths' c). A step without drafts times the plain step (per number of sequences); one with drafts
+        costs its drafting (a draft model: its decode step, DraftModelProposer.step_seconds, per position;
+        a shadow catching up pays more once, which drafting every step does not) plus what its forward
+        took over the plain step's, spread over its draft positions."""
+        k = max(drafts, default=0)
+        plain = self.plain_seconds.get(len(drafts))
         if k == 0:
+            self.plain_seconds[len(drafts)] = step_seconds if plain is None else 0.8 * plain + 0.2 * step_seconds
             return
-        mean = sum(len(seq.spec_token_ids) for seq in seqs) / len(seqs)
-        plain = step_seconds / (1 + VERIFY_COST_PER_TOKEN * mean)
-        cost = propose_seconds / k / plain + VERIFY_COST_PER_TOKEN
+        if plain is None:  # not timed yet: the verified drafts' share taken as VERIFY_COST_PER_TOKEN each
+            plain = step_seconds / (1 + VERIFY_COST_PER_TOKEN * sum(drafts) / len(drafts))
+        drafting = propose_seconds
+        if self.draft is not None and self.draft.step_seconds is not None:
+            drafting = self.draft.step_seconds * k
+        cost = (drafting + max(0.0, step_seconds - plain)) / (plain * k)
         self.lengths.cost_per_token = 0.8 * self.lengths.cost_per_token + 0.2 * cost
 
     def forget(self, seq: Sequence) -> None:
