@@ -308,3 +308,37 @@ def test_verifying_many_drafts_keeps_the_numerics_of_a_plain_decode_step(tiny_di
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     for prompt in PROMPTS:
         assert spec.generate(prompt, params)[0].outputs[0].token_ids == plain.generate(prompt, params)[0].outputs[0].token_ids
+
+
+def test_sampling_with_a_draft_model_keeps_the_targets_distribution_end_to_end(tiny_dir):
+    """3000 sampled continuations (temperature 0.5, top-k 3) with the target drafting for itself, a draft
+    at the second token of each: the joint distribution of the first two tokens is the target's,
+    p(t1) p(t2 | t1), within 5 standard errors in every cell."""
+    common = dict(dtype="float32", max_model_len=64, kv_cache_memory=2**24, block_size=8)
+    spec = LLM(str(tiny_dir), speculative_config={"model": str(tiny_dir), "num_speculative_tokens": 1}, **common)
+    spec.spec.observe = lambda *a: None  # every step drafts (the measured cost would stop a self-draft)
+    spec.spec.lengths.cost_per_token = 0.0
+    prompt = spec.prompt_ids("The cat sat on")
+    params = SamplingParams(max_tokens=3, temperature=0.5, top_k=3, n=250, ignore_eos=True)
+    torch.manual_seed(0)
+    outs = [o for r in spec.generate([prompt] * 12, params) for o in r.outputs]
+    stats = spec.stats().spec_decode
+    assert stats.num_drafts >= 3000 and 0 < stats.num_accepted_tokens < stats.num_drafts
+
+    def target(ids: list[int]) -> dict[int, float]:  # the target's top-3 distribution at temperature 0.5
+        row = spec.prompt_log_probs([ids + [0]])[0][-1]
+        top = torch.topk(row, 3)
+        p = torch.softmax(top.values.double() / 0.5, -1)
+        return dict(zip(top.indices.tolist(), p.tolist()))
+
+    first = target(prompt)
+    want = {(a, b): pa * pb for a, pa in first.items() for b, pb in target(prompt + [a]).items()}
+    counts: dict[tuple[int, int], int] = {}
+    for o in outs:
+        key = tuple(o.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(want)
+    n = len(outs)
+    for cell, p in want.items():
+        se = (p * (1 - p) / n) ** 0.5
+        assert abs(counts.get(cell, 0) / n - p) < 5 * se + 1e-9, (cell, counts.get(cell, 0) / n, p)
