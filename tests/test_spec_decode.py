@@ -342,3 +342,14 @@ def test_sampling_with_a_draft_model_keeps_the_targets_distribution_end_to_end(t
     for cell, p in want.items():
         se = (p * (1 - p) / n) ** 0.5
         assert abs(counts.get(cell, 0) / n - p) < 5 * se + 1e-9, (cell, counts.get(cell, 0) / n, p)
+
+
+def test_drafts_share_a_small_step_budget_with_chunked_prefills(tiny_dir):
+    """A 12-token step budget: prompts prefill in chunks while other sequences decode with drafts (each
+    decode's drafts cut to what the budget leaves); the text is plain decoding's."""
+    plain, spec = engines(tiny_dir, max_num_batched_tokens=12)
+    prompts = [" ".join(["lorem ipsum"] * 20), *PROMPTS, " ".join(["dolor sit amet"] * 15)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want, got = plain.generate(prompts, params), spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert spec.stats().spec_decode.num_accepted_tokens > 0
