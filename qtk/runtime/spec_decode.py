@@ -207,7 +207,10 @@ class SpecDecoder:
             room = self.max_model_len - len(seq)  # the last draft's position stays under max_model_len
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - seq.num_generated_tokens - 1)
-            k = min(self.lengths.length(seq.seq_id), room)
+            # a seeded sampled request gets the same drafts run after run: its draws depend on them, and the
+            # adaptive length on step timings; so it drafts the configured number
+            fixed = p.seed is not None and not p.greedy
+            k = min(c.num_speculative_tokens if fixed else self.lengths.length(seq.seq_id), room)
             if k >= 1:
                 wants.append((seq, k))
         if self.draft is not None:
