@@ -174,9 +174,9 @@ class LLM:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        drafts = [len(s.spec_token_ids) for s in batch.seqs]  # (finish_step takes them off)
+        drafts = None if self.spec is None else [len(s.spec_token_ids) for s in batch.seqs]  # (finish_step takes them)
         sampled, tokens = self._run(batch)
-        if self.spec is not None and batch.total_tokens == len(batch) + sum(drafts):  # a step of decodes only
+        if drafts is not None and batch.total_tokens == len(batch) + sum(drafts):  # decodes only: it times the drafts
             self.spec.observe(t1 - t0, time.perf_counter() - t1, drafts)
         self.scheduler.finish_step(batch, {s.seq_id: t for s, t in zip(sampled, tokens)})
         return self.output_processor.process(sampled, self._free, [len(t) for t in tokens])

@@ -271,7 +271,7 @@ class WOQLinear(KernelLinear):
         if many is None:
             return few
         if dot is not None:
-            return lambda x: few(x) if rows_of(x) < dot.lo else dot(x) if rows_of(x) < dot.hi else many(x)
+            return lambda x: (few if (r := rows_of(x)) < dot.lo else dot if r < dot.hi else many)(x)
         return lambda x: many(x) if rows_of(x) >= many.rows else few(x)
 
     @property

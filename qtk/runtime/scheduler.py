@@ -108,12 +108,9 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 break
-            if seq.spec_token_ids:  # the drafts that fit the budget and the pool, or none
-                del seq.spec_token_ids[max(0, n - (len(seq) - seq.num_computed_tokens)):]
-                if not self.bm.allocate_slots(seq, seq.num_uncomputed_tokens):
-                    seq.spec_token_ids.clear()
-                n = seq.num_uncomputed_tokens
-            if self._allocate_or_preempt(seq, n, batch):
+            del seq.spec_token_ids[max(0, n - (len(seq) - seq.num_computed_tokens)):]  # the drafts the budget allows
+            n = self._allocate_or_preempt(seq, n, batch)
+            if n:
                 batch.add(seq, n)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -138,15 +135,20 @@ class Scheduler:
         batch.copies = self.bm.take_copies()
         return batch
 
-    def _allocate_or_preempt(self, seq: Sequence, n: int, batch: Batch) -> bool:
-        """Slots for seq, preempting the most recently admitted others as needed; False if seq
-        itself had to be preempted."""
+    def _allocate_or_preempt(self, seq: Sequence, n: int, batch: Batch) -> int:
+        """Slots for seq's next n tokens -> the tokens it gets: n; fewer where the pool has no room for its
+        drafts (they are dropped before anyone is preempted); 0 if seq itself had to be preempted. The
+        most recently admitted others are preempted as needed."""
         while not self.bm.allocate_slots(seq, n):
+            if seq.spec_token_ids:
+                n -= len(seq.spec_token_ids)
+                seq.spec_token_ids.clear()
+                continue
             victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is seq:
-                return False
-        return True
+                return 0
+        return n
 
     def _preempt(self, seq: Sequence, batch: Batch) -> None:
         if seq in batch.seqs:  # already scheduled this step: unschedule it
