@@ -45,8 +45,9 @@ from ..paths import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_woq.cpp", "cpu_w8a8.cpp", "cpu_layers.cpp",
-                                                                 "cpu_attention.cpp", "cpu_bf16_linear.cpp", "cpu_bindings.cpp",
-                                                                 "cpu_kv.h", "cpu_act_quant.h", "cpu_glu.h")]
+                                                                 "cpu_attention.cpp", "cpu_bf16_linear.cpp", "cpu_decode.cpp",
+                                                                 "cpu_bindings.cpp", "cpu_kv.h", "cpu_act_quant.h", "cpu_glu.h",
+                                                                 "cpu_ops.h")]
 OVERRIDE = "QTK_CPU_KERNEL"
 VARIANTS = {
     "avx512": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",

@@ -60,6 +60,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "cpu_glu.h"  // QTK_AVX2 / QTK_AVX512 (this build's vectors), load8 / load16, exp8 / exp16, glu_span
 
 #ifndef QTK_LIB
@@ -929,6 +930,32 @@ QTK_IMPL(QTK_LIB, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("sample_rows", &sample_rows);
 }
+
+namespace QTK_LIB {
+namespace ops {  // for cpu_decode.cpp (cpu_ops.h)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool bf16_out) {
+  return ::rms_norm(x, w, eps, bf16_out);
+}
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w, double eps, bool bf16_out) {
+  return ::add_rms_norm_(residual, x, w, eps, bf16_out);
+}
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) { ::rope_(x, cos, sin, heads); }
+at::Tensor silu_and_mul(const at::Tensor& x) { return ::silu_and_mul(x); }
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) { return ::gelu_tanh_and_mul(x); }
+at::Tensor hadamard(const at::Tensor& x, int64_t block) { return ::hadamard(x, block); }
+void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+               const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  ::store_kv_(k_cache, v_cache, k, v, slots, k_scale, v_scale);
+}
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& lens, int64_t block_size, double scale,
+                                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                                  int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
+  return ::paged_decode_attention(q, k_cache, v_cache, block_tables, lens, block_size, scale, k_scale, v_scale, window,
+                                  softcap, sinks);
+}
+}  // namespace ops
+}  // namespace QTK_LIB
 
 // Python calls these directly (csrc/cpu_bindings.cpp): a pybind11 call costs ~1 us where torch.ops'
 // schema-driven one cost ~4.5 us, which a decode step pays some 300 times.

@@ -47,6 +47,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_ops.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QTK_AVX2 1
@@ -814,6 +816,13 @@ QTK_LIBRARY(QTK_LIB, m) {
 QTK_LIBRARY_IMPL(QTK_LIB, CPU, m) { m.impl("woq_linear", &woq_linear); }
 
 namespace QTK_LIB {
+namespace ops {
+at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& zs, const std::optional<at::Tensor>& bias, int64_t bits, int64_t n) {
+  return ::woq_linear(x, codes, scales, zs, bias, bits, n);
+}
+}  // namespace ops
+
 void bind_woq(pybind11::module_& m) {
   m.def("woq_linear", &woq_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("compiled_avx2", &compiled_avx2);

@@ -138,6 +138,7 @@ class NativeModel(nn.Module):
         self._bf16_attention_rows = None  # rows from which a step's attention is bf16 without it (W8A8, bf16 checkpoint)
         self._step_bf16 = False  # whether the last step did (its logits follow: logits())
         self._triton_fusable = None  # whether _forward_triton applies (triton_fusable, decided at first use)
+        self._decode, self._decode_caches, self._decode_rows_below = None, None, 0  # _decode_rows
 
     def _frozen_ropes(self, cfg) -> None:
         """The RoPE frequencies per layer (frozen_rope), as buffers rope_inv_freq_<type>: one type for
@@ -293,9 +294,13 @@ class NativeModel(nn.Module):
                 self._pre_ff_norms = [norm(layer.pre_feedforward_layernorm) for layer in layers]
                 self._post_ff_norms = [norm(layer.post_feedforward_layernorm) for layer in layers]
         T, H, KV, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        rows = rows_of(h)  # T, or the rows of the plain step whose numerics this one keeps (numerics_of)
+        if not meta.prefills and rows < self._decode_rows(kv_caches):  # the whole step in one call
+            cos, sin = zip(*(ropes[t] for t in self.rope_scaling))
+            return self._decode.forward(h, list(cos), list(sin), meta.block_tables, meta.decode_lens, meta.block_size,
+                                        meta.slot_mapping)
         qk_norm, sandwich, norms, heads = self.family.qk_norm, self.family.sandwich, self._norms, [H, KV, KV]
         full_rope, glu = self.rotary_dim == D, getattr(ops, self.glu_op)
-        rows = rows_of(h)  # T, or the rows of the plain step whose numerics this one keeps (numerics_of)
         bf16 = self._bf16_rows is not None and rows >= self._bf16_rows  # the whole step in bf16 between norms
         attention_bf16 = self._bf16_attention_rows is not None and rows >= self._bf16_attention_rows
         self._step_bf16 = bf16
@@ -360,6 +365,53 @@ class NativeModel(nn.Module):
             else:
                 x = ops.add_rms_norm_quant_(h, m, *norms[i + 1], nxt[0])
         return x
+
+    def _decode_rows(self, kv_caches: list[KVCache]) -> int:
+        """Rows below which a step of decodes only runs as one call of qtk's DecodeLayers
+        (csrc/cpu_decode.cpp): the ops this forward would call, in its order, from C++. 0 where the model
+        is not one it takes: every layer's q/k/v and gate/up joined, and all four projections on the
+        weight-only kernel (int4, int8 or bf16 weights; a Hadamard rotation of the input allowed), with a
+        full RoPE and no q/k norms or sandwich norms. The bound is the fewest rows at which some layer or
+        the attention leaves the float32 kernels this forward uses below it (a bf16 step, oneDNN, qtk's bf16
+        dot products). Built at the first call for these caches (a draft model's runner has its own)."""
+        if self._decode_caches is kv_caches:
+            return self._decode_rows_below
+        self._decode, self._decode_caches, self._decode_rows_below = None, kv_caches, 0
+        built = self._decode_layers(kv_caches)
+        if built is not None:
+            self._decode, self._decode_rows_below = built
+        return self._decode_rows_below
+
+    def _decode_layers(self, kv_caches: list[KVCache]):
+        """(DecodeLayers, rows below which it computes this forward's step) or None (_decode_rows)."""
+        from ..attention import _bytes
+        from ..packed_linear import WOQLinear
+
+        ops = self.cpu_ops
+        if (self.family.qk_norm or self.family.sandwich or self.rotary_dim != self.head_dim
+                or not hasattr(ops, "DecodeLayers")):
+            return None
+        bounds = [b for b in (self._bf16_rows, self._bf16_attention_rows) if b is not None]
+        specs = []
+        for layer in self.layers:
+            mods = [getattr(layer.self_attn, "qkv_proj", None), getattr(layer.self_attn, "o_proj", None),
+                    getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None)]
+            if not all(isinstance(m, WOQLinear) and m.runtime.perm is None for m in mods):
+                return None
+            for m in mods:  # WOQLinear.direct: the weight-only kernel below these rows
+                bounds += [m.dot.lo] if m.dot is not None else [m.many.rows] if m.many is not None else []
+            specs.append([(m.runtime.w.codes, m.runtime.w.scales, m.runtime.w.zs, m.runtime.bias, m.runtime.w.bits,
+                           m.runtime.w.n, hadamard.of(m) or 0) for m in mods])
+        bounds += [p[-2][0] for p in self._plan if p[-2] is not None]  # many_mlp: the MLP in bf16
+        decode = ops.DecodeLayers(self.num_heads, self.num_kv_heads, self.head_dim, self.glu_op == "gelu_tanh_and_mul",
+                                  [w for w, _ in self._norms], [eps for _, eps in self._norms])
+        types = list(self.rope_scaling)
+        for i, (spec, cache) in enumerate(zip(specs, kv_caches)):
+            scales = (None, None) if not cache.quantized else (cache.k_scale.reshape(-1), cache.v_scale.reshape(-1))
+            terms = self.terms[i]
+            decode.add_layer(*spec, *self._post_norms[i], _bytes(cache.k), _bytes(cache.v), *scales, self.scales[i],
+                             self.windows[i] or 0, terms.softcap or 0.0, terms.sinks, types.index(self.rope_types[i]))
+        return decode, min(bounds, default=1 << 62)
 
     @staticmethod
     def _w8a8_inputs(layer, glu_quant, glu_act=None, quantize=None) -> tuple:
