@@ -1130,3 +1130,27 @@ def test_bench_kernels_cpu_records_each_shape(tmp_path, monkeypatch):
     path = tmp_path / f"kernels-cpu-tiny-{tag if tag == result['variant'] else tag + '-' + result['variant'] + '-build'}.json"
     assert json.loads(path.read_text())["rows"] == result["rows"]
     assert "| q | 64 x 16 | 1 |" in summary and result["copy_gbps"] > 0
+
+
+def test_weights_move_onto_huge_pages_in_place():
+    """onto_huge_pages moves each tensor into one advised buffer: the same values, every holder of a tensor sees
+    the move (a layer's codes held by two runtimes), one line each, inference tensors too."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("madvise is Linux's")
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (6, 9, 8), dtype=torch.int32, generator=g)
+    scales = torch.rand(6, 3, 8, generator=g)
+    with torch.inference_mode():
+        bias = torch.randn(45)
+    held = {"a": codes, "b": codes}  # one tensor, two holders
+    before = [t.clone() for t in (codes, scales, bias)]
+    moved = cpu.onto_huge_pages([codes, scales, codes, bias, None])
+    assert moved == sum(-(-t.numel() * t.element_size() // 64) * 64 for t in before)
+    for t, b in zip((codes, scales, bias), before):
+        assert torch.equal(t, b) and t.is_contiguous() and t.data_ptr() % 64 == 0
+    assert held["a"].data_ptr() == held["b"].data_ptr() == codes.data_ptr()
+    storages = {t.untyped_storage().data_ptr() for t in (codes, scales, bias)}
+    assert len(storages) == 1  # one buffer
+    assert cpu.onto_huge_pages([]) == 0

@@ -18,7 +18,8 @@ from ..kv_scales import cache_scheme, grid_absmax, kv_scale
 from .attention import KV_DTYPES, SCALED_KV, AttentionMetadata, KVCache, PrefillChunk
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, Record, capture_sizes, cuda_record
-from .packed_linear import numerics_of, steps_in_bf16
+from ..kernels import cpu as cpu_kernels
+from .packed_linear import kernel_weights, numerics_of, steps_in_bf16
 from .sampler import logprob_entry
 from .scheduler import Batch
 from .sequence import Sequence
@@ -142,6 +143,9 @@ class ModelRunner:
                              "raise kv_cache_memory or lower max_model_len")
         runner = cls(model, num_blocks, block_size, kv_dtype, kv_scales, device=device)
         prepare(model, device, dtype)  # decode and repack the weights now, not at the first step
+        if runner.device.type == "cpu":
+            moved = cpu_kernels.onto_huge_pages(kernel_weights(model))
+            log.debug("%.1f MB of kernel weights on 2 MB pages", moved / 1e6)
         runner.graphs_status = ("off (enforce_eager)" if config.enforce_eager else
                                 "none (CPU)" if runner.device.type != "cuda" else
                                 runner.try_capture_graphs(config.max_num_seqs, max_model_len))

@@ -552,6 +552,17 @@ def pack_linears(model: nn.Module, fuse: dict[str, tuple[str, ...]] | None = Non
     return count
 
 
+def kernel_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors qtk's CPU kernels read from memory at every step (codes, scales, zeros, biases of each
+    KernelLinear), for kernels/cpu.onto_huge_pages."""
+    tensors = []
+    for m in model.modules():
+        if isinstance(m, KernelLinear):
+            w = m.runtime.w
+            tensors += [w.codes, w.scales, getattr(w, "zs", None), getattr(w, "colsum", None), m.runtime.bias]
+    return [t for t in tensors if t is not None]
+
+
 def kernel_summary(model: nn.Module) -> str:
     """Which kernel runs the linear layers, counted: "120 WOQLinear int4 (qtk_cpu_avx2), 1 WOQLinear bf16 (...)"."""
     from collections import Counter

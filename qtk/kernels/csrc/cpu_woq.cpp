@@ -398,6 +398,25 @@ static void gemv_columns16(const Args& a, int64_t nb0) {
 }
 #endif
 
+#ifdef QTK_AVX2
+// The scales and zeros of the tile of NT blocks from nb (one contiguous run each), asked for before its codes
+// need them: the loops prefetch the codes a tile ahead, and a group's scales would otherwise miss at the end of
+// its dot products. Two tiles ahead, 6-7% more GB/s for SmolLM2's int4 layers at one row on 2 Zen 4 cores.
+constexpr int64_t SCALES_AHEAD = 2;
+
+static inline void prefetch_tile_scales(const Args& a, int64_t nb) {
+  const int64_t nblocks = (a.N + LANES - 1) / LANES;
+  if (nb >= nblocks) return;
+  const int64_t len = std::min<int64_t>(NT, nblocks - nb) * a.G * LANES * static_cast<int64_t>(sizeof(float));
+  const char* sc = reinterpret_cast<const char*>(a.scales + nb * a.G * LANES);
+  const char* zc = a.zs ? reinterpret_cast<const char*>(a.zs + nb * a.G * LANES) : nullptr;
+  for (int64_t i = 0; i < len; i += 64) {
+    _mm_prefetch(sc + i, _MM_HINT_T0);
+    if (zc) _mm_prefetch(zc + i, _MM_HINT_T0);
+  }
+}
+#endif
+
 // gemv tile: rows m0..m0+MR (MR <= 2), column blocks nb0..nb0+nt (nt <= NT).
 template <int BITS, int MR>
 static void gemv_tile(const Args& a, int64_t m0, int64_t nb0, int nt) {
@@ -407,6 +426,7 @@ static void gemv_tile(const Args& a, int64_t m0, int64_t nb0, int nt) {
     for (int i = 0; i < NT * LANES; ++i) out[r][i] = 0.f;
 #ifdef QTK_AVX2
   if (nt == NT) {
+    if (m0 == 0) prefetch_tile_scales(a, nb0 + SCALES_AHEAD * NT);
     const float* x0 = a.xs + m0 * a.K;
     const float* x1 = MR == 2 ? x0 + a.K : x0;
     for (int64_t g = 0; g < a.G; ++g) {
