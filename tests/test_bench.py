@@ -403,3 +403,5 @@ def test_step_bytes_count_each_weight_once_and_speculative_runs_compare_to_plain
     for r in runs[0]["batches"].values():
         assert r["identical"] and r["plain"]["tokens"] == r["speculative"]["tokens"] > 0
         assert 0 <= r["acceptance_rate"] <= 1 and r["mean_accepted_length"] >= 1
+    one, two = runs[0]["batches"]["1"], runs[0]["batches"]["2"]
+    assert one["plain"]["tokens"] == two["plain"]["tokens"]  # both prompts at each batch size: batch 1 in turn

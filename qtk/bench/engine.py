@@ -205,7 +205,8 @@ def speculative(model: str, dtype: str, engine_args: dict, configs: list[dict], 
                 max_tokens: int, batches: tuple[int, ...] = (1, 4), rounds: int = 3) -> list[dict]:
     """Plain decoding against each speculative config on the same requests (greedy, EOS honoured), at
     each batch size: tok/s of each (best of `rounds`, alternated), the speed-up, identical text or not,
-    acceptance rate and mean accepted length."""
+    acceptance rate and mean accepted length. Every batch size runs the same requests, the first
+    max(batches) prompts, b at a time (batch 1: one after another; a single short answer is no measure)."""
     from ..runtime.engine import LLM
     from ..runtime.sampling_params import SamplingParams
 
@@ -218,13 +219,14 @@ def speculative(model: str, dtype: str, engine_args: dict, configs: list[dict], 
         spec.generate(prompts[:1], SamplingParams(max_tokens=8))
         row = {"config": config, "batches": {}}
         for b in batches:
-            group = prompts[:b]
+            requests = prompts[:max(batches)]
+            groups = [requests[i:i + b] for i in range(0, len(requests), b)]
             best, texts = {}, {}
             before = spec.stats().spec_decode
             for _ in range(rounds):
                 for name, llm in (("plain", plain), ("speculative", spec)):
                     t = time.perf_counter()
-                    outs = llm.generate(group, params)
+                    outs = [o for group in groups for o in llm.generate(group, params)]
                     seconds = time.perf_counter() - t
                     texts[name] = [o.outputs[0].token_ids for o in outs]
                     r = rate(sum(map(len, texts[name])), seconds)
