@@ -102,3 +102,14 @@ def test_the_bound_is_where_a_layer_leaves_the_weight_only_kernel():
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             bounds += [m.dot.lo] if m.dot is not None else [m.many.rows] if m.many is not None else []
     assert model._decode is not None and model._decode_rows_below == min(bounds, default=1 << 62)
+
+
+def test_a_new_runner_drops_the_last_ones_caches():
+    """The one-call step holds its runner's KV caches: a new runner over the model lets them go."""
+    from qtk.runtime.model_runner import ModelRunner
+
+    model = runtime_model("llama", "int4")
+    greedy_through_runtime(model, [[1, 2, 3]], new_tokens=3, runtime=model)
+    assert model._decode is not None
+    ModelRunner(model, 8, 4)
+    assert model._decode is None and model._decode_caches is None

@@ -12,13 +12,13 @@ import logging
 import torch
 
 from ..errors import InputError
+from ..kernels import cpu as cpu_kernels
 from ..kernels.dispatch import prepare
 from ..kernels.fp8 import fp8_supported
 from ..kv_scales import cache_scheme, grid_absmax, kv_scale
 from .attention import KV_DTYPES, SCALED_KV, AttentionMetadata, KVCache, PrefillChunk
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, Record, capture_sizes, cuda_record
-from ..kernels import cpu as cpu_kernels
 from .packed_linear import kernel_weights, numerics_of, steps_in_bf16
 from .sampler import logprob_entry
 from .scheduler import Batch
@@ -111,6 +111,8 @@ class ModelRunner:
         attention_backend: "triton" (the default on CUDA), "cpu" (qtk's C++ ops: the default on
         CPU for a float32 model where they are built) or "torch"."""
         self.model = model
+        if hasattr(model, "drop_decode_layers"):  # the model's one-call decode step held another runner's caches
+            model.drop_decode_layers()
         self.block_size = block_size
         self.device = torch.device(device)
         self.attention_backend = attention_backend or (

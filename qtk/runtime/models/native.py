@@ -382,6 +382,11 @@ class NativeModel(nn.Module):
             self._decode, self._decode_rows_below = built
         return self._decode_rows_below
 
+    def drop_decode_layers(self) -> None:
+        """Forget the one-call decode step (it holds its runner's KV caches): a new runner's first step builds
+        its own."""
+        self._decode, self._decode_caches, self._decode_rows_below = None, None, 0
+
     def _decode_layers(self, kv_caches: list[KVCache]):
         """(DecodeLayers, rows below which it computes this forward's step) or None (_decode_rows)."""
         from ..attention import _bytes
