@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -142,17 +143,20 @@ def rate(tokens: int, seconds: float) -> dict:
 
 
 # -- roofline --------------------------------------------------------------------------------------
-def copy_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
-    """Bytes per second a large tensor copy moves (read + written, STREAM's copy convention), best of
-    `repeats`, on torch's threads."""
+def copy_bandwidth(nbytes: int = 1 << 29, repeats: int = 7) -> float:
+    """Bytes per second a large tensor copy moves (read + written, STREAM's copy convention), the median
+    of `repeats` after a first copy that faults the destination's pages in, on torch's threads. The median,
+    not the best: on a shared VM one copy in a few ran at 1.5-1.8x the others (a 2-core Zen 4 VM: 30-36
+    GB/s most of the time, single copies at 50-55), which made the limit a burst's."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    best = float("inf")
+    dst.copy_(src)
+    times = []
     for _ in range(repeats):
         t = time.perf_counter()
         dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / statistics.median(times)
 
 
 def checkpoint_step_bytes(path: Path, float_bytes: int) -> int:
