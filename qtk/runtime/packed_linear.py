@@ -263,6 +263,13 @@ class WOQLinear(KernelLinear):
         y = self.direct()(x.reshape(-1, shape[-1]).float().contiguous()).to(x.dtype)  # the kernel by rows
         return y.view(*shape[:-1], self.out_features)
 
+    @property
+    def kernel_rows(self) -> int | None:
+        """Rows below which direct() calls the weight-only kernel (None: at any number of rows)."""
+        if self.many is None:
+            return None
+        return self.dot.lo if self.dot is not None else self.many.rows
+
     def direct(self):
         """The kernel call itself, for float32 [T, K] contiguous x (the runtime's fused forward)."""
         w, bias, op = self.runtime.w, self.runtime.bias, self.runtime.lib.woq_linear

@@ -403,8 +403,7 @@ class NativeModel(nn.Module):
                     getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None)]
             if not all(isinstance(m, WOQLinear) and m.runtime.perm is None for m in mods):
                 return None
-            for m in mods:  # WOQLinear.direct: the weight-only kernel below these rows
-                bounds += [m.dot.lo] if m.dot is not None else [m.many.rows] if m.many is not None else []
+            bounds += [m.kernel_rows for m in mods if m.kernel_rows is not None]
             specs.append([(m.runtime.w.codes, m.runtime.w.scales, m.runtime.w.zs, m.runtime.bias, m.runtime.w.bits,
                            m.runtime.w.n, hadamard.of(m) or 0) for m in mods])
         bounds += [p[-2][0] for p in self._plan if p[-2] is not None]  # many_mlp: the MLP in bf16
