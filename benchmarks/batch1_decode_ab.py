@@ -3,6 +3,7 @@ process (VMs drift: a ratio within one run is what holds), the same tokens check
 
     python benchmarks/batch1_decode_ab.py MODEL one-call     # DecodeLayers (csrc/cpu_decode.cpp) vs op by op
     python benchmarks/batch1_decode_ab.py MODEL huge-pages   # kernel weights on 2 MB pages vs 4 KB pages
+    python benchmarks/batch1_decode_ab.py MODEL int4-vnni    # the int4 gemv on VNNI (x in int8 limbs) vs float32
 
 MODEL: a qtk checkpoint dir or a name qtk resolves (smollm2-135m: the float32 model). Prints the median
 tok/s of each over --rounds rounds of --tokens tokens (EOS ignored).
@@ -24,7 +25,7 @@ PROMPT = "Write a long story about a lighthouse keeper who finds a message in a 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
-    ap.add_argument("choice", choices=["one-call", "huge-pages"])
+    ap.add_argument("choice", choices=["one-call", "huge-pages", "int4-vnni"])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
@@ -37,6 +38,13 @@ def main() -> None:
             return 0
 
         runs = {"one call": (llm, one_call), "op by op": (llm, op_by_op)}
+    elif args.choice == "int4-vnni":  # one engine, the kernel build's switch flipped between runs
+        llm = LLM(args.model, dtype="float32")
+        lib = cpu.ops()
+        if lib is None or lib.int4_limb_rows() == 0:
+            raise SystemExit("this CPU's kernel build has no int4 gemv on VNNI (the avx512 build; QTK_CPU_VNNI unset)")
+        runs = {"VNNI limbs": (llm, lambda: lib.set_int4_limb_rows(-1)),
+                "float32": (llm, lambda: lib.set_int4_limb_rows(0))}
     else:  # two engines: the second's weights left where packing put them
         on = LLM(args.model, dtype="float32")
         moved = cpu.onto_huge_pages
@@ -47,9 +55,11 @@ def main() -> None:
     rates = {name: [] for name in runs}
     tokens = {}
     for _ in range(args.rounds):
-        for name, (llm, decode_rows) in runs.items():
-            if decode_rows is not None:
-                NativeModel._decode_rows = decode_rows
+        for name, (llm, choose) in runs.items():
+            if args.choice == "one-call":
+                NativeModel._decode_rows = choose
+            elif choose is not None:
+                choose()
             t = time.perf_counter()
             out = llm.generate([PROMPT], params)
             rates[name].append(args.tokens / (time.perf_counter() - t))

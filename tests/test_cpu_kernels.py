@@ -58,7 +58,8 @@ def rel_err(y, ref):
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_matches_twin_and_math(lib, bits, group, asym):
     """Every group size (None: per channel), sym/asym, int4/int8; M across the gemv (below rows_min:
-    8-12 rows on the avx2 build, 20 on avx512), decoded slices (to 512: 6-row micro-tiles and each
+    8-12 rows on the avx2 build, 20 on avx512, whose int4 gemv below int4_limb_rows() multiplies x's
+    24-bit limbs on VNNI: within float32 rounding all the same), decoded slices (to 512: 6-row micro-tiles and each
     remainder) and tiled (> 512) paths, odd M; N not a multiple of the 32-column tile nor of 8 (padded
     blocks)."""
     k = 512
@@ -74,6 +75,51 @@ def test_kernel_matches_twin_and_math(lib, bits, group, asym):
             math = (x.double() @ dequant(codes, scale, zero).t() + (0 if b is None else b.double())).float()
             assert y.shape == (m, n) and y.dtype == torch.float32
             assert rel_err(y, twin) < 1e-5 and rel_err(twin, math) < 1e-6, (n, m)  # float32 sums vs float64
+
+
+def test_int4_gemv_rows_with_zeros_nan_and_inf(lib):
+    """The int4 gemv's rows (on the avx512 build: x split into 24-bit limbs per group, int4_limb_rows())
+    with a group of zeros give the twin's result; a row with a NaN or an inf gives NaN or inf where the
+    twin does (the limbs cannot hold them: such rows take the float gemv)."""
+    k, n = 256, 40
+    codes, scale, zero = random_layer(n, k, 64, 4, True, seed=5)
+    w = cpu.pack(codes, scale, zero, 4)
+    for m in (1, 2, 3):
+        x = torch.randn(m, k)
+        x[:, 64:128] = 0
+        twin = reference.cpu_woq_linear_ref(x, w.codes, w.scales, w.zs, None, 4, n)
+        assert rel_err(cpu.woq_linear(x, w, None, lib), twin) < 1e-5
+        for bad in (float("nan"), float("inf")):
+            x[-1, 70] = bad
+            y = cpu.woq_linear(x, w, None, lib)
+            twin = reference.cpu_woq_linear_ref(x, w.codes, w.scales, w.zs, None, 4, n)
+            assert torch.equal(y[-1].isfinite(), twin[-1].isfinite()) and not y[-1].isfinite().any(), (m, bad)
+            if m > 1:
+                assert rel_err(y[:-1], twin[:-1]) < 1e-5
+            x[-1, 70] = 0
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="CPU without AVX-512 + VNNI")
+def test_int4_gemv_with_and_without_vnni_limbs(monkeypatch):
+    """QTK_CPU_VNNI=0 (read when a build is loaded) turns the avx512 build's int4 gemv on VNNI off: every
+    row multiplies x in float32. Both give the twin's result below int4_limb_rows() rows."""
+    codes, scale, zero = random_layer(100, 384, 128, 4, True, seed=7)
+    w = cpu.pack(codes, scale, zero, 4)
+    x = torch.randn(3, 384)
+    lib = cpu.library("avx512")
+    try:
+        monkeypatch.setenv("QTK_CPU_VNNI", "0")
+        cpu.set_int4_limbs(lib)
+        assert lib.int4_limb_rows() == 0
+        floats = [cpu.woq_linear(x[:m], w, None, lib) for m in (1, 2, 3)]
+    finally:
+        monkeypatch.delenv("QTK_CPU_VNNI")
+        cpu.set_int4_limbs(lib)
+    assert lib.int4_limb_rows() == 4
+    limbs = [cpu.woq_linear(x[:m], w, None, lib) for m in (1, 2, 3)]
+    for m, y0, y1 in zip((1, 2, 3), floats, limbs):
+        twin = reference.cpu_woq_linear_ref(x[:m], w.codes, w.scales, w.zs, None, 4, 100)
+        assert rel_err(y0, twin) < 1e-5 and rel_err(y1, twin) < 1e-5 and not torch.equal(y0, y1), m
 
 
 def test_a_bf16_weight_gives_the_float32_products_on_every_path(lib):

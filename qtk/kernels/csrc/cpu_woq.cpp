@@ -43,6 +43,9 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -498,6 +501,169 @@ static inline void prefetch_first_tile(const Args& a, int64_t nb0, int64_t nbloc
 #endif
 }
 
+#if defined(QTK_AVX512) && defined(__AVX512VNNI__)
+#define QTK_VNNI 1
+// int4 gemv on VNNI, a few rows: VPDPBUSD multiplies 4 codes (unsigned bytes) by 4 signed bytes of x per
+// 32-bit lane, so x is split per group into three int8 limbs, x ~ dx * (65536 h2 + 256 h1 + h0) with
+// |65536 h2 + 256 h1 + h0| <= 127 * 65536: a 24-bit integer, as fine as float32's mantissa at the group's
+// largest |x| (off by half a step at most, max|x| / (2 * 127 * 65536)). So y is dequant(W) x^, x^ the
+// limbs' value, within float32 rounding of the float gemv (tests/test_cpu_kernels.py holds both to 1e-5
+// of y). A weight costs 3/4 of a VPDPBUSD and 3/8 of an AND or a shift, not an AND, a convert and an FMA.
+// A word (nb, kb, j) holds u[8kb + i] in bits 4i: its bytes' low nibbles are the even k (w & 0x0F0F0F0F),
+// the high nibbles the odd k ((w >> 4) & 0x0F0F0F0F).
+// Measured on 2 Zen 4 cores (one thread, int4 g64 [49152, 576] streamed from memory): 31 GB/s against the
+// float gemv's 17.7; two limbs (15 bits) were no faster.
+constexpr int32_t LIMB_MAX = 127 * 65536;
+constexpr int64_t VNNI_ROWS_MAX = 4;  // rows below which the int4 gemv runs on VNNI (from 4 the 16-lane float gemv)
+std::atomic<int64_t> limb_rows{VNNI_ROWS_MAX};  // set_int4_limb_rows: cpu.py sets 0 where QTK_CPU_VNNI=0
+
+struct Limbs {
+  std::vector<int32_t> words;  // [M, K / 8, 6]: limbs h0, h1, h2 of the even k, then of the odd k (4 int8 each)
+  std::vector<float> dx;       // [M, G]
+  std::vector<float> xsum;     // [M, G]: the group sums of x^ (for the zeros)
+};
+
+// The limbs of x [M, K] in G groups (K / G a multiple of 8); false where x is not finite (the float gemv
+// then propagates it). t = x * (127 * 65536 / max|x|) rounded to nearest even (in float32), then base-256
+// digits h0, h1 in [-128, 127] and h2 in [-127, 127].
+static bool split_limbs(const float* x, int64_t M, int64_t K, int64_t G, Limbs& L) {
+  const int64_t gsize = K / G;
+  L.words.resize(M * (K / 8) * 6);
+  L.dx.resize(M * G);
+  L.xsum.resize(M * G);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i lim = _mm256_set1_epi32(LIMB_MAX), half = _mm256_set1_epi32(128), byte = _mm256_set1_epi32(255);
+  const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + m * K + g * gsize;
+      __m256 vmax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+      for (int64_t k = 0; k < gsize; k += 8) {
+        const __m256 v = _mm256_loadu_ps(xg + k);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // (max_ps would drop a NaN)
+        vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vmax);
+      float mx = 0.f;
+      for (float v : lanes) mx = std::max(mx, v);
+      if (!_mm256_testz_ps(nan, nan) || !std::isfinite(mx)) return false;
+      const __m256 inv = _mm256_set1_ps(mx > 0.f ? static_cast<float>(LIMB_MAX) / mx : 0.f);
+      __m256 tsum = _mm256_setzero_ps();
+      int32_t* out = &L.words[(m * K + g * gsize) / 8 * 6];
+      for (int64_t k = 0; k < gsize; k += 8, out += 6) {
+        __m256i t = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + k), inv));  // nearest even
+        t = _mm256_max_epi32(_mm256_min_epi32(t, lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
+        tsum = _mm256_add_ps(tsum, _mm256_cvtepi32_ps(t));
+        const __m256i h0 = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(t, half), byte), half);
+        const __m256i q = _mm256_srai_epi32(_mm256_sub_epi32(t, h0), 8);
+        const __m256i h1 = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(q, half), byte), half);
+        const __m256i h2 = _mm256_srai_epi32(_mm256_sub_epi32(q, h1), 8);
+        // bytes h0 k0..7 | h1 k0..7, then h2 k0..7: each to even k, odd k
+        const __m128i b01 = _mm_shuffle_epi8(_mm_unpacklo_epi64(_mm256_cvtepi32_epi8(h0), _mm256_cvtepi32_epi8(h1)),
+                                             even_odd);  // h0e h0o h1e h1o
+        const __m128i b2 = _mm_shuffle_epi8(_mm256_cvtepi32_epi8(h2), even_odd);  // h2e h2o
+        alignas(16) int32_t w01[4], w2[4];
+        _mm_store_si128(reinterpret_cast<__m128i*>(w01), b01);
+        _mm_store_si128(reinterpret_cast<__m128i*>(w2), b2);
+        out[0] = w01[0]; out[1] = w01[2]; out[2] = w2[0];  // h0, h1, h2 of the even k
+        out[3] = w01[1]; out[4] = w01[3]; out[5] = w2[1];  // of the odd k
+      }
+      alignas(32) float ts[8];
+      _mm256_store_ps(ts, tsum);
+      double sum = 0.;
+      for (float v : ts) sum += v;
+      L.dx[m * G + g] = mx / static_cast<float>(LIMB_MAX);
+      L.xsum[m * G + g] = static_cast<float>(sum * L.dx[m * G + g]);
+    }
+  return true;
+}
+
+// out[t] = the group sums (65536 h2 + 256 h1 + h0 against the codes, in float) of one row's limbs against NB
+// column blocks over kb0..kb1.
+template <int NB>
+static QTK_INLINE void dot_blocks_vnni(const uint8_t* blk, int64_t bb, const int32_t* xw, int64_t kb0, int64_t kb1,
+                                       __m256 (&out)[NB]) {
+  __m256i a0[NB], a1[NB], a2[NB];  // by limb
+#pragma GCC unroll 4
+  for (int t = 0; t < NB; ++t) a0[t] = a1[t] = a2[t] = _mm256_setzero_si256();
+  const __m256i low = _mm256_set1_epi32(0x0F0F0F0F);
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
+    if ((kb & 1) == 0) {  // the next tile's codes, a line per stream, as dot_4blocks
+      const char* next = reinterpret_cast<const char*>(blk) + kb * 32 + NB * bb;
+#pragma GCC unroll 4
+      for (int t = 0; t < NB; ++t) _mm_prefetch(next + t * bb, _MM_HINT_T0);
+    }
+    const int32_t* w = xw + 6 * kb;
+    const __m256i e0 = _mm256_set1_epi32(w[0]), e1 = _mm256_set1_epi32(w[1]), e2 = _mm256_set1_epi32(w[2]);
+    const __m256i o0 = _mm256_set1_epi32(w[3]), o1 = _mm256_set1_epi32(w[4]), o2 = _mm256_set1_epi32(w[5]);
+#pragma GCC unroll 4
+    for (int t = 0; t < NB; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + t * bb) + kb);
+      const __m256i even = _mm256_and_si256(v, low), odd = _mm256_and_si256(_mm256_srli_epi32(v, 4), low);
+      a0[t] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(a0[t], even, e0), odd, o0);
+      a1[t] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(a1[t], even, e1), odd, o1);
+      a2[t] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(a2[t], even, e2), odd, o2);
+    }
+  }
+  const __m256 f256 = _mm256_set1_ps(256.f);
+#pragma GCC unroll 4
+  for (int t = 0; t < NB; ++t)
+    out[t] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(a2[t]), f256, _mm256_cvtepi32_ps(a1[t])), f256,
+                             _mm256_cvtepi32_ps(a0[t]));
+}
+
+// One row m against the NB column blocks from nb0 (NB = NT but in a last, partial tile).
+template <int NB>
+static void gemv_tile_vnni(const Args& a, const Limbs& L, int64_t m, int64_t nb0) {
+  const int64_t bb = block_bytes<4>(a.K), kbg = a.gsize / 8;
+  if (m == 0) prefetch_tile_scales(a, nb0 + SCALES_AHEAD * NT);
+  const int32_t* xw = L.words.data() + m * (a.K / 8) * 6;
+  __m256 out[NB];
+#pragma GCC unroll 4
+  for (int t = 0; t < NB; ++t) out[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m256 acc[NB];
+    dot_blocks_vnni<NB>(a.codes + nb0 * bb, bb, xw, g * kbg, (g + 1) * kbg, acc);
+    const __m256 dx = _mm256_set1_ps(L.dx[m * a.G + g]), xsum = _mm256_set1_ps(L.xsum[m * a.G + g]);
+#pragma GCC unroll 4
+    for (int t = 0; t < NB; ++t) {
+      const int64_t so = ((nb0 + t) * a.G + g) * LANES;
+      out[t] = _mm256_fmadd_ps(_mm256_loadu_ps(a.scales + so), _mm256_mul_ps(acc[t], dx), out[t]);
+      out[t] = _mm256_fnmadd_ps(_mm256_loadu_ps(a.zs + so), xsum, out[t]);
+    }
+  }
+  float* yr = a.y + m * a.N;
+#pragma GCC unroll 4
+  for (int t = 0; t < NB; ++t) {
+    const int64_t c0 = (nb0 + t) * LANES, left = a.N - c0;  // the last block of N % 8 columns: masked
+    const __mmask8 mask = left >= LANES ? static_cast<__mmask8>(0xFF) : static_cast<__mmask8>((1u << left) - 1);
+    __m256 o = out[t];
+    if (a.bias) o = _mm256_add_ps(o, _mm256_maskz_loadu_ps(mask, a.bias + c0));
+    _mm256_mask_storeu_ps(yr + c0, mask, o);
+  }
+}
+
+// The int4 gemv on VNNI, each row against each tile of NT column blocks (a tile's codes stay in L1).
+static void gemv_vnni(const Args& a, const Limbs& L) {
+  const int64_t nblocks = (a.N + LANES - 1) / LANES, ntiles = (nblocks + NT - 1) / NT;
+  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    prefetch_first_tile<4>(a, t0 * NT, nblocks);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb0 = t * NT, nb = std::min<int64_t>(NT, nblocks - nb0);
+      for (int64_t m = 0; m < a.M; ++m) {
+        switch (nb) {
+          case 4: gemv_tile_vnni<4>(a, L, m, nb0); break;
+          case 3: gemv_tile_vnni<3>(a, L, m, nb0); break;
+          case 2: gemv_tile_vnni<2>(a, L, m, nb0); break;
+          default: gemv_tile_vnni<1>(a, L, m, nb0); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
 template <int BITS>
 static void gemv(const Args& a) {
   const int64_t nblocks = (a.N + LANES - 1) / LANES;
@@ -794,6 +960,13 @@ at::Tensor woq_linear(const at::Tensor& x_in, const at::Tensor& codes, const at:
     bits == 4 ? rows<4>(a) : bits == 8 ? rows<8>(a) : rows<16>(a);
 #endif
   } else if (gemv_path) {
+#ifdef QTK_VNNI
+    Limbs limbs;
+    if (bits == 4 && M < limb_rows.load(std::memory_order_relaxed) && split_limbs(xp, M, K, G, limbs)) {
+      gemv_vnni(a, limbs);
+      return y;
+    }
+#endif
     bits == 4 ? gemv<4>(a) : bits == 8 ? gemv<8>(a) : gemv<16>(a);
   } else {
     const at::Tensor y2 = y.view({M, n});
@@ -807,6 +980,25 @@ bool compiled_avx2() {
   return true;
 #else
   return false;
+#endif
+}
+
+// Rows below which this build's int4 gemv multiplies x's 24-bit limbs (VNNI), not x itself; 0: never.
+int64_t int4_limb_rows() {
+#ifdef QTK_VNNI
+  return limb_rows.load();
+#else
+  return 0;
+#endif
+}
+
+// The rows below which the int4 gemv runs on VNNI where built (-1: the default; 0: never, every row multiplies
+// x in float32; at most the gemv's rows, rows_min).
+void set_int4_limb_rows(int64_t rows) {
+#ifdef QTK_VNNI
+  limb_rows.store(rows < 0 ? VNNI_ROWS_MAX : std::min<int64_t>(rows, rows_min(4)));
+#else
+  (void)rows;
 #endif
 }
 
@@ -831,6 +1023,8 @@ QTK_LIBRARY(QTK_LIB, m) {
   m.def("woq_linear(Tensor x, Tensor codes, Tensor scales, Tensor? zs, Tensor? bias, int bits, int n) -> Tensor");
   m.def("compiled_avx2() -> bool", &compiled_avx2);
   m.def("compiled_avx512() -> bool", &compiled_avx512);
+  m.def("int4_limb_rows() -> int", &int4_limb_rows);
+  m.def("set_int4_limb_rows(int rows) -> ()", &set_int4_limb_rows);
 }
 
 QTK_LIBRARY_IMPL(QTK_LIB, CPU, m) { m.impl("woq_linear", &woq_linear); }
@@ -847,6 +1041,8 @@ void bind_woq(pybind11::module_& m) {
   m.def("woq_linear", &woq_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("compiled_avx2", &compiled_avx2);
   m.def("compiled_avx512", &compiled_avx512);
+  m.def("int4_limb_rows", &int4_limb_rows);
+  m.def("set_int4_limb_rows", &set_int4_limb_rows);
 }
 }  // namespace QTK_LIB
 
