@@ -58,8 +58,8 @@ def rel_err(y, ref):
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_matches_twin_and_math(lib, bits, group, asym):
     """Every group size (None: per channel), sym/asym, int4/int8; M across the gemv (below rows_min:
-    8-12 rows on the avx2 build, 20 on avx512, whose int4 gemv below int4_limb_rows() multiplies x's
-    24-bit limbs on VNNI: within float32 rounding all the same), decoded slices (to 512: 6-row micro-tiles and each
+    8-12 rows on the avx2 build, 20 on avx512, whose int4 gemv multiplies x's 24-bit limbs on VNNI:
+    within float32 rounding all the same), decoded slices (to 512: 6-row micro-tiles and each
     remainder) and tiled (> 512) paths, odd M; N not a multiple of the 32-column tile nor of 8 (padded
     blocks)."""
     k = 512
@@ -115,11 +115,29 @@ def test_int4_gemv_with_and_without_vnni_limbs(monkeypatch):
     finally:
         monkeypatch.delenv("QTK_CPU_VNNI")
         cpu.set_int4_limbs(lib)
-    assert lib.int4_limb_rows() == 4
+    assert lib.int4_limb_rows() == 20  # the whole gemv
     limbs = [cpu.woq_linear(x[:m], w, None, lib) for m in (1, 2, 3)]
     for m, y0, y1 in zip((1, 2, 3), floats, limbs):
         twin = reference.cpu_woq_linear_ref(x[:m], w.codes, w.scales, w.zs, None, 4, 100)
         assert rel_err(y0, twin) < 1e-5 and rel_err(y1, twin) < 1e-5 and not torch.equal(y0, y1), m
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib, bits):
+    """Through the gemv's rows (below rows_min: 6-12 on the avx2 build, 20 on avx512) each row sums in the
+    same order at any M: the first row's result is the one-row call's to the bit (a step verifying drafts
+    then gives plain decoding's logits); N with a partial tile and a partial block."""
+    k, n = 384, 100
+    if bits == 16:
+        w = cpu.pack_bf16(torch.randn(n, k).bfloat16().float())
+    else:
+        codes, scale, zero = random_layer(n, k, 64, bits, True, seed=9)
+        w = cpu.pack(codes, scale, zero, bits)
+    bias = torch.randn(n)
+    x = torch.randn(19, k)
+    one = cpu.woq_linear(x[:1], w, bias, lib)
+    for m in range(2, 20 if lib.compiled_avx512() else 6):
+        assert torch.equal(cpu.woq_linear(x[:m], w, bias, lib)[:1], one), m
 
 
 def test_a_bf16_weight_gives_the_float32_products_on_every_path(lib):

@@ -12,9 +12,9 @@ The extension is compiled on first use with torch.utils.cpp_extension (g++ and n
 minute) into qtk's cache, one build per variant, torch installation and source (the sources are
 copied into the build, so checkouts of one version share it):
     avx512   -mavx512f/bw/vl/dq -mavx512vnni: CPUs with AVX-512 and AVX512-VNNI (Intel from Cascade
-             Lake, AMD from Zen 4): the int4 gemv on VNNI below 4 rows (x as 24-bit integers: three int8
-             limbs per value, off with QTK_CPU_VNNI=0), the weight-only gemv on 16 lanes from 4 rows, and
-             the W8A8 kernel;
+             Lake, AMD from Zen 4): the int4 gemv on VNNI (x as 24-bit integers: three int8 limbs per
+             value; off with QTK_CPU_VNNI=0), the int8 / bf16 gemv on 16 lanes from 4 rows, and the W8A8
+             kernel;
              where the CPU also has AVX512-BF16 (checked at run time), the bf16 kernels: layers for a
              decode batch, and a bf16 checkpoint's weight-only int4 / int8 layers for many rows
              (cpu_bf16_linear.cpp), prefill and decode attention (cpu_attention.cpp); the float32
@@ -130,8 +130,8 @@ def library(name: str):
 
 
 def set_int4_limbs(module) -> None:
-    """The int4 gemv on VNNI below 4 rows (the avx512 build: x as 24-bit limbs) unless QTK_CPU_VNNI=0, read
-    when a build is loaded."""
+    """The int4 gemv on VNNI (the avx512 build: x as 24-bit limbs) unless QTK_CPU_VNNI=0, read when a build
+    is loaded."""
     module.set_int4_limb_rows(-1 if cpu_has_int8_dot() else 0)
 
 

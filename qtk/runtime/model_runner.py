@@ -7,6 +7,7 @@ repacked for the kernels and the decode steps captured in CUDA graphs.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -215,7 +216,17 @@ class ModelRunner:
                 decode_index.append(t)
                 tables.append(seq.block_table)
                 lens.append(start + 1)
-            else:  # a prompt chunk, or a decode with drafts to verify (causal over the chunk, as a prefill)
+            elif self.device.type == "cpu" and seq.spec_token_ids and n == 1 + len(seq.spec_token_ids):
+                # a decode with drafts to verify, on a CPU: each token a decode of its own over the same block
+                # table, attending as plain decoding's step would (the decode kernel, not the prefill one)
+                ids.extend(seq.step_token_ids(start, n))
+                for j in range(n):
+                    positions.append(start + j)
+                    slot_mapping.append(self.slot(seq, start + j))
+                    decode_index.append(t + j)
+                    tables.append(seq.block_table)
+                    lens.append(start + j + 1)
+            else:  # a prompt chunk, or a decode with drafts to verify on a GPU (causal over the chunk, as a prefill)
                 ids.extend(seq.step_token_ids(start, n))
                 positions.extend(range(start, start + n))
                 context = self.slots(seq, 0, start + n)
@@ -257,7 +268,9 @@ class ModelRunner:
             if seq.scores_prompt and seq.is_prefill:
                 prompt_hidden[seq.seq_id] = hidden[t:t + n]
             t += n
-        return self.model.logits(hidden[torch.tensor(sample_index, dtype=torch.long, device=self.device)]), prompt_hidden
+        sampled = hidden[torch.tensor(sample_index, dtype=torch.long, device=self.device)]
+        with numerics_of(len(sample_index) - drafts) if drafts else contextlib.nullcontext():
+            return self.model.logits(sampled), prompt_hidden
 
     @torch.inference_mode()
     def prompt_logprobs(self, seq, hidden: torch.Tensor, top: int) -> list[dict[int, float]]:

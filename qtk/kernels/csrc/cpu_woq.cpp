@@ -143,22 +143,18 @@ static inline __m256 nibble(__m256i v) {
 }
 
 // acc[r][t] += sum_{k0 <= k < k1} code[k, block t] * x_r[k] for 4 column blocks and MR (1 or 2) rows.
-// Eight FMA chains either way, as the FMA units need (Zen 3: 2 per cycle at a latency of 4): two rows,
-// or one row whose even and odd steps (`odd`) go to separate chains. With only 4 chains one row ran at
-// one FMA per cycle (measured: 8.5 weights per cycle, compute-bound even with the codes in L2).
+// Every row sums in k order in one chain per lane, at any MR and in the 16-lane loops alike: a row's result
+// does not depend on the rows beside it, so a step that verifies speculative drafts (k + 1 rows a sequence)
+// gives each token plain decoding's logits to the bit. (One row once split its even and odd k into two
+// chains, 8 FMA chains in flight instead of 4: 7% faster for int4 at one row on 2 Zen 4 cores, where the
+// avx512 build now runs int4 on VNNI, itself row by row.)
 // One variable per accumulator: with arrays GCC kept them on the stack (a store-forward per FMA).
 template <int MR>
 struct Acc4 {
   __m256 a00, a01, a02, a03, a10, a11, a12, a13;
   Acc4() { a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = _mm256_setzero_ps(); }
-  template <bool ODD>
   inline void fma(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float* x0, const float* x1) {
     const __m256 xa = _mm256_broadcast_ss(x0);
-    if constexpr (MR == 1 && ODD) {
-      a10 = _mm256_fmadd_ps(w0, xa, a10); a11 = _mm256_fmadd_ps(w1, xa, a11);
-      a12 = _mm256_fmadd_ps(w2, xa, a12); a13 = _mm256_fmadd_ps(w3, xa, a13);
-      return;
-    }
     a00 = _mm256_fmadd_ps(w0, xa, a00); a01 = _mm256_fmadd_ps(w1, xa, a01);
     a02 = _mm256_fmadd_ps(w2, xa, a02); a03 = _mm256_fmadd_ps(w3, xa, a03);
     if constexpr (MR == 2) {
@@ -168,20 +164,15 @@ struct Acc4 {
     }
   }
   inline void get(__m256 (&acc)[2][NT]) const {
-    if constexpr (MR == 1) {
-      acc[0][0] = _mm256_add_ps(a00, a10); acc[0][1] = _mm256_add_ps(a01, a11);
-      acc[0][2] = _mm256_add_ps(a02, a12); acc[0][3] = _mm256_add_ps(a03, a13);
-    } else {
-      acc[0][0] = a00; acc[0][1] = a01; acc[0][2] = a02; acc[0][3] = a03;
-      acc[1][0] = a10; acc[1][1] = a11; acc[1][2] = a12; acc[1][3] = a13;
-    }
+    acc[0][0] = a00; acc[0][1] = a01; acc[0][2] = a02; acc[0][3] = a03;
+    acc[1][0] = a10; acc[1][1] = a11; acc[1][2] = a12; acc[1][3] = a13;
   }
 };
 
 template <int I, int MR>
 static inline void int4_step(Acc4<MR>& acc, __m256i v0, __m256i v1, __m256i v2, __m256i v3, const float* x0,
                              const float* x1) {
-  acc.template fma<I % 2 == 1>(nibble<I>(v0), nibble<I>(v1), nibble<I>(v2), nibble<I>(v3), x0 + I, x1 + I);
+  acc.fma(nibble<I>(v0), nibble<I>(v1), nibble<I>(v2), nibble<I>(v3), x0 + I, x1 + I);
 }
 
 template <int BITS, int MR>
@@ -225,14 +216,14 @@ static inline void dot_4blocks(const uint8_t* blk, int64_t bb, const float* x0, 
         _mm_prefetch(next + 2 * bb, _MM_HINT_T1);
         _mm_prefetch(next + 3 * bb, _MM_HINT_T1);
       }
-      acc.template fma<false>(load_lanes<BITS>(blk, k), load_lanes<BITS>(blk + bb, k),
+      acc.fma(load_lanes<BITS>(blk, k), load_lanes<BITS>(blk + bb, k),
                               load_lanes<BITS>(blk + 2 * bb, k), load_lanes<BITS>(blk + 3 * bb, k), x0 + k, x1 + k);
-      acc.template fma<true>(load_lanes<BITS>(blk, k + 1), load_lanes<BITS>(blk + bb, k + 1),
+      acc.fma(load_lanes<BITS>(blk, k + 1), load_lanes<BITS>(blk + bb, k + 1),
                              load_lanes<BITS>(blk + 2 * bb, k + 1), load_lanes<BITS>(blk + 3 * bb, k + 1), x0 + k + 1,
                              x1 + k + 1);
     }
     if (k < k1)
-      acc.template fma<false>(load_lanes<BITS>(blk, k), load_lanes<BITS>(blk + bb, k),
+      acc.fma(load_lanes<BITS>(blk, k), load_lanes<BITS>(blk + bb, k),
                               load_lanes<BITS>(blk + 2 * bb, k), load_lanes<BITS>(blk + 3 * bb, k), x0 + k, x1 + k);
   }
   acc.get(out);
@@ -283,32 +274,30 @@ static QTK_INLINE __m512 nibble16(__m512i v) {  // as nibble<I>, 16 lanes
   else return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFu << (4 * I)))));
 }
 
-// acc[c][t] += w[t] * x_r[k] for the MR rows; one row alternates two sets of accumulators (c = `odd`)
-// so that 8 FMA chains are in flight, as in Acc4.
-template <int MR, bool ODD>
-static QTK_INLINE void fma16(__m512 (&acc)[MR == 1 ? 2 : MR][4], const __m512 (&w)[4], const float* const (&x)[MR],
+// acc[r][t] += w[t] * x_r[k] for the MR rows, one chain per lane, as in Acc4.
+template <int MR>
+static QTK_INLINE void fma16(__m512 (&acc)[MR][4], const __m512 (&w)[4], const float* const (&x)[MR],
                              int64_t k) {
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
     const __m512 xb = _mm512_set1_ps(x[r][k]);
-    const int c = MR == 1 ? (ODD ? 1 : 0) : r;
 #pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) acc[c][t] = _mm512_fmadd_ps(w[t], xb, acc[c][t]);
+    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_fmadd_ps(w[t], xb, acc[r][t]);
   }
 }
 
 template <int I, int MR>
-static QTK_INLINE void int4_step16(__m512 (&acc)[MR == 1 ? 2 : MR][4], const __m512i (&v)[4],
+static QTK_INLINE void int4_step16(__m512 (&acc)[MR][4], const __m512i (&v)[4],
                                    const float* const (&x)[MR], int64_t k) {
   const __m512 w[4] = {nibble16<I>(v[0]), nibble16<I>(v[1]), nibble16<I>(v[2]), nibble16<I>(v[3])};
-  fma16<MR, I % 2 == 1>(acc, w, x, k + I);
+  fma16<MR>(acc, w, x, k + I);
 }
 
 // out[r][0..64) += the group sums of MR rows against 8 column blocks (4 pairs), over k0..k1.
 template <int BITS, int MR>
 static QTK_INLINE void dot_8blocks(const uint8_t* blk, int64_t bb, const float* const (&x)[MR], int64_t k0,
                                    int64_t k1, __m512 (&out)[MR][4]) {
-  constexpr int NC = MR == 1 ? 2 : MR;
+  constexpr int NC = MR;
   __m512 acc[NC][4];
 #pragma GCC unroll 4
   for (int c = 0; c < NC; ++c)
@@ -339,21 +328,21 @@ static QTK_INLINE void dot_8blocks(const uint8_t* blk, int64_t bb, const float* 
       }
       const __m512 w0[4] = {pair_lanes<BITS>(blk, bb, k), pair_lanes<BITS>(blk + 2 * bb, bb, k),
                             pair_lanes<BITS>(blk + 4 * bb, bb, k), pair_lanes<BITS>(blk + 6 * bb, bb, k)};
-      fma16<MR, false>(acc, w0, x, k);
+      fma16<MR>(acc, w0, x, k);
       const __m512 w1[4] = {pair_lanes<BITS>(blk, bb, k + 1), pair_lanes<BITS>(blk + 2 * bb, bb, k + 1),
                             pair_lanes<BITS>(blk + 4 * bb, bb, k + 1), pair_lanes<BITS>(blk + 6 * bb, bb, k + 1)};
-      fma16<MR, true>(acc, w1, x, k + 1);
+      fma16<MR>(acc, w1, x, k + 1);
     }
     if (k < k1) {
       const __m512 w0[4] = {pair_lanes<BITS>(blk, bb, k), pair_lanes<BITS>(blk + 2 * bb, bb, k),
                             pair_lanes<BITS>(blk + 4 * bb, bb, k), pair_lanes<BITS>(blk + 6 * bb, bb, k)};
-      fma16<MR, false>(acc, w0, x, k);
+      fma16<MR>(acc, w0, x, k);
     }
   }
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) out[r][t] = MR == 1 ? _mm512_add_ps(acc[0][t], acc[1][t]) : acc[r][t];
+    for (int t = 0; t < 4; ++t) out[r][t] = acc[r][t];
 }
 
 // gemv tile on 16 lanes: rows m0..m0+MR (MR in 1, 2, 4) against the 8 column blocks from nb0.
@@ -503,7 +492,7 @@ static inline void prefetch_first_tile(const Args& a, int64_t nb0, int64_t nbloc
 
 #if defined(QTK_AVX512) && defined(__AVX512VNNI__)
 #define QTK_VNNI 1
-// int4 gemv on VNNI, a few rows: VPDPBUSD multiplies 4 codes (unsigned bytes) by 4 signed bytes of x per
+// int4 gemv on VNNI: VPDPBUSD multiplies 4 codes (unsigned bytes) by 4 signed bytes of x per
 // 32-bit lane, so x is split per group into three int8 limbs, x ~ dx * (65536 h2 + 256 h1 + h0) with
 // |65536 h2 + 256 h1 + h0| <= 127 * 65536: a 24-bit integer, as fine as float32's mantissa at the group's
 // largest |x| (off by half a step at most, max|x| / (2 * 127 * 65536)). So y is dequant(W) x^, x^ the
@@ -514,7 +503,8 @@ static inline void prefetch_first_tile(const Args& a, int64_t nb0, int64_t nbloc
 // Measured on 2 Zen 4 cores (one thread, int4 g64 [49152, 576] streamed from memory): 31 GB/s against the
 // float gemv's 17.7; two limbs (15 bits) were no faster.
 constexpr int32_t LIMB_MAX = 127 * 65536;
-constexpr int64_t VNNI_ROWS_MAX = 4;  // rows below which the int4 gemv runs on VNNI (from 4 the 16-lane float gemv)
+// The whole gemv (below rows_min rows): row by row, so a row's result does not depend on the others (Acc4).
+constexpr int64_t VNNI_ROWS_MAX = rows_min(4);
 std::atomic<int64_t> limb_rows{VNNI_ROWS_MAX};  // set_int4_limb_rows: cpu.py sets 0 where QTK_CPU_VNNI=0
 
 struct Limbs {

@@ -484,9 +484,10 @@ class NativeModel(nn.Module):
         """The logits of the step's sampling rows: float32. After a step that ran in bf16 between the
         norms, a decode batch's (packed_linear.BF16_DOT_ROWS) on qtk's bf16 kernel where the lm_head
         has it (its rows rounded to bf16 as every matmul's of that step, float32 sums); else the
-        lm_head's float32 products."""
+        lm_head's float32 products. Rows counted as rows_of does (a step verifying drafts: the plain
+        step's)."""
         dot = getattr(self.lm_head, "dot", None)
-        if self._step_bf16 and dot is not None and dot.lo <= hidden.shape[0] < dot.hi:
+        if self._step_bf16 and dot is not None and dot.lo <= rows_of(hidden) < dot.hi:
             logits = dot(hidden.contiguous())
         else:
             logits = self.lm_head(hidden).float()
