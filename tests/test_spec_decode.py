@@ -270,37 +270,6 @@ def test_the_twin_is_int4_and_a_draft_must_share_the_tokenizer(tiny_dir, tiny_ll
         load_draft(spec, EngineConfig(str(tiny_dir)), torch.float32, 4096, AutoTokenizer.from_pretrained(tiny_dir))
 
 
-def test_a_quantized_draft_guesses_with_an_int4_lm_head(tiny_dir, tiny_llama, monkeypatch, tmp_path):
-    """On a CPU a quantized draft's float lm_head (a checkpoint keeps it in bf16) is rounded to int4 as the
-    twin's: only it, the rest as loaded; a float draft stays float."""
-    from transformers import AutoTokenizer
-
-    from qtk import pipeline
-    from qtk.quant_linear import QuantLinear
-    from qtk.recipe import CalibrationArgs, from_flags
-    from qtk.runtime import draft_model
-    from qtk.runtime.config import EngineConfig
-
-    model = tiny_llama()
-    assert draft_model.float_lm_head(model) is None  # a float model
-    draft_model.quantized_twin(model, only=["model.layers.0.mlp.down_proj"])
-    assert draft_model.float_lm_head(model) == "lm_head"
-    draft_model.quantized_twin(model, only=["lm_head"])
-    assert isinstance(model.lm_head, QuantLinear) and type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
-    assert draft_model.float_lm_head(model) is None
-    rounded = []
-    twin = draft_model.quantized_twin
-    monkeypatch.setattr(draft_model, "quantized_twin", lambda m, only=None: rounded.append(only) or twin(m, only))
-    recipe = from_flags("rtn", group_size=16, calibration=CalibrationArgs(num_samples=4, seq_len=32))
-    pipeline.quantize(str(tiny_dir), recipe, tmp_path / "q", dtype=torch.float32, progress=False)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    for path, want in ((tiny_dir, []), (tmp_path / "q", [["lm_head"]])):
-        rounded.clear()
-        proposer = draft_model.load_draft(SpeculativeConfig.parse({"model": str(path)}), EngineConfig(str(tiny_dir)),
-                                          torch.float32, 256, tokenizer)
-        assert rounded == want and proposer.runner.num_blocks > 0, path
-
-
 def test_verifying_many_drafts_keeps_the_numerics_of_a_plain_decode_step(tiny_dir, tmp_path):
     """A bf16 checkpoint run in float32: a plain batch-1 step multiplies in float32, while a step of
     5+ rows would round x to bf16 (packed_linear.BF16_DOT_ROWS, where the CPU has AVX512-BF16). A step

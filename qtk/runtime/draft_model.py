@@ -10,8 +10,7 @@ would write them, and its lm_head too (a checkpoint keeps it in bf16 for the eng
 draft only has to guess, and on a small model the lm_head is much of what a step reads: SmolLM2-135M's
 is 57 of the 125 MB of its default checkpoint), then run on qtk's CPU int4 kernels. RTN costs seconds and
 needs no data; a calibrated checkpoint of the same model (`qtk quantize`) agrees with the target on more
-tokens and is given by its path. On a CPU, a quantized draft given by its path has its lm_head rounded the
-same way where that is a float Linear (a checkpoint's is; a float draft stays as it is).
+tokens and is given by its path.
 """
 from __future__ import annotations
 
@@ -37,11 +36,10 @@ from .spec_decode import SELF_QUANTIZED, SpeculativeConfig
 log = logging.getLogger(__name__)
 
 
-def quantized_twin(model: nn.Module, only: list[str] | None = None) -> nn.Module:
-    """model with every nn.Linear (lm_head included; a tied input embedding stays float), or those named in
-    `only`, replaced in place by its RTN w4a16_asym QuantLinear."""
-    linears = {name: m for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and (only is None or name in only)}
+def quantized_twin(model: nn.Module) -> nn.Module:
+    """model with every nn.Linear (lm_head included; a tied input embedding stays float) replaced, in
+    place, by its RTN w4a16_asym QuantLinear."""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     group = dividing_group_size({name: m.in_features for name, m in linears.items()}, at_most=128)
     if group is None:
         raise InputError("self-quantized: no int4 group size divides every layer's input size; give a draft "
@@ -52,19 +50,6 @@ def quantized_twin(model: nn.Module, only: list[str] | None = None) -> nn.Module
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, to_quant_linear(linear, q, scale, zp, scheme))
     return model
-
-
-def float_lm_head(model: nn.Module) -> str | None:
-    """The name of a quantized model's output projection where it is a float nn.Linear (a quantized
-    checkpoint keeps its lm_head in bf16), else None (a float model, or its lm_head quantized too)."""
-    from ..quant_linear import QuantLinear
-
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear) or head.in_features % 8:
-        return None
-    if not any(isinstance(m, QuantLinear) for m in model.modules()):
-        return None
-    return next((name for name, m in model.named_modules() if m is head), None)
 
 
 def load_draft(spec: SpeculativeConfig, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
@@ -81,8 +66,6 @@ def load_draft(spec: SpeculativeConfig, config: EngineConfig, dtype: torch.dtype
     elif draft_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise InputError(f"the draft model {spec.model} has another tokenizer than the target {config.model}; "
                          "a draft must share the target's vocabulary")
-    elif (head := float_lm_head(hf_model)) is not None and config.device == "cpu":
-        quantized_twin(hf_model, only=[head])  # a quantized draft's bf16 lm_head to int4, as the twin's
     limit = getattr(hf_model.config, "max_position_embeddings", None) or max_model_len
     if limit < max_model_len:
         raise InputError(f"the draft model {spec.model} has a context of {limit} tokens, shorter than the target's "
