@@ -32,10 +32,12 @@
 //         that stays in its cache, then multiplies with at::mm_out (MKL / oneDNN sgemm) straight into y.
 // All parallelise over column tiles with torch's intra-op threads (at::parallel_for).
 //
-// The AVX-512 build (cpu.py's avx512 variant) runs the gemv on 16-lane registers: the same layout,
-// two adjacent column blocks per register (block b in the low half, b + 1 in the high), tiles of 8
+// The AVX-512 build (cpu.py's avx512 variant) runs the int8 / bf16 gemv on 16-lane registers: the same
+// layout, two adjacent column blocks per register (block b in the low half, b + 1 in the high), tiles of 8
 // blocks (64 columns) and up to 4 rows per pass with 16 of its 32 registers as accumulators, so a
-// decoded code feeds 4 FMAs instead of 2. The other paths are the AVX2 code, compiled with EVEX.
+// decoded code feeds 4 FMAs instead of 2; its int4 gemv multiplies integer limbs of x on VNNI (gemv_vnni).
+// The other paths are the AVX2 code, compiled with EVEX.
+// Every gemv sums each row alone, in k order: a row's result does not depend on the rows beside it.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -79,7 +81,8 @@ constexpr int64_t TILE_COLS = 64;  // columns per tile on the large-M path
 //   6 rows 34.5 / 32.8, 8 rows 45.0 / 41.0, 16 rows 60.9 (lm_head 15.6).
 // So the AVX2 build leaves the gemv where the Zen 1 slices win (bf16, int8: the gemv's per-weight decode,
 // a shift or a widening, is dearer than int4's AND) and for int4 at 12 rows, between Zen 1's crossover (6)
-// and Zen 3's (16-20). The AVX-512 build's gemv multiplies 4 rows per decoded register, 16 lanes wide: 20.
+// and Zen 3's (16-20). The AVX-512 build's gemv multiplies 4 rows per decoded register, 16 lanes wide: 20
+// (measured with the float int4 gemv, before int4 moved to VNNI row by row).
 constexpr int64_t M_ROWS_MAX = 512, M_GEMV_MAX = 64;
 #ifdef QTK_AVX512
 constexpr int64_t rows_min(int64_t) { return 20; }
