@@ -926,6 +926,17 @@ at::Tensor woq_linear(const at::Tensor& x_in, const at::Tensor& codes, const at:
 #else
   const bool gemv_path = M <= M_GEMV_MAX, rows_path = false;
 #endif
+#ifdef QTK_VNNI
+  if (gemv_path && bits == 4 && M < limb_rows.load(std::memory_order_relaxed)) {  // its own sums of x^, not x's
+    Limbs limbs;
+    if (split_limbs(xp, M, K, G, limbs)) {
+      const Args a{xp, xp, M, K, n, reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+                   zsc.data_ptr<float>(), bias ? b.data_ptr<float>() : nullptr, nullptr, G, gsize, y.data_ptr<float>()};
+      gemv_vnni(a, limbs);
+      return y;
+    }
+  }
+#endif
   // per call, small: the group sums of x (for the zeros) and, for the int4 gemv, x / 16^(k % 8)
   // (vectorizable loops: at M = 1 this prologue is part of a small layer's fixed cost)
   std::vector<float> xsum(zs ? M * G : 0), xs(gemv_path && !rows_path && bits == 4 ? M * K : 0);
@@ -953,13 +964,6 @@ at::Tensor woq_linear(const at::Tensor& x_in, const at::Tensor& codes, const at:
     bits == 4 ? rows<4>(a) : bits == 8 ? rows<8>(a) : rows<16>(a);
 #endif
   } else if (gemv_path) {
-#ifdef QTK_VNNI
-    Limbs limbs;
-    if (bits == 4 && M < limb_rows.load(std::memory_order_relaxed) && split_limbs(xp, M, K, G, limbs)) {
-      gemv_vnni(a, limbs);
-      return y;
-    }
-#endif
     bits == 4 ? gemv<4>(a) : bits == 8 ? gemv<8>(a) : gemv<16>(a);
   } else {
     const at::Tensor y2 = y.view({M, n});
