@@ -305,6 +305,42 @@ def test_a_batch_draws_each_row_with_its_own_probabilities(draw, monkeypatch):
     assert alone == in_batch and len(set(alone)) > 1
 
 
+def test_the_batch_filters_keep_what_a_full_sort_of_each_row_keeps():
+    """top-k, top-p and min-p on the whole batch (top-p's nucleus sought among each row's likeliest
+    256, then 4096, then all) keep exactly the tokens of their definitions on one fully sorted row:
+    peaked and flat rows (nuclei from 1 token to most of the vocabulary), a masked row, an empty one,
+    ties at the cut, in float64 so both sum alike."""
+    from qtk.runtime.sampler import filter_logits, filter_rows
+
+    def by_sorting(logits, top_k, top_p, min_p):
+        if top_k and top_k < logits.numel():
+            logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[-1], float("-inf"))
+        if top_p < 1.0:
+            ordered = logits.sort(descending=True).values
+            probs = ordered.softmax(-1)
+            kept = int(((probs.cumsum(-1) - probs) < top_p).sum().clamp(min=1))  # the smallest prefix reaching top_p
+            logits = logits.masked_fill(logits < ordered[kept - 1], float("-inf"))
+        if min_p > 0.0:
+            probs = logits.softmax(-1)
+            logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+        return logits
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(48, 49152, generator=g, dtype=torch.float64) * torch.linspace(0.2, 9, 48, dtype=torch.float64)[:, None]
+    rows[3, 100:] = float("-inf")  # a grammar's mask
+    rows[5] = float("-inf")  # nothing left
+    rows[7, :6] = rows[7].max() + 1  # six tied likeliest: top-p 0.5 keeps all six
+    top_k = [0, 40, 0, 5, 0, 0] * 8
+    top_p = [0.95, 0.9, 0.5, 1.0, 0.999, 0.1, 0.95, 0.5] * 6
+    min_p = [0.0, 0.0, 0.05, 0.0] * 12
+    got = filter_rows(rows, top_k, top_p, min_p)
+    kept = torch.isfinite(got).sum(-1)
+    assert kept.min() == 0 and kept.max() > 30000 and ((kept > 256) & (kept <= 4096)).any() and kept[7] == 6
+    for i in range(len(rows)):
+        want = by_sorting(rows[i], top_k[i], top_p[i], min_p[i])
+        assert torch.equal(got[i], want) and torch.equal(filter_logits(rows[i], top_k[i], top_p[i], min_p[i]), want)
+
+
 def test_the_kernel_draws_the_tokens_torch_draws(monkeypatch):
     """qtk's CPU draw (sample_rows) and torch's (softmax, cumsum, searchsorted) give the same tokens
     for the same seeds: temperatures, top-k / top-p / min-p, a logit bias and a grammar-like mask,

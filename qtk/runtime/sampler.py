@@ -37,21 +37,56 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return logits
 
 
+NUCLEUS_WIDTHS = (256, 4096)  # top-p seeks its nucleus among a row's likeliest 256 tokens, then 4096, then all
+
+
+def filter_rows(rows: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """rows [B, V] of logits (already divided by the temperature), each with its own top-k, top-p and
+    min-p (0, 1.0 and 0.0 leave a row alone), in that order; a new tensor, the excluded tokens at -inf.
+    The batch at once: a sort per row cost 4-6 ms of 49,152 logits on 2 cores, at 64 sequences as much
+    as the decode step. Ties at a cut are kept together (a token as likely as the last one kept is kept)."""
+    vocab = rows.shape[-1]
+    k = torch.tensor([t if 0 < t < vocab else 0 for t in top_k], device=rows.device)
+    if bool((k > 0).any()):
+        kth = rows.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).clamp(min=0)[:, None])
+        rows = rows.masked_fill(rows < kth.masked_fill((k == 0)[:, None], float("-inf")), float("-inf"))
+    if any(p < 1.0 for p in top_p):
+        rows = rows.masked_fill(rows < nucleus_threshold(rows, torch.tensor(top_p, dtype=rows.dtype)), float("-inf"))
+    if any(m > 0.0 for m in min_p):
+        probs = rows.softmax(-1)
+        floor = torch.tensor(min_p, dtype=rows.dtype, device=rows.device)[:, None] * probs.amax(-1, keepdim=True)
+        rows = rows.masked_fill(probs < floor, float("-inf"))
+    return rows
+
+
+def nucleus_threshold(rows: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p [B, 1]: the least logit each row keeps so that its likeliest tokens reach top_p of the
+    probability, the smallest such set (always the likeliest token; -inf where top_p is 1 or nothing
+    is left). Looked for among each row's likeliest NUCLEUS_WIDTHS (partial sorts), wider where they
+    hold less than top_p, the whole row sorted last (the bundled model writing chat text at
+    temperature 1, top_p 0.95: half its nuclei within 123 tokens, a tenth over 2,047)."""
+    lse = rows.logsumexp(-1, keepdim=True)
+    threshold = torch.full_like(lse, float("-inf"))
+    top_p = top_p.to(rows.device)
+    rest = ((top_p < 1.0) & torch.isfinite(lse).squeeze(1)).nonzero().squeeze(1)
+    for width in dict.fromkeys([min(w, rows.shape[-1]) for w in NUCLEUS_WIDTHS] + [rows.shape[-1]]):
+        if rest.numel() == 0:
+            break
+        vals = (rows if rest.numel() == rows.shape[0] else rows[rest]).topk(width, dim=-1).values  # likeliest first
+        probs = (vals - lse[rest]).exp()
+        before = probs.cumsum(-1) - probs  # the mass of the likelier tokens
+        kept = (before < top_p[rest, None]).sum(-1).clamp_(min=1)
+        found = before[:, -1] + probs[:, -1] >= top_p[rest]  # the nucleus lies within these candidates
+        if width == rows.shape[-1]:
+            found[:] = True  # every token: the sum fell short of top_p only by rounding
+        threshold[rest[found]] = vals[found].gather(-1, (kept[found] - 1)[:, None])
+        rest = rest[~found]
+    return threshold
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """logits [V] (already divided by the temperature) with the excluded tokens at -inf."""
-    if top_k and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
-        drop[0] = False  # and always the likeliest token (a top_p below float32's range would drop all)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
+    """logits [V] (already divided by the temperature) with the excluded tokens at -inf (filter_rows)."""
+    return filter_rows(logits[None], [top_k], [top_p], [min_p])[0]
 
 
 def finite(logits: torch.Tensor) -> torch.Tensor:
@@ -155,11 +190,8 @@ class Sampler:
                 u[i] = self.uniform(s)
         filtered = any(s.params.top_k or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in seqs)
         if filtered:  # the filters work on the temperature-scaled logits; the draw then at temperature 1
-            rows = self._scaled(finite(rows), temperature)
-            for i, s in enumerate(seqs):
-                p = s.params
-                if p.top_k or p.top_p < 1.0 or p.min_p > 0.0:
-                    rows[i] = filter_logits(rows[i], p.top_k, p.top_p, p.min_p)
+            rows = filter_rows(self._scaled(finite(rows), temperature), [s.params.top_k for s in seqs],
+                               [s.params.top_p for s in seqs], [s.params.min_p for s in seqs])
             temperature = torch.ones_like(temperature)
         ops = self._kernels(rows)
         if ops is not None:
