@@ -2,14 +2,15 @@
 
     python benchmarks/compare_llmcompressor.py [--methods rtn,gptq,awq,smoothquant_gptq_w8a8,fp8,qtk_best]
                                                [--num-samples 64] [--seq-len 512] [--limit N]
-                                               [--dataset builtin|self|builtin+self]
+                                               [--dataset builtin|self|instruct|builtin+self+instruct]
                                                [--heldout FILE.txt [--heldout-limit 40]]
 
 --heldout scores every checkpoint also on text that no calibration set contains (the calibration
 text is the built-in Python documentation; e.g. WikiText-2's raw test split, saved as a .txt file:
 `--dataset hf:wikitext:wikitext-2-raw-v1` where the hub is reachable). The file's sha256 is recorded.
 --dataset picks the calibration text as `qtk quantize --dataset` does (`self`: text the model
-writes; `builtin+self`: half each); the ids are drawn once and both sides calibrate on them.
+writes, `instruct` its answers to qtk's instructions; `builtin+self+instruct`: a third each); the ids are drawn
+once and both sides calibrate on them.
 
 The peer runs in its own venv (scripts/peer_env.sh; it pins an older transformers) on the same
 calibration token ids, saved to a file. Both checkpoints are then scored by one evaluator (qtk's
@@ -112,7 +113,7 @@ def main():
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--dataset", default="builtin", help="calibration text, as qtk quantize --dataset "
-                    "(builtin, self, builtin+self, a .txt file)")
+                    "(builtin, self, instruct, builtin+self+instruct, a .txt file)")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=200, help="autoround: steps per block, both sides (auto-round's "
                     "200; its light preset 50)")

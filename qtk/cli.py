@@ -145,7 +145,8 @@ def _section(**kw):
                    "unquantized; each mix tried is calibrated and gated in full. Where none passes, the whole "
                    "budget's mix is written with its table and the exit code is 1.")
 @click.option("--dataset", default=None, help="Calibration text: builtin (pydoc topics), FILE.txt, FILE.jsonl, hf:NAME, "
-              "self (text the model writes itself, from its chat template's user turn); A+B splits the samples "
+              "self (text the model writes itself, from its chat template's user turn), instruct (the model's "
+              "answers to qtk's instructions: JSON records, lists, explanations, code); A+B splits the samples "
               "evenly (builtin+self).")
 @click.option("--num-samples", type=int, default=None, help="Calibration samples (64; 128 in the default recipe).")
 @click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample (512).")

@@ -118,8 +118,8 @@ def load_texts(dataset: str, split: str) -> list[str]:
     """Texts of `dataset` (builtin | FILE.txt | FILE.jsonl | hf:NAME) for a split."""
     if dataset == "builtin":
         return builtin_texts(split)
-    if dataset == "self" or "+" in dataset and not Path(dataset).is_file():
-        raise InputError(f"dataset {dataset!r}: text the model writes itself (self) and mixes of sources (A+B) "
+    if dataset in ("self", "instruct") or "+" in dataset and not Path(dataset).is_file():
+        raise InputError(f"dataset {dataset!r}: text the model writes itself (self, instruct) and mixes of sources (A+B) "
                          "are for calibration (qtk quantize --dataset); give one dataset here")
     if dataset.startswith("hf:"):
         return hf_texts(dataset[3:], split)

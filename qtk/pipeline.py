@@ -26,7 +26,7 @@ from .loading import is_quantized_dir, load_model, load_tokenizer, read_config, 
 from .moe import linearize_experts, router_names
 from .recipe import MIXED_WIDER, Override, Recipe, to_yaml
 from .rotation import rotate_down, rotate_residual, rotate_values
-from .self_text import self_generated_ids
+from .self_text import instructed_ids, self_generated_ids
 from .spill import Activations, activation_bytes
 from .staging import Staging
 from .methods import METHODS
@@ -173,7 +173,8 @@ def prepare(model_name: str, recipe: Recipe, output: Path, force: bool, calibrat
 
 def calibration_samples(path: Path, tok, c, device: str) -> torch.Tensor:
     """[num_samples, seq_len] calibration ids from c.dataset: one source, or several joined by +
-    (builtin+self) with the samples split evenly; `self` is text the model writes (self_text.py)."""
+    (builtin+self) with the samples split evenly; `self` is text the model writes, `instruct` its
+    answers to qtk's instructions (self_text.py)."""
     sources = [c.dataset] if Path(c.dataset).is_file() else c.dataset.split("+")
     parts = []
     for i, source in enumerate(sources):
@@ -182,6 +183,8 @@ def calibration_samples(path: Path, tok, c, device: str) -> torch.Tensor:
             continue
         if source == "self":
             parts.append(self_generated_ids(str(path), tok, n, c.seq_len, c.seed, device))
+        elif source == "instruct":
+            parts.append(instructed_ids(str(path), tok, n, c.seq_len, c.seed, device))
         else:
             parts.append(calibration_ids(tok, source, n, c.seq_len, c.seed, c.chat_template))
     return torch.cat(parts)

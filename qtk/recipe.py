@@ -16,7 +16,7 @@ from .spill import PLACES
 
 @dataclass(frozen=True)
 class CalibrationArgs:
-    dataset: str = "builtin"  # builtin | FILE.txt | FILE.jsonl | hf:NAME | self (the model's own text); A+B mixes
+    dataset: str = "builtin"  # builtin | FILE.txt | FILE.jsonl | hf:NAME | self (the model's own text) | instruct (its answers); A+B mixes
     num_samples: int = 64
     seq_len: int = 512
     seed: int = 0

@@ -384,6 +384,34 @@ def test_calibration_data_records_each_dataset_on_both_texts(monkeypatch, tmp_pa
     assert rec["rows"][0]["samples"] == 128  # the default recipe's
 
 
+def test_calibration_data_scores_written_checkpoints_without_quantizing(monkeypatch, tmp_path):
+    """--checkpoints: each checkpoint scored as it is, its row named by its recipe's calibration text
+    and seed; nothing is quantized."""
+    cd = load_script("calibration_data")
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("text unlike the calibration data\n")
+    dirs = []
+    for name, dataset, seed in [("a", "builtin+self", 0), ("b", "builtin+self+instruct", 1)]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "recipe.yaml").write_text(f"method: gptq\ncalibration:\n  dataset: {dataset}\n  seed: {seed}\n")
+        (d / "qtk_report.json").write_text(json.dumps({"calibration_samples": 128}))
+        dirs.append(str(d))
+    loaded = []
+    monkeypatch.setattr(cd, "load_model", lambda path, *a, **k: (loaded.append(path) or path, None))
+    monkeypatch.setattr(cd, "eval_windows", lambda tok, dataset, *a: dataset)
+    monkeypatch.setattr(cd, "perplexity", lambda model, w, **k: ppl_result(11.0, 11.0) if str(model).endswith("/b")
+                        else ppl_result(10.0, 10.0))
+    monkeypatch.setattr(cd.pipeline, "quantize", lambda *a, **k: pytest.fail("--checkpoints quantized"))
+    monkeypatch.setattr(sys, "argv", ["calibration_data.py", "--heldout", str(heldout), "--checkpoints", ",".join(dirs),
+                                      "--out", str(tmp_path), "--name", "scored"])
+    cd.main()
+    rec = json.loads((tmp_path / "scored.json").read_text())
+    assert loaded == [cd.BUNDLED, *dirs]
+    assert [r["dataset"] for r in rec["rows"]] == ["builtin+self (seed 0)", "builtin+self+instruct (seed 1)"]
+    assert rec["rows"][1]["increase_pct"] == pytest.approx({"builtin": 10.0, "heldout": 10.0})
+    assert "| builtin+self+instruct (seed 1) | 128 |" in (tmp_path / "scored.md").read_text()
+
 def test_step_bytes_count_each_weight_once_and_speculative_runs_compare_to_plain(tiny_dir):
     """The roofline's bytes: every tensor of the checkpoint once (float ones at the step's width, a
     tied embedding as the output layer); the speculative section: plain and speculative decoding on

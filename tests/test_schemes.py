@@ -194,7 +194,7 @@ def test_default_recipe_is_the_best_4bit_recipe_file():
     assert (default.method, default.smoothing, default.weights) == ("awq", "awq", "gptq")
     assert default.gptq.mse_clip and default.gptq.act_order and not default.scheme.weights.symmetric
     assert rec.build(group_size=64).scheme.weights.group_size == 64
-    assert default.max_bits == 5.1 and default.calibration.dataset == "builtin+self" and rec.build(max_bits=5.0).max_bits == 5.0  # mixed precision by measurement
+    assert default.max_bits == 5.1 and default.calibration.dataset == "builtin+self+instruct" and rec.build(max_bits=5.0).max_bits == 5.0  # mixed precision by measurement
     assert rec.build(scheme="w8a16").max_bits is None  # its budget is for its own 4-bit scheme
     assert rec.build(max_bits=0).max_bits is None  # --max-bits 0: int4 everywhere
     assert default.rotate == ("down",) and rec.build(rotate=("none",)).rotate == ()  # R4 online; --rotate none

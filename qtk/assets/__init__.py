@@ -6,7 +6,8 @@
     calibration/recipes/   the recipes; awq-gptq-w4a16.yaml is `qtk quantize`'s default
     corpus/                the built-in calibration and evaluation text (qtk.data.builtin_texts):
                            CPython 3.11.7's pydoc_data.topics, its documentation of the language's
-                           statements and types (PSF License), as JSON compressed with xz
+                           statements and types (PSF License), as JSON compressed with xz; and
+                           instructions.json, the templates `--dataset instruct` asks the model
 
 The first two live at the top of the repository, where users read and copy them. qtk/assets/evals and
 qtk/assets/recipes are links to them, so a wheel installs them as package data (pyproject.toml,
@@ -42,3 +43,8 @@ def recipe_file(name: str) -> Path:
 def corpus_file() -> Path:
     """corpus/: the built-in corpus, {topic name: text}."""
     return _shipped("corpus", "cpython-3.11.7-pydoc-topics.json.xz")
+
+
+def instructions_file() -> Path:
+    """corpus/instructions.json: the instruction templates and their slots (qtk.self_text)."""
+    return _shipped("corpus", "instructions.json")
